@@ -1,0 +1,1 @@
+"""Strata runtime: offload state, pools, threads."""

@@ -1,0 +1,351 @@
+"""The Strata checkpoint format: orbax dense params, one TensorStore chunk per expert weight.
+
+Layout (see checkpoints/README.md):
+    DST/config.json          format, version, model config, dtype, quantization
+    DST/manifest.json        every expert chunk's sha256, written last
+    DST/dense/globals/       orbax: embed, lm_head, final_norm
+    DST/dense/layer_NNNN/    orbax: that layer's attention, norms, router, shared expert
+    DST/experts/{w1,w3,w2}/  zarr3 [layer, expert, in, out], chunk = one (layer, expert)
+
+A writer fills `DST.partial-<pid>` and renames it into place only after the manifest is
+written, so a killed conversion never leaves a directory that `read_*` accepts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+from strata_jax.config import ModelConfig
+
+FORMAT = "strata"
+FORMAT_VERSION = 1
+EXPERT_KINDS = ("w1", "w3", "w2")
+GLOBAL_NAMES = ("embed", "lm_head", "final_norm")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or corrupt."""
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def expert_shape(cfg: ModelConfig, kind: str) -> tuple[int, int]:
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    return (f, d) if kind == "w2" else (d, f)
+
+
+def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's dense params (the stacked arrays add a leading layer axis)."""
+    d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "attn_norm": (d,), "mlp_norm": (d,),
+        "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+        "router": (d, cfg.num_experts),
+    }  # fmt: skip
+    if cfg.attention_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.qk_norm == "head":
+        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    elif cfg.qk_norm == "full":
+        shapes.update(q_norm=(q,), k_norm=(kv,))
+    if cfg.router_bias:
+        shapes["router_bias"] = (cfg.num_experts,)
+    if cfg.has_shared_expert:
+        fs = cfg.shared_intermediate_size
+        shapes.update(shared_w1=(d, fs), shared_w3=(d, fs), shared_w2=(fs, d))
+        if cfg.shared_gate:
+            shapes["shared_gate"] = (d,)
+    return shapes
+
+
+def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def _check_shapes(expected: dict[str, tuple[int, ...]], got: dict[str, Any], where: str) -> None:
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing or extra:
+        raise CheckpointError(f"{where}: missing params {missing}, unexpected params {extra}")
+    for name, shape in expected.items():
+        if tuple(got[name].shape) != shape:
+            raise CheckpointError(
+                f"{where}: param {name!r} has shape {tuple(got[name].shape)}, expected {shape}"
+            )
+
+
+def _chunk_key(kind: str, layer: int, expert: int) -> str:
+    return f"{kind}/{layer}/{expert}"
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).data).hexdigest()
+
+
+def _expert_spec(path: Path, shape: tuple[int, ...], dtype: str, create: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path)},
+    }
+    if create:
+        spec["metadata"] = {
+            "shape": list(shape),
+            "data_type": dtype,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [1, 1, *shape[2:]]},
+            },
+        }
+        spec["create"] = True
+    return spec
+
+
+class CheckpointWriter:
+    """Streams a checkpoint layer by layer into a temporary directory, renamed on `commit`.
+
+    Expert chunks are written and hashed on a thread pool; `write_expert` returns at once.
+    Use as a context manager: leaving the block by an exception deletes the partial directory.
+    """
+
+    def __init__(
+        self,
+        dst: str | os.PathLike,
+        config: ModelConfig,
+        *,
+        overwrite: bool = False,
+        quantization: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+        workers: int | None = None,
+    ) -> None:
+        self.dst = Path(dst)
+        if self.dst.exists() and not overwrite:
+            raise FileExistsError(f"{self.dst} already exists; pass --overwrite to replace it")
+        self.config = config
+        self.quantization = quantization or {"dense": "none", "experts": "none"}
+        self.extra = extra or {}
+        _remove_stale_partials(self.dst)
+        self.tmp = self.dst.parent / f"{self.dst.name}.partial-{os.getpid()}"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self._pool = ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1))
+        self._pending: list[Future] = []
+        self._hashes: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._layers_done: set[int] = set()
+        self._globals_done = False
+        self._checkpointer = ocp.StandardCheckpointer()
+        self._experts = {
+            kind: ts.open(
+                _expert_spec(
+                    self.tmp / "experts" / kind,
+                    (config.num_layers, config.num_experts, *expert_shape(config, kind)),
+                    config.dtype,
+                    create=True,
+                )
+            ).result()
+            for kind in EXPERT_KINDS
+        }
+        self.bytes_written = 0
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def abort(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _save_dense(self, name: str, tree: dict[str, np.ndarray]) -> None:
+        dtype = numpy_dtype(self.config.dtype)
+        tree = {k: np.asarray(v, dtype=dtype) for k, v in tree.items()}
+        self._checkpointer.save(self.tmp / "dense" / name, tree)
+        self._checkpointer.wait_until_finished()
+        self.bytes_written += sum(v.nbytes for v in tree.values())
+
+    def write_globals(self, params: dict[str, np.ndarray]) -> None:
+        """Embeddings, final norm and (untied) lm_head."""
+        _check_shapes(global_shapes(self.config), params, "globals")
+        self._save_dense("globals", params)
+        self._globals_done = True
+
+    def write_layer_dense(self, layer: int, params: dict[str, np.ndarray]) -> None:
+        _check_shapes(dense_layer_shapes(self.config), params, f"layer {layer}")
+        self._save_dense(f"layer_{layer:04d}", params)
+        with self._lock:
+            self._layers_done.add(layer)
+
+    def write_expert(self, layer: int, expert: int, kind: str, array: np.ndarray) -> Future:
+        """Queue one expert weight ([in, out] layout) for writing; returns its future."""
+        shape = expert_shape(self.config, kind)
+        if tuple(array.shape) != shape:
+            raise CheckpointError(
+                f"layer {layer} expert {expert} {kind}: shape {tuple(array.shape)}, "
+                f"expected {shape}"
+            )
+        array = np.ascontiguousarray(array, dtype=numpy_dtype(self.config.dtype))
+        fut = self._pool.submit(self._write_chunk, layer, expert, kind, array)
+        self._pending.append(fut)
+        if len(self._pending) > 4 * self._pool._max_workers:
+            self._drain(keep=2 * self._pool._max_workers)
+        return fut
+
+    def _write_chunk(self, layer: int, expert: int, kind: str, array: np.ndarray) -> None:
+        digest = _sha256(array)
+        self._experts[kind][layer, expert].write(array).result()
+        with self._lock:
+            self._hashes[_chunk_key(kind, layer, expert)] = digest
+            self.bytes_written += array.nbytes
+
+    def _drain(self, keep: int = 0) -> None:
+        while len(self._pending) > keep:
+            self._pending.pop(0).result()
+
+    def commit(self) -> Path:
+        """Wait for all writes, check completeness, write metadata and rename into place."""
+        self._drain()
+        self._pool.shutdown(wait=True)
+        cfg = self.config
+        missing_layers = sorted(set(range(cfg.num_layers)) - self._layers_done)
+        if missing_layers or not self._globals_done:
+            raise CheckpointError(
+                f"incomplete checkpoint: dense layers missing {missing_layers}, "
+                f"globals written={self._globals_done}"
+            )
+        expected = cfg.num_layers * cfg.num_experts * len(EXPERT_KINDS)
+        if len(self._hashes) != expected:
+            raise CheckpointError(f"incomplete checkpoint: {len(self._hashes)}/{expected} chunks")
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "dtype": cfg.dtype,
+            "quantization": self.quantization,
+            "model": cfg.to_dict(),
+            **self.extra,
+        }
+        (self.tmp / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        manifest = {"format_version": FORMAT_VERSION, "expert_chunks": self._hashes}
+        _write_fsynced(self.tmp / "manifest.json", json.dumps(manifest, sort_keys=True))
+        if self.dst.exists():
+            shutil.rmtree(self.dst)
+        os.replace(self.tmp, self.dst)
+        return self.dst
+
+
+def _write_fsynced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove_stale_partials(dst: Path) -> None:
+    """Delete partial directories of `dst` left by writers whose process has died."""
+    if not dst.parent.exists():
+        return
+    for p in dst.parent.glob(f"{dst.name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class CheckpointReader:
+    """Reads a committed checkpoint; verifies expert chunks against the manifest."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        config_path, manifest_path = self.path / "config.json", self.path / "manifest.json"
+        if not self.path.is_dir():
+            raise CheckpointError(f"no checkpoint at {self.path}")
+        if not config_path.exists() or not manifest_path.exists():
+            raise CheckpointError(
+                f"{self.path} is not a complete Strata checkpoint (config.json or manifest.json "
+                "missing; an interrupted conversion leaves no manifest)"
+            )
+        self.meta = json.loads(config_path.read_text())
+        if self.meta.get("format") != FORMAT or self.meta.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{config_path}: unsupported format {self.meta.get('format')!r} "
+                f"version {self.meta.get('format_version')!r}"
+            )
+        self.config = ModelConfig.from_dict(self.meta["model"])
+        self.hashes: dict[str, str] = json.loads(manifest_path.read_text())["expert_chunks"]
+        self._checkpointer = ocp.StandardCheckpointer()
+        self._experts: dict[str, ts.TensorStore] = {}
+
+    def _dense(self, name: str, expected: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        path = self.path / "dense" / name
+        if not path.exists():
+            raise CheckpointError(f"{self.path}: dense params {name!r} missing")
+        tree = self._checkpointer.restore(path.absolute())
+        _check_shapes(expected, tree, f"{self.path} {name}")
+        return {k: np.asarray(v) for k, v in tree.items()}
+
+    def read_globals(self) -> dict[str, np.ndarray]:
+        return self._dense("globals", global_shapes(self.config))
+
+    def read_layer_dense(self, layer: int) -> dict[str, np.ndarray]:
+        return self._dense(f"layer_{layer:04d}", dense_layer_shapes(self.config))
+
+    def read_dense_stacked(self) -> dict[str, np.ndarray]:
+        """All layers' dense params stacked on a leading layer axis."""
+        layers = [self.read_layer_dense(i) for i in range(self.config.num_layers)]
+        return {name: np.stack([lp[name] for lp in layers]) for name in layers[0]}
+
+    def expert_store(self, kind: str) -> ts.TensorStore:
+        if kind not in self._experts:
+            spec = _expert_spec(self.path / "experts" / kind, (), self.config.dtype, create=False)
+            self._experts[kind] = ts.open(spec, read=True).result()
+        return self._experts[kind]
+
+    def read_expert(self, layer: int, expert: int, kind: str, verify: bool = True) -> np.ndarray:
+        """One expert weight, checked against its manifest hash."""
+        where = f"{self.path}: layer {layer} expert {expert} weight {kind}"
+        try:
+            array = self.expert_store(kind)[layer, expert].read().result()
+        except Exception as e:  # tensorstore raises ValueError/OSError variants
+            raise CheckpointError(f"{where}: unreadable chunk ({e})") from e
+        if verify:
+            want = self.hashes.get(_chunk_key(kind, layer, expert))
+            if want is None:
+                raise CheckpointError(f"{where}: not listed in manifest.json")
+            if _sha256(array) != want:
+                raise CheckpointError(f"{where}: checksum mismatch (corrupt chunk)")
+        return array
+
+    def iter_layer_experts(self, layer: int) -> Iterator[tuple[str, np.ndarray]]:
+        """(kind, [E, in, out]) for each expert weight kind of one layer, verified."""
+        for kind in EXPERT_KINDS:
+            yield kind, np.stack(
+                [self.read_expert(layer, e, kind) for e in range(self.config.num_experts)]
+            )

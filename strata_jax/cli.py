@@ -1,0 +1,92 @@
+"""The `strata` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from strata_jax.hf_convert import convert_hf
+
+    convert_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from strata_jax.synth import synthesize
+
+    synthesize(
+        args.shape,
+        args.dst,
+        layers=args.layers,
+        skew=args.skew,
+        seed=args.seed,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import time
+
+    import strata_jax
+
+    model = strata_jax.load(args.ckpt)
+    prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
+    t0 = time.perf_counter()
+    out = strata_jax.generate(model, prompts, args.max_new_tokens)
+    dt = time.perf_counter() - t0
+    for p, o in zip(prompts, out, strict=True):
+        print(f"{p} -> {o}")
+    print(f"{sum(map(len, out))} tokens in {dt:.2f}s (includes compilation)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    conv = sub.add_parser("convert", help="convert a checkpoint into the Strata format")
+    conv_sub = conv.add_subparsers(dest="source", required=True)
+    hf = conv_sub.add_parser("hf", help="from a Hugging Face safetensors directory")
+    hf.add_argument("src")
+    hf.add_argument("dst")
+    hf.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="storage dtype (default: the source's torch_dtype/dtype)")
+    hf.add_argument("--overwrite", action="store_true")
+    hf.set_defaults(func=_convert)
+
+    syn = sub.add_parser("synth", help="write a synthetic model with random weights")
+    syn.add_argument("--shape", required=True,
+                     choices=("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b"))
+    syn.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    syn.add_argument("--skew", type=float, default=None,
+                     help="target share of routing assignments taken by the top 20%% of experts")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    syn.add_argument("--overwrite", action="store_true")
+    syn.add_argument("dst")
+    syn.set_defaults(func=_synth)
+
+    gen = sub.add_parser("generate", help="greedy generation from a resident checkpoint")
+    gen.add_argument("ckpt")
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="comma-separated token ids; repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+        print(f"strata {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Pure-functional MoE decoder: full forward, bucketed prefill and fixed-shape decode.
+
+Dense parameters are layer-stacked (leading axis = layer) and consumed by `lax.scan`, so one
+compiled layer body serves every layer. Expert weights arrive separately as an `ExpertPool`
+plus a `[layers, experts]` slot table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from strata_jax.config import ModelConfig
+from strata_jax.layers import apply_rope, attend, rms_norm, rope_tables
+from strata_jax.moe import ExpertPool, apply_experts, route, swiglu
+
+Params = dict[str, Any]
+
+
+class KVCache(NamedTuple):
+    """Keys and values [layers, batch, max_len, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = jnp.dtype(cfg.dtype)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def resident_slot_table(cfg: ModelConfig) -> jax.Array:
+    """Slot table of a fully resident pool laid out [layer * num_experts + expert]."""
+    ids = jnp.arange(cfg.num_layers * cfg.num_experts, dtype=jnp.int32)
+    return ids.reshape(cfg.num_layers, cfg.num_experts)
+
+
+def _project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
+    """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] with the family's q/k norm and RoPE applied."""
+    b, t, _ = h.shape
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if cfg.qk_norm == "full":
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
+    if cfg.clip_qkv is not None:
+        c = cfg.clip_qkv
+        q, k, v = jnp.clip(q, -c, c), jnp.clip(k, -c, c), jnp.clip(v, -c, c)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm == "head":
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def moe_block(
+    cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array
+) -> jax.Array:
+    """Residual MoE FFN: routed experts plus the optional (gated) shared expert."""
+    shape = x.shape
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).reshape(-1, shape[-1])
+    routing = route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
+    out = apply_experts(h, routing, pool, slot_row)
+    if cfg.has_shared_expert:
+        shared = swiglu(h, lp["shared_w1"], lp["shared_w3"], lp["shared_w2"])
+        if cfg.shared_gate:
+            shared = jax.nn.sigmoid(h @ lp["shared_gate"][:, None]) * shared
+        out = out + shared
+    return x + out.reshape(shape)
+
+
+def _lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, params["final_norm"], cfg.rms_eps)
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def _causal_layer(cfg, lp, x, positions, pool, slot_row):
+    """One layer over a whole (prefix) sequence; also returns its k, v for a cache."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    q, k, v = _project_qkv(cfg, lp, h, positions)
+    t = x.shape[1]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
+    x = x + attend(q, k, v, mask) @ lp["wo"]
+    return moe_block(cfg, lp, x, pool, slot_row), (k, v)
+
+
+def _run_causal(cfg, params, pool, slot_table, tokens):
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    x = params["embed"][tokens]
+
+    def body(x, layer):
+        lp, slot_row = layer
+        return _causal_layer(cfg, lp, x, positions, pool, slot_row)
+
+    x, kv = jax.lax.scan(body, x, (params["layers"], slot_table))
+    return _lm_head(cfg, params, x), kv
+
+
+def forward(
+    cfg: ModelConfig, params: Params, pool: ExpertPool, slot_table: jax.Array, tokens: jax.Array
+) -> jax.Array:
+    """Full causal forward of int32 tokens [B, T] -> float32 logits [B, T, vocab]."""
+    return _run_causal(cfg, params, pool, slot_table, tokens)[0]
+
+
+def prefill(
+    cfg: ModelConfig,
+    params: Params,
+    pool: ExpertPool,
+    slot_table: jax.Array,
+    tokens: jax.Array,
+    max_len: int,
+) -> tuple[jax.Array, KVCache]:
+    """Prefill right-padded prompts [B, T] into a fresh cache of `max_len` positions.
+
+    Returns logits for every position [B, T, vocab]; a row of length n reads position n - 1.
+    Cache entries past a row's length hold padding and are overwritten by later decode steps.
+    """
+    logits, (k, v) = _run_causal(cfg, params, pool, slot_table, tokens)
+    cache = init_cache(cfg, tokens.shape[0], max_len)
+    cache = KVCache(
+        jax.lax.dynamic_update_slice_in_dim(cache.k, k, 0, axis=2),
+        jax.lax.dynamic_update_slice_in_dim(cache.v, v, 0, axis=2),
+    )
+    return logits, cache
+
+
+def _decode_layer(cfg, lp, x, positions, k_cache, v_cache, pool, slot_row):
+    b = x.shape[0]
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    q, k, v = _project_qkv(cfg, lp, h, positions[:, None])
+    rows = jnp.arange(b)
+    k_cache = k_cache.at[rows, positions].set(k[:, 0])
+    v_cache = v_cache.at[rows, positions].set(v[:, 0])
+    mask = (jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None])[:, None, :]
+    x = x + attend(q, k_cache, v_cache, mask) @ lp["wo"]
+    return moe_block(cfg, lp, x, pool, slot_row), (k_cache, v_cache)
+
+
+def decode_step(
+    cfg: ModelConfig,
+    params: Params,
+    pool: ExpertPool,
+    slot_table: jax.Array,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, KVCache]:
+    """One token per row: tokens [B] placed at positions [B] -> logits [B, vocab], new cache."""
+    x = params["embed"][tokens][:, None, :]
+
+    def body(x, layer):
+        lp, slot_row, k_c, v_c = layer
+        return _decode_layer(cfg, lp, x, positions, k_c, v_c, pool, slot_row)
+
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], slot_table, cache.k, cache.v))
+    return _lm_head(cfg, params, x[:, 0]), KVCache(k, v)

@@ -1,0 +1,99 @@
+"""Mixture-of-experts math: routing, and expert FFNs computed from a pool of slots.
+
+Expert weights are operands (DESIGN.md seam 2): `apply_experts` takes the pool arrays and the
+slot where each of the layer's experts sits, so one compiled function serves a fully resident
+model, a cache of hot experts, or a staging buffer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ExpertPool(NamedTuple):
+    """Expert weights stacked along a slot axis: w1/w3 [S, D, F] (gate/up), w2 [S, F, D]."""
+
+    w1: jax.Array
+    w3: jax.Array
+    w2: jax.Array
+
+    @property
+    def num_slots(self) -> int:
+        return self.w1.shape[0]
+
+
+class Routing(NamedTuple):
+    """Top-k routing of N tokens: expert ids and combine weights [N, k], raw logits [N, E]."""
+
+    experts: jax.Array
+    weights: jax.Array
+    logits: jax.Array
+
+
+def route(
+    h: jax.Array,
+    router_w: jax.Array,
+    top_k: int,
+    norm_topk_prob: bool,
+    router_b: jax.Array | None = None,
+) -> Routing:
+    """Softmax-then-top-k routing shared by Mixtral, Qwen-MoE and OLMoE.
+
+    h [N, D], router_w [D, E]. Mixtral always renormalizes the top-k probabilities; the Qwen
+    and OLMoE families do so when `norm_topk_prob` is set.
+    """
+    logits = (h @ router_w).astype(jnp.float32)
+    if router_b is not None:
+        logits = logits + router_b.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights.astype(h.dtype), logits)
+
+
+def active_experts(experts: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """The distinct experts named in `experts`, in id order, padded to `capacity`.
+
+    Returns (ids [C], valid [C]); padding entries name absent experts and are marked invalid.
+    """
+    present = jnp.zeros((num_experts,), jnp.bool_).at[experts.reshape(-1)].set(True)
+    order = jnp.argsort(~present, stable=True)[:capacity].astype(jnp.int32)
+    return order, present[order]
+
+
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """Most distinct experts that `num_tokens` tokens can select."""
+    return min(num_experts, num_tokens * top_k)
+
+
+def apply_experts(
+    x: jax.Array,
+    routing: Routing,
+    pool: ExpertPool,
+    slot_of_expert: jax.Array,
+) -> jax.Array:
+    """Weighted sum of the selected experts' SwiGLU outputs, reading each active expert once.
+
+    x [N, D]; slot_of_expert [E] int32 maps this layer's expert ids to pool slots.
+    """
+    n = x.shape[0]
+    num_experts = slot_of_expert.shape[0]
+    top_k = routing.experts.shape[-1]
+    ids, valid = active_experts(routing.experts, num_experts, expert_capacity(n, top_k, num_experts))
+    slots = slot_of_expert[ids]
+    w1, w3, w2 = pool.w1[slots], pool.w3[slots], pool.w2[slots]
+    gate = jnp.einsum("nd,cdf->cnf", x, w1)
+    up = jnp.einsum("nd,cdf->cnf", x, w3)
+    y = jnp.einsum("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)
+    hit = (routing.experts[:, :, None] == ids[None, None, :]) & valid[None, None, :]
+    coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None], 0), axis=1)  # [N, C]
+    return jnp.einsum("cnd,nc->nd", y, coef.astype(y.dtype))
+
+
+def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array) -> jax.Array:
+    """Dense SwiGLU FFN: x [N, D], w1/w3 [D, F], w2 [F, D]."""
+    return (jax.nn.silu(x @ w1) * (x @ w3)) @ w2
