@@ -8,6 +8,16 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
+def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum accumulated and returned in float32.
+
+    XLA:CPU cannot run a bf16 x bf16 -> f32 dot, so there the operands are upcast instead.
+    """
+    if jax.default_backend() == "cpu":
+        return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
     x32 = x.astype(jnp.float32)
@@ -40,7 +50,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     b, t, hq, hd = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = einsum_f32("btkgh,bskh->bkgts", qg, k)
     scores = scores * (hd**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

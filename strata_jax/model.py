@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
-from strata_jax.layers import apply_rope, attend, rms_norm, rope_tables
+from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
 from strata_jax.moe import ExpertPool, apply_experts, route, swiglu
 
 Params = dict[str, Any]
@@ -81,7 +81,7 @@ def moe_block(
 def _lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("...d,vd->...v", h, w, preferred_element_type=jnp.float32)
+    return einsum_f32("...d,vd->...v", h, w)
 
 
 def _causal_layer(cfg, lp, x, positions, pool, slot_row):

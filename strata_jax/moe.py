@@ -12,6 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from strata_jax import expert_kernels
+
 
 class ExpertPool(NamedTuple):
     """Expert weights stacked along a slot axis: w1/w3 [S, D, F] (gate/up), w2 [S, F, D]."""
@@ -84,14 +86,10 @@ def apply_experts(
     num_experts = slot_of_expert.shape[0]
     top_k = routing.experts.shape[-1]
     ids, valid = active_experts(routing.experts, num_experts, expert_capacity(n, top_k, num_experts))
-    slots = slot_of_expert[ids]
-    w1, w3, w2 = pool.w1[slots], pool.w3[slots], pool.w2[slots]
-    gate = jnp.einsum("nd,cdf->cnf", x, w1)
-    up = jnp.einsum("nd,cdf->cnf", x, w3)
-    y = jnp.einsum("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)
+    y = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool.w1, pool.w3, pool.w2)
     hit = (routing.experts[:, :, None] == ids[None, None, :]) & valid[None, None, :]
-    coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None], 0), axis=1)  # [N, C]
-    return jnp.einsum("cnd,nc->nd", y, coef.astype(y.dtype))
+    coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None].astype(jnp.float32), 0), axis=1)
+    return jnp.einsum("cnd,nc->nd", y, coef).astype(x.dtype)
 
 
 def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array) -> jax.Array:

@@ -1,0 +1,466 @@
+"""Synthetic MoE checkpoints: real architectures' shapes, random weights, tunable routing skew.
+
+Weights are deterministic per seed and independent of thread scheduling: every tensor is cut
+into fixed pieces of `PIECE` elements, each drawn from its own PCG64 stream keyed by
+`SeedSequence([seed, domain, *where], spawn_key=(piece,))` (an expert chunk's key is
+`[seed, EXPERT, layer, expert, kind_index]`). Values come from a 65,536-entry table of standard
+normal quantiles indexed by 16 random bits, scaled to std 1/sqrt(fan_in) (embeddings: std 1,
+norms: 1), which is several times faster than `standard_normal` + a cast to bfloat16.
+
+`skew` is the target share of top-k routing assignments that go to the top 20 % of experts in
+each layer (see `top_share`); it is reached by a per-expert router bias
+`-alpha * log(1 + rank)`, with ranks from a per-layer random permutation and `alpha` found by
+bisection on a Monte-Carlo model of the router logits. See docs/synthetic_models.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from strata_jax.checkpoint import (
+    EXPERT_KINDS,
+    CheckpointWriter,
+    dense_layer_shapes,
+    expert_shape,
+    global_shapes,
+    numpy_dtype,
+)
+from strata_jax.config import ModelConfig
+
+SHAPES: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        family="mixtral", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=32, num_experts=16, top_k=2, expert_intermediate_size=128,
+        rope_theta=1e4, router_bias=True,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        family="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=14336,
+        rope_theta=1e6, rms_eps=1e-5,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, expert_intermediate_size=768,
+        qk_norm="head", norm_topk_prob=True, rope_theta=1e6, rms_eps=1e-6,
+    ),
+    "seed-125b": ModelConfig(
+        family="qwen2_moe", vocab_size=100352, hidden_size=8192, num_layers=48, num_heads=64,
+        num_kv_heads=8, head_dim=128, num_experts=64, top_k=4, expert_intermediate_size=1280,
+        shared_intermediate_size=18432, shared_gate=True, norm_topk_prob=True, rope_theta=1e6,
+    ),
+}  # fmt: skip
+
+PIECE = 1 << 22  # elements per independent random stream
+_BLOCK = 1 << 16  # elements per table lookup (keeps the index buffer in L2)
+_GLOBAL, _DENSE, _EXPERT, _ROUTE = 0, 1, 2, 3  # seed-sequence domains
+TOP_FRACTION = 0.2
+MEASURE_MAX_PARAMS = 200_000_000
+_MC_SEED, _MC_REPLICAS = 12345, 4
+
+
+@dataclass(frozen=True)
+class SynthStats:
+    """What `synthesize` wrote and how fast; `top20_share` is measured on small models only."""
+
+    path: str
+    shape: str
+    params: int
+    bytes: int
+    seconds: float
+    skew: float | None
+    alpha: float
+    top20_share: float | None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        line = (
+            f"wrote {self.shape} ({self.params / 1e9:.3f} B params) to {self.path}: "
+            f"{self.bytes / 1e9:.2f} GB in {self.seconds:.1f} s ({self.gb_per_s:.2f} GB/s)"
+        )
+        if self.skew is not None:
+            line += f"; skew target {self.skew:.2f}, alpha {self.alpha:.3f}"
+        if self.top20_share is not None:
+            line += f"; measured top-20% share {self.top20_share:.3f}"
+        return line
+
+
+# ---------------------------------------------------------------------------- random tensors
+
+
+@functools.cache
+def _normal_table() -> np.ndarray:
+    """65,536 standard-normal quantiles at (i + 0.5) / 65536, rescaled to unit variance."""
+    nd = NormalDist()
+    q = np.array([nd.inv_cdf((i + 0.5) / 65536) for i in range(65536)], np.float64)
+    return q / q.std()
+
+
+def _uint_view(a: np.ndarray) -> np.ndarray:
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _fill_piece(out: np.ndarray, table: np.ndarray, entropy: Sequence[int], piece: int) -> None:
+    """Fill the flat `out` with table entries picked by one PCG64 stream."""
+    bits = np.random.PCG64(np.random.SeedSequence(list(entropy), spawn_key=(piece,)))
+    idx = np.empty(_BLOCK, np.intp)
+    for start in range(0, out.size, _BLOCK):
+        n = min(_BLOCK, out.size - start)
+        idx[:n] = bits.random_raw((n + 3) // 4).view(np.uint16)[:n]
+        np.take(table, idx[:n], out=out[start : start + n], mode="clip")
+
+
+def random_array(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    std: float,
+    entropy: Sequence[int],
+    pool: ThreadPoolExecutor | None = None,
+) -> np.ndarray:
+    """Deterministic N(0, std²) array; its `PIECE`-element pieces run on `pool` if given."""
+    out = np.empty(shape, dtype)
+    flat, table = _uint_view(out.reshape(-1)), _uint_view((_normal_table() * std).astype(dtype))
+    pieces = [(p, flat[s : s + PIECE]) for p, s in enumerate(range(0, flat.size, PIECE))]
+    if pool is None or len(pieces) == 1:
+        for p, chunk in pieces:
+            _fill_piece(chunk, table, entropy, p)
+    else:
+        for f in [pool.submit(_fill_piece, c, table, entropy, p) for p, c in pieces]:
+            f.result()
+    return out
+
+
+def _name_key(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _init_std(name: str, shape: tuple[int, ...]) -> float | None:
+    """Std of a random param, or None for params that are constant (norms 1, biases 0)."""
+    if name == "embed":
+        return 1.0
+    if name == "lm_head":
+        return shape[1] ** -0.5
+    if name == "shared_gate":
+        return shape[0] ** -0.5
+    return shape[0] ** -0.5 if len(shape) == 2 else None
+
+
+def _param(name, shape, dtype, entropy, pool) -> np.ndarray:
+    std = _init_std(name, shape)
+    if std is not None:
+        return random_array(shape, dtype, std, [*entropy, _name_key(name)], pool)
+    return np.full(shape, 1.0 if name.endswith("norm") else 0.0, dtype)
+
+
+def global_params(cfg: ModelConfig, seed: int, pool=None) -> dict[str, np.ndarray]:
+    dtype = numpy_dtype(cfg.dtype)
+    return {
+        name: _param(name, shape, dtype, [seed, _GLOBAL], pool)
+        for name, shape in global_shapes(cfg).items()
+    }
+
+
+def layer_params(
+    cfg: ModelConfig, seed: int, layer: int, alpha: float = 0.0, pool=None
+) -> dict[str, np.ndarray]:
+    """One layer's dense params; `router_bias` (if the config has it) is the skew bias."""
+    dtype = numpy_dtype(cfg.dtype)
+    params = {
+        name: _param(name, shape, dtype, [seed, _DENSE, layer], pool)
+        for name, shape in dense_layer_shapes(cfg).items()
+    }
+    if cfg.router_bias:
+        params["router_bias"] = router_bias(cfg.num_experts, alpha, seed, layer).astype(dtype)
+    return params
+
+
+def expert_array(cfg: ModelConfig, seed: int, layer: int, expert: int, kind: str) -> np.ndarray:
+    """One expert weight [in, out], std 1/sqrt(in)."""
+    shape = expert_shape(cfg, kind)
+    key = [seed, _EXPERT, layer, expert, EXPERT_KINDS.index(kind)]
+    return random_array(shape, numpy_dtype(cfg.dtype), shape[0] ** -0.5, key)
+
+
+# ---------------------------------------------------------------------------------- skew
+
+
+def top_share(counts: np.ndarray, fraction: float = TOP_FRACTION) -> float:
+    """Lorenz-curve value at `fraction` of the experts: share of the most-used ones.
+
+    Counts are sorted descending; between integer numbers of experts the cumulative share is
+    interpolated linearly (E=8 -> the top expert plus 0.6 of the second).
+    """
+    c = np.sort(np.asarray(counts, np.float64))[::-1]
+    cum = np.concatenate([[0.0], np.cumsum(c)])
+    return float(np.interp(fraction * c.size, np.arange(c.size + 1), cum) / cum[-1])
+
+
+def max_top_share(num_experts: int, top_k: int, fraction: float = TOP_FRACTION) -> float:
+    """Largest reachable share: each token picks an expert at most once (share <= 1/k each)."""
+    return min(1.0, fraction * num_experts / top_k)
+
+
+def bias_profile(num_experts: int) -> np.ndarray:
+    """Popularity profile by rank: log(1 + rank), so p(rank) ~ (1 + rank)^-alpha (Zipf-like)."""
+    return np.log1p(np.arange(num_experts, dtype=np.float64))
+
+
+def router_bias(num_experts: int, alpha: float, seed: int, layer: int) -> np.ndarray:
+    """Per-expert bias -alpha * profile(rank); ranks are a per-layer random permutation."""
+    rank = np.random.default_rng([seed, _ROUTE, layer]).permutation(num_experts)
+    return -alpha * bias_profile(num_experts)[rank]
+
+
+def _layer_share(experts: np.ndarray, num_experts: int) -> float:
+    return top_share(np.bincount(experts.reshape(-1), minlength=num_experts))
+
+
+def _topk(logits: np.ndarray, k: int) -> np.ndarray:
+    return np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+
+
+@functools.cache
+def _mc_logits(num_tokens: int, num_experts: int) -> np.ndarray:
+    """Fixed iid N(0, 1) router logits [replicas, tokens, experts] for the simulation."""
+    rng = np.random.default_rng(_MC_SEED)
+    return rng.standard_normal((_MC_REPLICAS, num_tokens, num_experts), np.float32)
+
+
+def expected_top_share(num_experts: int, top_k: int, alpha: float, num_tokens: int = 2000) -> float:
+    """Expected share measured over `num_tokens` tokens when logits ~ iid N(bias_e, 1).
+
+    Averages `_MC_REPLICAS` simulated measurements, so the small upward bias of a finite
+    sample (sorting picks the luckiest experts) matches `measure_top20_share`'s.
+    """
+    bias = -alpha * bias_profile(num_experts).astype(np.float32)
+    sims = _mc_logits(num_tokens, num_experts)
+    return float(np.mean([_layer_share(_topk(z + bias, top_k), num_experts) for z in sims]))
+
+
+def calibrate_alpha(
+    num_experts: int, top_k: int, skew: float, num_tokens: int = 2000, iters: int = 40
+) -> float:
+    """Bias strength whose expected top-20 % share equals `skew` (0 if skew <= uniform's)."""
+    cap = max_top_share(num_experts, top_k)
+    if not TOP_FRACTION <= skew < cap:
+        raise ValueError(
+            f"skew must be in [{TOP_FRACTION}, {cap:.3f}) for {num_experts} experts top-{top_k} "
+            f"(each token uses an expert at most once), got {skew}"
+        )
+    share = functools.partial(expected_top_share, num_experts, top_k, num_tokens=num_tokens)
+    if share(0.0) >= skew:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while share(hi) < skew:
+        lo, hi = hi, 2 * hi
+        if hi > 1e4:
+            raise ValueError(f"skew {skew} is not reachable for {num_experts} experts top-{top_k}")
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if share(mid) < skew else (lo, mid)
+    return (lo + hi) / 2
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _routing_trace(cfg, params, pool, slot_table, tokens):
+    """Top-k expert ids of every token at every layer [L, B*T, k] (mirrors model._run_causal)."""
+    from strata_jax import model as mdl
+    from strata_jax.layers import attend, rms_norm
+    from strata_jax.moe import route
+
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
+
+    def body(x, layer):
+        lp, slot_row = layer
+        q, k, v = mdl._project_qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_eps), positions)
+        x = x + attend(q, k, v, mask) @ lp["wo"]
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
+        routing = route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
+        return mdl.moe_block(cfg, lp, x, pool, slot_row), routing.experts
+
+    return jax.lax.scan(body, params["embed"][tokens], (params["layers"], slot_table))[1]
+
+
+def measure_top20_share(model, num_tokens: int = 2000, seed: int = 0) -> float:
+    """Run `model` (an api.Model) on random tokens; mean over layers of the top-20 % share."""
+    cfg = model.config
+    seq = min(64, num_tokens)
+    batch = -(-num_tokens // seq)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq), np.int32)
+    trace = _routing_trace(cfg, model.params, model.experts, model.slot_table, tokens)
+    experts = np.asarray(trace)[:, :num_tokens]
+    return float(np.mean([_layer_share(e, cfg.num_experts) for e in experts]))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def synth_config(
+    shape: str, layers: int | None = None, skew: float | None = None, dtype: str = "bfloat16"
+) -> ModelConfig:
+    """The config `synthesize` writes: a SHAPES entry with overrides applied."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    cfg = SHAPES[shape].replace(dtype=dtype)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        cfg = cfg.replace(num_layers=layers)
+    if skew is not None:
+        cfg = cfg.replace(router_bias=True)
+    return cfg
+
+
+def checkpoint_bytes(cfg: ModelConfig) -> int:
+    """Bytes of all params as the writer stores them."""
+    per_layer = sum(map(math.prod, dense_layer_shapes(cfg).values())) + cfg.num_experts * sum(
+        math.prod(expert_shape(cfg, kind)) for kind in EXPERT_KINDS
+    )
+    total = sum(map(math.prod, global_shapes(cfg).values())) + cfg.num_layers * per_layer
+    return total * numpy_dtype(cfg.dtype).itemsize
+
+
+def _window(cfg: ModelConfig, workers: int, budget: int = 4 << 30) -> int:
+    """Expert chunks generated or being written at once: 4 per worker, <= budget, <= 2 layers."""
+    chunk = math.prod(expert_shape(cfg, "w1")) * numpy_dtype(cfg.dtype).itemsize
+    two_layers = 2 * cfg.num_experts * len(EXPERT_KINDS)
+    return max(2, min(two_layers, max(8, 4 * workers), budget // chunk))
+
+
+def _dense_job(writer: CheckpointWriter, seed: int, layer: int | None, alpha: float, pool) -> int:
+    """Generate and save the globals (layer None) or one layer's dense params; their bytes."""
+    cfg = writer.config
+    if layer is None:
+        params = global_params(cfg, seed, pool)
+        writer.write_globals(params)
+    else:
+        params = layer_params(cfg, seed, layer, alpha, pool)
+        writer.write_layer_dense(layer, params)
+    return sum(a.nbytes for a in params.values())
+
+
+def _settle(queue: deque[tuple[int, Future]], keep: int, advance: Callable[[int], None]) -> None:
+    """Wait for the oldest jobs until `keep` remain; a job's bytes are given or its result."""
+    while len(queue) > max(keep, 0):
+        nbytes, fut = queue.popleft()
+        advance(nbytes + (fut.result() or 0))
+
+
+def _write_all(
+    writer: CheckpointWriter,
+    seed: int,
+    alpha: float,
+    pool: ThreadPoolExecutor,
+    advance: Callable[[int], None],
+) -> None:
+    """Dense params saved on a background thread; expert chunks generated ahead of writes.
+
+    At most `_window` expert chunks are generated or being written at once, and at most two
+    layers' dense params are in flight, so memory stays bounded at any model size.
+    """
+    cfg = writer.config
+    chunks = iter(
+        [(li, e, k) for li in range(cfg.num_layers) for e in range(cfg.num_experts)
+         for k in EXPERT_KINDS]
+    )  # fmt: skip
+    window = _window(cfg, pool._max_workers)
+    generating: deque[tuple[tuple[int, int, str], Future]] = deque()
+    writing: deque[tuple[int, Future]] = deque()
+    dense: deque[tuple[int, Future]] = deque()
+
+    def refill() -> None:
+        while len(generating) + len(writing) < window and (c := next(chunks, None)) is not None:
+            generating.append((c, pool.submit(expert_array, cfg, seed, *c)))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="synth-dense") as dense_thread:
+        dense.append((0, dense_thread.submit(_dense_job, writer, seed, None, alpha, pool)))
+        for layer in range(cfg.num_layers):
+            dense.append((0, dense_thread.submit(_dense_job, writer, seed, layer, alpha, pool)))
+            _settle(dense, 2, advance)
+            for _ in range(cfg.num_experts * len(EXPERT_KINDS)):
+                refill()
+                (li, e, kind), fut = generating.popleft()
+                array = fut.result()
+                writing.append((array.nbytes, writer.write_expert(li, e, kind, array)))
+                del array
+                _settle(writing, window - len(generating) - 1, advance)
+        _settle(writing, 0, advance)
+        _settle(dense, 0, advance)
+
+
+def synthesize(
+    shape: str,
+    dst: str | os.PathLike,
+    *,
+    layers: int | None = None,
+    skew: float | None = None,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    overwrite: bool = False,
+    workers: int | None = None,
+    progress: bool | None = None,
+) -> SynthStats:
+    """Write a random-weight checkpoint of architecture `shape` to `dst`; see module doc.
+
+    `progress=None` shows the byte progress bar only on a terminal.
+    """
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    cfg = synth_config(shape, layers, skew, dtype)
+    alpha = 0.0 if skew is None else calibrate_alpha(cfg.num_experts, cfg.top_k, skew)
+    workers = workers or os.cpu_count() or 1
+    t0 = time.perf_counter()
+    extra = {"synthetic": {"shape": shape, "seed": seed, "skew": skew, "alpha": alpha}}
+    disable = None if progress is None else not progress
+    bar = tqdm(total=checkpoint_bytes(cfg), unit="B", unit_scale=True, disable=disable, desc=shape)
+    with (
+        bar,
+        ThreadPoolExecutor(workers) as pool,
+        CheckpointWriter(dst, cfg, overwrite=overwrite, extra=extra) as writer,
+    ):
+        _write_all(writer, seed, alpha, pool, bar.update)
+        path = writer.commit()
+    seconds = time.perf_counter() - t0
+    share = None
+    if cfg.param_counts()["total"] <= MEASURE_MAX_PARAMS:
+        from strata_jax.api import load
+
+        share = measure_top20_share(load(path))
+    params = cfg.param_counts()["total"]
+    written = checkpoint_bytes(cfg)
+    return SynthStats(str(Path(path)), shape, params, written, seconds, skew, alpha, share)
+
+
+def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0):
+    """The api.Model that `synthesize` would write for `cfg`, built in memory (small models)."""
+    from strata_jax.api import from_arrays
+
+    layers = [layer_params(cfg, seed, li, alpha) for li in range(cfg.num_layers)]
+    stacked = {name: np.stack([lp[name] for lp in layers]) for name in layers[0]}
+    experts = {
+        kind: np.stack([
+            np.stack([expert_array(cfg, seed, li, e, kind) for e in range(cfg.num_experts)])
+            for li in range(cfg.num_layers)
+        ])
+        for kind in EXPERT_KINDS
+    }  # fmt: skip
+    return from_arrays(cfg, global_params(cfg, seed), stacked, experts)

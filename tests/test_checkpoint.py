@@ -1,0 +1,115 @@
+"""Checkpoint format: round trip, corruption detection, atomic commit."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import strata_jax
+from strata_jax import api
+from strata_jax.checkpoint import CheckpointError, CheckpointReader, CheckpointWriter
+from tests.helpers import random_arrays, tiny_config
+
+
+def _write(cfg, dst, seed=0, **kw):
+    g, layers, experts = random_arrays(cfg, seed)
+    with CheckpointWriter(dst, cfg, **kw) as w:
+        w.write_globals(g)
+        for i in range(cfg.num_layers):
+            w.write_layer_dense(i, {k: v[i] for k, v in layers.items()})
+            for e in range(cfg.num_experts):
+                for kind, arr in experts.items():
+                    w.write_expert(i, e, kind, arr[i, e])
+        w.commit()
+    return g, layers, experts
+
+
+def test_round_trip_is_exact(tmp_path):
+    cfg = tiny_config("qwen2_moe")
+    arrays = _write(cfg, tmp_path / "ck")
+    loaded = strata_jax.load(tmp_path / "ck")
+    assert loaded.config == cfg
+    ref = api.from_arrays(cfg, *arrays)
+    tokens = np.array([[1, 2, 3, 4], [9, 8, 7, 6]])
+    np.testing.assert_array_equal(strata_jax.logits(loaded, tokens), api.logits(ref, tokens))
+    meta = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert meta["format"] == "strata" and meta["quantization"]["experts"] == "none"
+
+
+def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):
+    cfg = tiny_config(dtype="bfloat16")
+    _write(cfg, tmp_path / "ck")
+    m = strata_jax.load(tmp_path / "ck")
+    assert m.experts.w1.dtype.name == "bfloat16"
+    assert np.isfinite(strata_jax.logits(m, np.array([[1, 2, 3]]))).all()
+
+
+def _chunk_files(root, kind):
+    return sorted(p for p in (root / "experts" / kind).rglob("*") if p.is_file()
+                  and p.name != "zarr.json")
+
+
+def test_corrupt_expert_chunk_names_layer_and_expert(tmp_path):
+    cfg = tiny_config()
+    _write(cfg, tmp_path / "ck")
+    target = tmp_path / "ck" / "experts" / "w3" / "c" / "1" / "4" / "0" / "0"
+    assert target.exists(), _chunk_files(tmp_path / "ck", "w3")
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"layer 1 expert 4 weight w3.*checksum"):
+        strata_jax.load(tmp_path / "ck")
+
+
+def test_truncated_expert_chunk_names_layer_and_expert(tmp_path):
+    cfg = tiny_config()
+    _write(cfg, tmp_path / "ck")
+    target = tmp_path / "ck" / "experts" / "w2" / "c" / "0" / "2" / "0" / "0"
+    target.write_bytes(target.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"layer 0 expert 2 weight w2"):
+        strata_jax.load(tmp_path / "ck")
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    cfg = tiny_config()
+    g, layers, _ = random_arrays(cfg)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        with CheckpointWriter(tmp_path / "ck", cfg) as w:
+            w.write_globals(g)
+            w.write_layer_dense(0, {k: v[0] for k, v in layers.items()})
+            w.commit()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        strata_jax.load(tmp_path / "ck")
+
+
+def test_uncommitted_directory_is_rejected(tmp_path):
+    cfg = tiny_config()
+    g, _, _ = random_arrays(cfg)
+    w = CheckpointWriter(tmp_path / "ck", cfg)
+    w.write_globals(g)
+    with pytest.raises(CheckpointError, match="not a complete"):
+        CheckpointReader(w.tmp)
+    w.abort()
+
+
+def test_existing_destination_needs_overwrite(tmp_path):
+    cfg = tiny_config()
+    _write(cfg, tmp_path / "ck", seed=0)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        CheckpointWriter(tmp_path / "ck", cfg)
+    _, _, experts = _write(cfg, tmp_path / "ck", seed=1, overwrite=True)
+    got = CheckpointReader(tmp_path / "ck").read_expert(1, 3, "w1")
+    np.testing.assert_array_equal(got, experts["w1"][1, 3])
+
+
+def test_wrong_shapes_are_named(tmp_path):
+    cfg = tiny_config()
+    g, _, _ = random_arrays(cfg)
+    with CheckpointWriter(tmp_path / "ck", cfg) as w:
+        with pytest.raises(CheckpointError, match="layer 0 expert 1 w2"):
+            w.write_expert(0, 1, "w2", np.ones((3, 3), np.float32))
+        with pytest.raises(CheckpointError, match="embed"):
+            w.write_globals({**g, "embed": g["embed"][:5]})
+        w.abort()
