@@ -34,10 +34,16 @@ def from_arrays(
     layers: dict[str, np.ndarray],
     experts: dict[str, np.ndarray],
 ) -> Model:
-    """Build a resident Model from host arrays; experts are [L, E, in, out] per kind."""
+    """Build a resident Model from host arrays.
+
+    `layers` maps each dense param name to an array stacked over layers (or a list per layer);
+    experts are [L, E, in, out] per kind.
+    """
     dtype = jnp.dtype(config.dtype)
     params = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
-    params["layers"] = {k: jnp.asarray(v, dtype) for k, v in layers.items()}
+    params["layers"] = tuple(
+        {k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(config.num_layers)
+    )
     flat = {k: jnp.asarray(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
     pool = ExpertPool(flat["w1"], flat["w3"], flat["w2"])
     return Model(config, params, pool, mdl.resident_slot_table(config))
@@ -52,7 +58,9 @@ def load(path: str | os.PathLike) -> Model:
             kind: _stack_experts(ex, reader, kind, cfg.num_layers, cfg.num_experts)
             for kind in EXPERT_KINDS
         }
-    return from_arrays(cfg, reader.read_globals(), reader.read_dense_stacked(), experts)
+    layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
+    stacked = {name: [lp[name] for lp in layers] for name in layers[0]}
+    return from_arrays(cfg, reader.read_globals(), stacked, experts)
 
 
 def _stack_experts(ex, reader: CheckpointReader, kind: str, layers: int, experts: int):

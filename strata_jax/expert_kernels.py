@@ -6,6 +6,7 @@ reading each slot's weights straight out of the pool (no gathered copy of the ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -24,8 +25,8 @@ class Tiles:
 
     bk: int = 128
     bf: int = 64
-    bd: int = 32
-    split_k: int = 1
+    bd: int = 64
+    split_k: int = 4
     num_warps: int = 4
     num_stages: int = 4
 
@@ -85,7 +86,7 @@ def check_tiles(d: int, f: int, tiles: Tiles) -> None:
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
 def grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles: Tiles = Tiles(), interpret: bool = False):
-    """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> y [C, N, D] in float32."""
+    """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums [C, split_k, N, D] float32."""
     n0, d = x.shape
     f = w1.shape[-1]
     check_tiles(d, f, tiles)
@@ -109,33 +110,41 @@ def grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles: Tiles = Tiles(), interpre
         compiler_params=params,
         interpret=interpret,
     )(slots, h, w2)
-    return jnp.sum(partial, axis=1)[:, :n0]
+    return partial[:, :, :n0]
 
 
 def grouped_swiglu_xla(x, slots, w1, w3, w2):
-    """Same contract via a gather of the active slots and batched einsums (any N)."""
+    """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N)."""
     w1, w3, w2 = w1[slots], w3[slots], w2[slots]
     gate = jnp.einsum("nd,cdf->cnf", x, w1)
     up = jnp.einsum("nd,cdf->cnf", x, w3)
-    return einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)
+    return einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
 
 
-TILES = Tiles()
+TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
+
+
+def tiles_for(d: int, f: int, base: Tiles = TILES) -> Tiles | None:
+    """`base` with the largest split_k <= base.split_k that divides the K steps, or None."""
+    for split in range(base.split_k, 0, -1):
+        tiles = dataclasses.replace(base, split_k=split)
+        try:
+            check_tiles(d, f, tiles)
+        except ValueError:
+            continue
+        return tiles
+    return None
 
 
 def use_pallas(n: int, d: int, f: int) -> bool:
     """The one place that picks the expert path: Pallas on GPU for decode-sized batches."""
-    if jax.default_backend() != "gpu" or n > PALLAS_MAX_ROWS:
-        return False
-    try:
-        check_tiles(d, f, TILES)
-    except ValueError:
-        return False
-    return True
+    return jax.default_backend() == "gpu" and n <= PALLAS_MAX_ROWS and tiles_for(d, f) is not None
 
 
 def grouped_swiglu(x, slots, w1, w3, w2):
-    """y [C, N, D] float32 for the active slots, by the path `use_pallas` picks."""
-    if use_pallas(x.shape[0], x.shape[1], w1.shape[-1]):
-        return grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles=TILES)
+    """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
+    output), by the path `use_pallas` picks."""
+    d, f = x.shape[1], w1.shape[-1]
+    if use_pallas(x.shape[0], d, f):
+        return grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles=tiles_for(d, f))
     return grouped_swiglu_xla(x, slots, w1, w3, w2)

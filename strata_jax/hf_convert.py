@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,14 +202,19 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
     base = 8 + n
-    infos = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        infos[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]), base + begin,
-                                 base + end)  # fmt: skip
+    try:
+        infos = {name: _info(path, base, e) for name, e in header.items() if name != "__metadata__"}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: malformed safetensors header ({e!r})") from e
+    past_end = [name for name, info in infos.items() if info.end > size]
+    if past_end:
+        raise ValueError(f"{path}: truncated; tensor {past_end[0]!r} ends past the end of file")
     return infos
+
+
+def _info(path: Path, base: int, entry: dict[str, Any]) -> TensorInfo:
+    begin, end = entry["data_offsets"]
+    return TensorInfo(path, entry["dtype"], tuple(entry["shape"]), base + begin, base + end)
 
 
 class TensorSource:
@@ -245,10 +250,10 @@ class TensorSource:
             raise ValueError(f"tensor {name!r} in {info.file.name}: byte range mismatches shape")
         f = self._handle(info.file)
         f.seek(info.start)
-        data = np.frombuffer(f.read(info.end - info.start), dtype=dtype, count=count)
-        if data.size != count:
+        data = f.read(info.end - info.start)
+        if len(data) != info.end - info.start:
             raise ValueError(f"tensor {name!r} in {info.file.name}: file is truncated")
-        return data.reshape(info.shape)
+        return np.frombuffer(data, dtype=dtype, count=count).reshape(info.shape)
 
     def _handle(self, path: Path) -> BinaryIO:
         if path not in self._handles:
@@ -329,7 +334,7 @@ _MOE_HF = {
 }
 
 
-def detect_layout(fam: Family, names: set[str] | dict[str, Any], layer: int) -> MoeLayout:
+def detect_layout(fam: Family, names: Container[str], layer: int) -> MoeLayout:
     """Pick the MoE module prefix and expert style present for `layer` (canonical if none)."""
     base = f"model.layers.{layer}."
     prefix = next(

@@ -62,6 +62,9 @@ def active_experts(experts: jax.Array, num_experts: int, capacity: int) -> tuple
 
     Returns (ids [C], valid [C]); padding entries name absent experts and are marked invalid.
     """
+    if experts.shape[0] == 1 and capacity == experts.shape[1]:
+        # one token's top-k ids are already distinct: skip the scatter + sort (decode at B=1)
+        return experts[0].astype(jnp.int32), jnp.ones((capacity,), jnp.bool_)
     present = jnp.zeros((num_experts,), jnp.bool_).at[experts.reshape(-1)].set(True)
     order = jnp.argsort(~present, stable=True)[:capacity].astype(jnp.int32)
     return order, present[order]
@@ -86,10 +89,12 @@ def apply_experts(
     num_experts = slot_of_expert.shape[0]
     top_k = routing.experts.shape[-1]
     ids, valid = active_experts(routing.experts, num_experts, expert_capacity(n, top_k, num_experts))
-    y = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool.w1, pool.w3, pool.w2)
+    partial = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool.w1, pool.w3, pool.w2)
     hit = (routing.experts[:, :, None] == ids[None, None, :]) & valid[None, None, :]
     coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None].astype(jnp.float32), 0), axis=1)
-    return jnp.einsum("cnd,nc->nd", y, coef).astype(x.dtype)
+    # multiply + reduce (not a dot) so XLA fuses the split-K sum and the combine into one pass
+    weighted = partial * coef.T[:, None, :, None]
+    return jnp.sum(weighted, axis=(0, 1)).astype(x.dtype)
 
 
 def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array) -> jax.Array:

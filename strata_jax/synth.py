@@ -66,7 +66,7 @@ SHAPES: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 PIECE = 1 << 22  # elements per independent random stream
-_BLOCK = 1 << 16  # elements per table lookup (keeps the index buffer in L2)
+_BLOCK = 1 << 20  # elements per table lookup: few GIL round trips, yet bounded buffers
 _GLOBAL, _DENSE, _EXPERT, _ROUTE = 0, 1, 2, 3  # seed-sequence domains
 TOP_FRACTION = 0.2
 MEASURE_MAX_PARAMS = 200_000_000
