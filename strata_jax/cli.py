@@ -9,7 +9,8 @@ import sys
 def _convert(args: argparse.Namespace) -> int:
     from strata_jax.hf_convert import convert_hf
 
-    convert_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    path = convert_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {path}")
     return 0
 
 

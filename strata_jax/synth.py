@@ -28,10 +28,10 @@ from pathlib import Path
 from statistics import NormalDist
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from strata_jax.api import Model, from_arrays, load
 from strata_jax.checkpoint import (
     EXPERT_KINDS,
     CheckpointWriter,
@@ -41,6 +41,7 @@ from strata_jax.checkpoint import (
     numpy_dtype,
 )
 from strata_jax.config import ModelConfig
+from strata_jax.model import forward_with_routing
 
 SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -280,27 +281,11 @@ def calibrate_alpha(
 
 @functools.partial(jax.jit, static_argnums=0)
 def _routing_trace(cfg, params, pool, slot_table, tokens):
-    """Top-k expert ids of every token at every layer [L, B*T, k] (mirrors model._run_causal)."""
-    from strata_jax import model as mdl
-    from strata_jax.layers import attend, rms_norm
-    from strata_jax.moe import route
-
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
-
-    def body(x, layer):
-        lp, slot_row = layer
-        q, k, v = mdl._project_qkv(cfg, lp, rms_norm(x, lp["attn_norm"], cfg.rms_eps), positions)
-        x = x + attend(q, k, v, mask) @ lp["wo"]
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).reshape(b * t, -1)
-        routing = route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
-        return mdl.moe_block(cfg, lp, x, pool, slot_row), routing.experts
-
-    return jax.lax.scan(body, params["embed"][tokens], (params["layers"], slot_table))[1]
+    """Top-k expert ids of every token at every layer [L, B*T, k]."""
+    return forward_with_routing(cfg, params, pool, slot_table, tokens)[1]
 
 
-def measure_top20_share(model, num_tokens: int = 2000, seed: int = 0) -> float:
+def measure_top20_share(model: Model, num_tokens: int = 2000, seed: int = 0) -> float:
     """Run `model` (an api.Model) on random tokens; mean over layers of the top-20 % share."""
     cfg = model.config
     seq = min(64, num_tokens)
@@ -442,18 +427,14 @@ def synthesize(
     seconds = time.perf_counter() - t0
     share = None
     if cfg.param_counts()["total"] <= MEASURE_MAX_PARAMS:
-        from strata_jax.api import load
-
         share = measure_top20_share(load(path))
     params = cfg.param_counts()["total"]
     written = checkpoint_bytes(cfg)
     return SynthStats(str(Path(path)), shape, params, written, seconds, skew, alpha, share)
 
 
-def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0):
+def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0) -> Model:
     """The api.Model that `synthesize` would write for `cfg`, built in memory (small models)."""
-    from strata_jax.api import from_arrays
-
     layers = [layer_params(cfg, seed, li, alpha) for li in range(cfg.num_layers)]
     stacked = {name: np.stack([lp[name] for lp in layers]) for name in layers[0]}
     experts = {
