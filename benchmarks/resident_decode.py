@@ -55,8 +55,22 @@ def synth_model(dst: Path, shape: str, layers: int) -> dict[str, float]:
     if dst.exists():
         shutil.rmtree(dst)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "strata_jax.cli", "synth", "--shape", shape,
-                    "--layers", str(layers), "--dtype", "bfloat16", str(dst)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata_jax.cli",
+            "synth",
+            "--shape",
+            shape,
+            "--layers",
+            str(layers),
+            "--dtype",
+            "bfloat16",
+            str(dst),
+        ],
+        check=True,
+    )
     dt = time.perf_counter() - t0
     size = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
     return {"bytes": size, "seconds": dt, "GBps": size / dt / 1e9}
@@ -76,14 +90,17 @@ def unique_experts(model: api.Model, prompts: list[list[int]], new: list[list[in
     seqs = np.array([p + n for p, n in zip(prompts, new, strict=True)], np.int32)
     cfg = model.config
     _, routes = jax.jit(mdl.forward_with_routing, static_argnums=0)(
-        cfg, model.params, model.experts, model.slot_table, seqs)
+        cfg, model.params, model.experts, model.slot_table, seqs
+    )
     routes = np.asarray(routes).reshape(cfg.num_layers, seqs.shape[0], seqs.shape[1], -1)
     start = len(prompts[0]) - 1
     steps = range(start, seqs.shape[1] - 1)
-    return np.array([
-        np.mean([len(np.unique(routes[layer, :, t])) for t in steps])
-        for layer in range(cfg.num_layers)
-    ])
+    return np.array(
+        [
+            np.mean([len(np.unique(routes[layer, :, t])) for t in steps])
+            for layer in range(cfg.num_layers)
+        ]
+    )
 
 
 def time_decode(model: api.Model, batch: int, steps: int, prompt_len: int = 16):
@@ -143,7 +160,8 @@ def main() -> None:
         rows.append({
             "batch": batch, "step_ms": per_step * 1e3, "tok_s": batch / per_step,
             "experts_per_layer": float(uniq.mean()), "bytes_per_step_GB": nbytes / 1e9,
-            "bound_ms": bound * 1e3, "bound_tok_s": batch / bound, "achieved_over_bound": bound / per_step,
+            "bound_ms": bound * 1e3, "bound_tok_s": batch / bound,
+            "achieved_over_bound": bound / per_step,
             "peers": PEERS[batch],
         })  # fmt: skip
     result["rows"] = rows
@@ -158,12 +176,13 @@ def render(r: dict) -> str:
     lines = [
         f"# Resident decode, synthetic {r['shape']} shape, {r['layers']} layers, bf16",
         f"{r['device']}, JAX {r['jax']}, {r['date']}",
-        f"HBM bandwidth: read {r['hbm_GBps']['read']:.0f} GB/s, copy {r['hbm_GBps']['copy']:.0f} GB/s"
-        " (bound uses read)",
+        f"HBM bandwidth: read {r['hbm_GBps']['read']:.0f} GB/s, "
+        f"copy {r['hbm_GBps']['copy']:.0f} GB/s (bound uses read)",
         f"synth write: {s['bytes'] / 1e9:.1f} GB in {s['seconds']:.1f} s = {s['GBps']:.2f} GB/s "
         f"(incl. process start); load + verify: {r['load_seconds']:.1f} s",
         "",
-        "| B | tok/s | ms/step | experts/layer | GB read/step | bound tok/s | achieved/bound | peers |",
+        "| B | tok/s | ms/step | experts/layer | GB read/step | bound tok/s | achieved/bound "
+        "| peers |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:

@@ -87,7 +87,9 @@ def logits(model: Model, tokens: Any) -> np.ndarray:
 
 def _check_vocab(cfg: ModelConfig, tokens: np.ndarray) -> None:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
-        raise ValueError(f"token ids must be in [0, {cfg.vocab_size}), got {tokens.min()}..{tokens.max()}")
+        raise ValueError(
+            f"token ids must be in [0, {cfg.vocab_size}), got {tokens.min()}..{tokens.max()}"
+        )
 
 
 def bucket(n: int, minimum: int = 8) -> int:

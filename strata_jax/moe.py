@@ -57,7 +57,9 @@ def route(
     return Routing(experts.astype(jnp.int32), weights.astype(h.dtype), logits)
 
 
-def active_experts(experts: jax.Array, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+def active_experts(
+    experts: jax.Array, num_experts: int, capacity: int
+) -> tuple[jax.Array, jax.Array]:
     """The distinct experts named in `experts`, in id order, padded to `capacity`.
 
     Returns (ids [C], valid [C]); padding entries name absent experts and are marked invalid.
@@ -88,7 +90,9 @@ def apply_experts(
     n = x.shape[0]
     num_experts = slot_of_expert.shape[0]
     top_k = routing.experts.shape[-1]
-    ids, valid = active_experts(routing.experts, num_experts, expert_capacity(n, top_k, num_experts))
+    ids, valid = active_experts(
+        routing.experts, num_experts, expert_capacity(n, top_k, num_experts)
+    )
     partial = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool.w1, pool.w3, pool.w2)
     hit = (routing.experts[:, :, None] == ids[None, None, :]) & valid[None, None, :]
     coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None].astype(jnp.float32), 0), axis=1)
