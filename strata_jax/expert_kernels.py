@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from strata_jax.layers import einsum_f32
+from strata_jax.pool import INT4_GROUP, ExpertPool
 
 PALLAS_MAX_ROWS = 32  # decode shapes; larger row counts take the XLA path
 
@@ -40,82 +41,114 @@ def _compiler_params(tiles: Tiles):
         return None
 
 
-def _gate_up_kernel(slots_ref, x_ref, w1_ref, w3_ref, h_ref, *, tiles: Tiles):
+def _block_dot(xblock, w, slot, k, cols, bk: int):
+    """x[:, K block k] @ W[slot][K block k, cols] in float32.
+
+    `w` is (weights,) for a float pool or (packed, scales) for int4: then block k is one
+    128-row group whose bytes hold rows j (low nibble) and j + 64 (high nibble).
+    """
+    if len(w) == 1:
+        return jnp.dot(xblock(k * bk, bk), w[0][slot, pl.ds(k * bk, bk), cols],
+                       preferred_element_type=jnp.float32)
+    packed_ref, scale_ref = w
+    half = bk // 2
+    p = packed_ref[slot, pl.ds(k * half, half), cols].astype(jnp.int32)
+    x_lo, x_hi = xblock(k * bk, half), xblock(k * bk + half, half)
+    lo = ((p & 0xF) - 8).astype(x_lo.dtype)
+    hi = ((p >> 4) - 8).astype(x_lo.dtype)
+    acc = jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
+    acc += jnp.dot(x_hi, hi, preferred_element_type=jnp.float32)
+    return acc * scale_ref[slot, pl.ds(k, 1), cols].astype(jnp.float32)
+
+
+def _gate_up_kernel(slots_ref, x_ref, *refs, tiles: Tiles, nw: int):
+    w1, w3, h_ref = refs[:nw], refs[nw : 2 * nw], refs[-1]
     c, j = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[c]
     n, d = x_ref.shape
-    bk, bf = tiles.bk, tiles.bf
+    cols = pl.ds(j * tiles.bf, tiles.bf)
+
+    def xblock(start, size):
+        return x_ref[:, pl.ds(start, size)]
 
     def body(k, accs):
         a1, a3 = accs
-        xk = x_ref[:, pl.ds(k * bk, bk)]
-        cols = pl.ds(j * bf, bf)
-        a1 += jnp.dot(xk, w1_ref[slot, pl.ds(k * bk, bk), cols], preferred_element_type=jnp.float32)
-        a3 += jnp.dot(xk, w3_ref[slot, pl.ds(k * bk, bk), cols], preferred_element_type=jnp.float32)
+        a1 += _block_dot(xblock, w1, slot, k, cols, tiles.bk)
+        a3 += _block_dot(xblock, w3, slot, k, cols, tiles.bk)
         return a1, a3
 
-    zero = jnp.zeros((n, bf), jnp.float32)
-    a1, a3 = jax.lax.fori_loop(0, d // bk, body, (zero, zero))
+    zero = jnp.zeros((n, tiles.bf), jnp.float32)
+    a1, a3 = jax.lax.fori_loop(0, d // tiles.bk, body, (zero, zero))
     h_ref[...] = (jax.nn.silu(a1) * a3).astype(h_ref.dtype)[None]
 
 
-def _down_kernel(slots_ref, h_ref, w2_ref, y_ref, *, tiles: Tiles):
+def _down_kernel(slots_ref, h_ref, *refs, tiles: Tiles, nw: int):
+    w2, y_ref = refs[:nw], refs[-1]
     c, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[c]
     n, f = h_ref.shape[1], h_ref.shape[2]
-    bk, bd = tiles.bk, tiles.bd
-    steps = f // bk // tiles.split_k
-    first = s * steps
+    steps = f // tiles.bk // tiles.split_k
+    cols = pl.ds(j * tiles.bd, tiles.bd)
+
+    def xblock(start, size):
+        return h_ref[c, :, pl.ds(start, size)]
 
     def body(k, acc):
-        rows = pl.ds((first + k) * bk, bk)
-        hk = h_ref[c, :, rows]
-        return acc + jnp.dot(hk, w2_ref[slot, rows, pl.ds(j * bd, bd)],
-                             preferred_element_type=jnp.float32)
+        return acc + _block_dot(xblock, w2, slot, s * steps + k, cols, tiles.bk)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((n, bd), jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((n, tiles.bd), jnp.float32))
     y_ref[...] = acc[None, None]
 
 
-def check_tiles(d: int, f: int, tiles: Tiles) -> None:
+def check_tiles(d: int, f: int, tiles: Tiles, quantized: bool = False) -> None:
     if d % tiles.bk or f % tiles.bk or f % tiles.bf or d % tiles.bd:
         raise ValueError(f"expert dims D={d}, F={f} are not multiples of the tiles {tiles}")
     if (f // tiles.bk) % tiles.split_k:
         raise ValueError(f"F={f} / bk={tiles.bk} is not divisible by split_k={tiles.split_k}")
+    if quantized and tiles.bk != INT4_GROUP:
+        raise ValueError(f"int4 pools need bk = group size {INT4_GROUP}, got {tiles.bk}")
+
+
+def _weights(pool: ExpertPool) -> tuple[tuple, tuple, tuple]:
+    if pool.quantized:
+        return (pool.w1, pool.w1_scale), (pool.w3, pool.w3_scale), (pool.w2, pool.w2_scale)
+    return (pool.w1,), (pool.w3,), (pool.w2,)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles: Tiles = Tiles(), interpret: bool = False):
+def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
+                          interpret: bool = False):
     """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums [C, split_k, N, D] float32."""
     n0, d = x.shape
-    f = w1.shape[-1]
-    check_tiles(d, f, tiles)
+    f = pool.intermediate_size
+    check_tiles(d, f, tiles, pool.quantized)
     n = max(16, -(-n0 // 16) * 16)  # Triton dots need >= 16 rows
     xp = jnp.zeros((n, d), x.dtype).at[:n0].set(x)
     c = slots.shape[0]
     params = _compiler_params(tiles)
+    w1, w3, w2 = _weights(pool)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, tiles=tiles),
+        functools.partial(_gate_up_kernel, tiles=tiles, nw=len(w1)),
         grid=(c, f // tiles.bf),
         out_shape=jax.ShapeDtypeStruct((c, n, f), x.dtype),
         out_specs=pl.BlockSpec((1, n, tiles.bf), lambda ci, j: (ci, 0, j)),
         compiler_params=params,
         interpret=interpret,
-    )(slots, xp, w1, w3)
+    )(slots, xp, *w1, *w3)
     partial = pl.pallas_call(
-        functools.partial(_down_kernel, tiles=tiles),
+        functools.partial(_down_kernel, tiles=tiles, nw=len(w2)),
         grid=(c, tiles.split_k, d // tiles.bd),
         out_shape=jax.ShapeDtypeStruct((c, tiles.split_k, n, d), jnp.float32),
         out_specs=pl.BlockSpec((1, 1, n, tiles.bd), lambda ci, s, j: (ci, s, 0, j)),
         compiler_params=params,
         interpret=interpret,
-    )(slots, h, w2)
+    )(slots, h, *w2)
     return partial[:, :, :n0]
 
 
-def grouped_swiglu_xla(x, slots, w1, w3, w2):
+def grouped_swiglu_xla(x, slots, pool: ExpertPool):
     """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N)."""
-    w1, w3, w2 = w1[slots], w3[slots], w2[slots]
+    w1, w3, w2 = (pool.dense_weights(kind, slots, x.dtype) for kind in ("w1", "w3", "w2"))
     gate = jnp.einsum("nd,cdf->cnf", x, w1)
     up = jnp.einsum("nd,cdf->cnf", x, w3)
     return einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
@@ -124,27 +157,30 @@ def grouped_swiglu_xla(x, slots, w1, w3, w2):
 TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
 
 
-def tiles_for(d: int, f: int, base: Tiles = TILES) -> Tiles | None:
+def tiles_for(d: int, f: int, base: Tiles = TILES, quantized: bool = False) -> Tiles | None:
     """`base` with the largest split_k <= base.split_k that divides the K steps, or None."""
     for split in range(base.split_k, 0, -1):
         tiles = dataclasses.replace(base, split_k=split)
         try:
-            check_tiles(d, f, tiles)
+            check_tiles(d, f, tiles, quantized)
         except ValueError:
             continue
         return tiles
     return None
 
 
-def use_pallas(n: int, d: int, f: int) -> bool:
+def use_pallas(n: int, d: int, f: int, quantized: bool = False) -> bool:
     """The one place that picks the expert path: Pallas on GPU for decode-sized batches."""
-    return jax.default_backend() == "gpu" and n <= PALLAS_MAX_ROWS and tiles_for(d, f) is not None
+    if jax.default_backend() != "gpu" or n > PALLAS_MAX_ROWS:
+        return False
+    return tiles_for(d, f, quantized=quantized) is not None
 
 
-def grouped_swiglu(x, slots, w1, w3, w2):
+def grouped_swiglu(x, slots, pool: ExpertPool):
     """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
     output), by the path `use_pallas` picks."""
-    d, f = x.shape[1], w1.shape[-1]
-    if use_pallas(x.shape[0], d, f):
-        return grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles=tiles_for(d, f))
-    return grouped_swiglu_xla(x, slots, w1, w3, w2)
+    d, f = x.shape[1], pool.intermediate_size
+    if use_pallas(x.shape[0], d, f, pool.quantized):
+        tiles = tiles_for(d, f, quantized=pool.quantized)
+        return grouped_swiglu_pallas(x, slots, pool, tiles=tiles)
+    return grouped_swiglu_xla(x, slots, pool)

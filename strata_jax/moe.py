@@ -13,18 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax import expert_kernels
-
-
-class ExpertPool(NamedTuple):
-    """Expert weights stacked along a slot axis: w1/w3 [S, D, F] (gate/up), w2 [S, F, D]."""
-
-    w1: jax.Array
-    w3: jax.Array
-    w2: jax.Array
-
-    @property
-    def num_slots(self) -> int:
-        return self.w1.shape[0]
+from strata_jax.pool import ExpertPool
 
 
 class Routing(NamedTuple):
@@ -93,7 +82,7 @@ def apply_experts(
     ids, valid = active_experts(
         routing.experts, num_experts, expert_capacity(n, top_k, num_experts)
     )
-    partial = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool.w1, pool.w3, pool.w2)
+    partial = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool)
     hit = (routing.experts[:, :, None] == ids[None, None, :]) & valid[None, None, :]
     coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None].astype(jnp.float32), 0), axis=1)
     # multiply + reduce (not a dot) so XLA fuses the split-K sum and the combine into one pass

@@ -1,11 +1,13 @@
 """Expert kernels against a float64 numpy reference on fresh random inputs."""
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 from strata_jax import expert_kernels as ek
-from strata_jax.moe import ExpertPool, Routing, active_experts, apply_experts
+from strata_jax.moe import Routing, active_experts, apply_experts
+from strata_jax.pool import ExpertPool
 
 
 def _reference(x, slots, w1, w3, w2):
@@ -30,7 +32,8 @@ def _inputs(seed, n, slots=7, d=256, f=256):
 def test_pallas_kernel_matches_float64(tiles, n):
     x, w1, w3, w2 = _inputs(n, n)
     slots = np.array([6, 0, 3], np.int32)
-    y = ek.grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles=tiles, interpret=True).sum(1)
+    y = ek.grouped_swiglu_pallas(x, slots, ExpertPool(w1, w3, w2), tiles=tiles, interpret=True)
+    y = y.sum(1)
     ref = _reference(x, slots, w1, w3, w2)
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
 
@@ -38,21 +41,65 @@ def test_pallas_kernel_matches_float64(tiles, n):
 def test_xla_path_matches_float64():
     x, w1, w3, w2 = _inputs(11, 40)
     slots = np.array([2, 5], np.int32)
-    y = ek.grouped_swiglu_xla(x, slots, w1, w3, w2).sum(1)
+    y = ek.grouped_swiglu_xla(x, slots, ExpertPool(w1, w3, w2)).sum(1)
     ref = _reference(x, slots, w1, w3, w2)
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
+
+
+def _int4_pool(seed, slots=6, d=256, f=256):
+    """A packed int4 pool plus its exact float64 dequantization (independent of the model)."""
+    rng = np.random.default_rng(seed)
+
+    def one(k, n):
+        q = rng.integers(-8, 8, (slots, k, n))
+        scales = rng.uniform(0.005, 0.02, (slots, k // 128, n)).astype(ml_dtypes.bfloat16)
+        g = q.reshape(slots, k // 128, 2, 64, n)
+        packed = ((g[:, :, 0] + 8) | ((g[:, :, 1] + 8) << 4)).astype(np.uint8)
+        dense = q * np.repeat(scales.astype(np.float64), 128, axis=1)
+        return packed.reshape(slots, k // 2, n), scales, dense
+
+    (p1, s1, d1), (p3, s3, d3), (p2, s2, d2) = one(d, f), one(d, f), one(f, d)
+    return ExpertPool(p1, p3, p2, s1, s3, s2), (d1, d3, d2)
+
+
+@pytest.mark.parametrize("n", [1, 7])
+def test_int4_pallas_kernel_matches_float64(n):
+    pool, (d1, d3, d2) = _int4_pool(n)
+    x = np.random.default_rng(n + 100).normal(size=(n, 256)).astype(np.float32)
+    slots = np.array([5, 1], np.int32)
+    ref = _reference(x, slots, d1, d3, d2)
+    tiles = ek.Tiles(bd=64, split_k=2)
+    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
+    assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
+    y_xla = ek.grouped_swiglu_xla(x, slots, pool).sum(1)
+    assert np.abs(np.asarray(y_xla) - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="Pallas Triton lowering needs a GPU")
+def test_int4_pallas_kernel_on_gpu_matches_float64():
+    pool, (d1, d3, d2) = _int4_pool(3, d=512, f=1024)
+    x = np.random.default_rng(7).normal(size=(4, 512)).astype(ml_dtypes.bfloat16)
+    slots = np.array([0, 4, 2], np.int32)
+    ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
+    tiles = ek.tiles_for(512, 1024, quantized=True)
+    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles).sum(1)
+    # bf16 activations and a bf16 intermediate h: bf16-level error
+    assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
 
 
 def test_tiles_that_do_not_divide_are_rejected():
     with pytest.raises(ValueError, match="not multiples"):
         ek.check_tiles(200, 256, ek.Tiles())
+    with pytest.raises(ValueError, match="group size"):
+        ek.check_tiles(256, 256, ek.Tiles(bk=64, split_k=1), quantized=True)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Pallas Triton lowering needs a GPU")
 def test_pallas_kernel_on_gpu_matches_float64():
     x, w1, w3, w2 = _inputs(21, 8, d=512, f=1024)
     slots = np.array([1, 4, 6], np.int32)
-    y = ek.grouped_swiglu_pallas(x, slots, w1, w3, w2, tiles=ek.tiles_for(512, 1024)).sum(1)
+    pool = ExpertPool(w1, w3, w2)
+    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.tiles_for(512, 1024)).sum(1)
     ref = _reference(x, slots, w1, w3, w2)
     # float32 inputs run the dots on tensor cores in tf32
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 3e-3

@@ -1,0 +1,55 @@
+"""The expert pool: every expert weight stacked on a slot axis, float or packed int4."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+INT4_GROUP = 128  # int4 group size along each expert matrix's input dim
+
+
+class ExpertPool(NamedTuple):
+    """Expert weights on a slot axis.
+
+    Float: w1/w3 [S, D, F] (gate/up), w2 [S, F, D]. Packed int4 (symmetric, g = 128 along the
+    input dim, "group half-split" nibbles, see docs/quantization.md): w1/w3 uint8 [S, D/2, F],
+    w2 uint8 [S, F/2, D], and bf16 scales *_scale [S, in/128, out].
+    """
+
+    w1: jax.Array
+    w3: jax.Array
+    w2: jax.Array
+    w1_scale: jax.Array | None = None
+    w3_scale: jax.Array | None = None
+    w2_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.w1_scale is not None
+
+    @property
+    def num_slots(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w1.shape[-1]
+
+    def dense_weights(self, kind: str, slots: jax.Array, dtype) -> jax.Array:
+        """The weights of `slots` as [C, in, out] in `dtype` (dequantized if packed)."""
+        w = getattr(self, kind)[slots]
+        if not self.quantized:
+            return w.astype(dtype)
+        return dequantize_int4(w, getattr(self, f"{kind}_scale")[slots], dtype)
+
+
+def dequantize_int4(packed: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """[..., K/2, N] packed nibbles + [..., K/128, N] scales -> [..., K, N] in `dtype`."""
+    *lead, half_k, n = packed.shape
+    groups = half_k * 2 // INT4_GROUP
+    p = packed.reshape(*lead, groups, INT4_GROUP // 2, n).astype(jnp.int32)
+    q = jnp.concatenate([(p & 0xF) - 8, (p >> 4) - 8], axis=-2)  # [..., G, 128, N]
+    w = q.astype(jnp.float32) * scales.astype(jnp.float32)[..., :, None, :]
+    return w.reshape(*lead, half_k * 2, n).astype(dtype)
