@@ -8,9 +8,7 @@ divided by the measured HBM read bandwidth. Prints a table; writes JSON + markdo
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -18,10 +16,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import strata_jax
+from benchmarks.common import hbm_bandwidth, machine
 from strata_jax import api
 from strata_jax import model as mdl
 
@@ -29,26 +27,6 @@ PEERS = {  # measured on the same H200 machine and shape (DESIGN.md)
     1: "HF eager 18.4 tok/s; ik_llama.cpp F16 resident 240.6 tok/s",
     16: "HF eager 150 tok/s",
 }
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def hbm_bandwidth() -> dict[str, float]:
-    """Copy (read + write) and read-only (reduction) bandwidth over a 4 GiB array, GB/s."""
-    x = jax.random.normal(jax.random.PRNGKey(0), (1 << 30,), jnp.float32)
-    copy = jax.jit(lambda a: a * 1.0001 + 1.0)
-    read = jax.jit(lambda a: jnp.sum(a))
-    t_copy = _median_time(lambda: copy(x).block_until_ready(), 10)
-    t_read = _median_time(lambda: read(x).block_until_ready(), 10)
-    return {"copy": 2 * x.nbytes / t_copy / 1e9, "read": x.nbytes / t_read / 1e9}
 
 
 def synth_model(dst: Path, shape: str, layers: int) -> dict[str, float]:
@@ -140,10 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    result = {
-        "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-        "device": str(jax.devices()[0].device_kind), "host": platform.node(),
-    }  # fmt: skip
+    result = machine()
     result["hbm_GBps"] = bw = hbm_bandwidth()
     result["shape"], result["layers"] = args.shape, args.layers
     result["synth"] = synth_model(args.ckpt, args.shape, args.layers)

@@ -17,7 +17,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from strata_jax.synth import synthesize
 
-    synthesize(
+    stats = synthesize(
         args.shape,
         args.dst,
         layers=args.layers,
@@ -26,6 +26,7 @@ def _synth(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         overwrite=args.overwrite,
     )
+    print(stats)
     return 0
 
 

@@ -1,0 +1,42 @@
+"""Shared measurement helpers for the benchmark scripts."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
+    """Median wall time of `fn()` (which must block until its device work is done)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def hbm_bandwidth() -> dict[str, float]:
+    """Copy (read + write) and read-only (reduction) bandwidth over a 4 GiB array, GB/s."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (1 << 30,), jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001 + 1.0)
+    read = jax.jit(lambda a: jnp.sum(a))
+    t_copy = median_time(lambda: copy(x).block_until_ready())
+    t_read = median_time(lambda: read(x).block_until_ready())
+    return {"copy": 2 * x.nbytes / t_copy / 1e9, "read": x.nbytes / t_read / 1e9}
+
+
+def machine() -> dict[str, str]:
+    return {
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "device": str(jax.devices()[0].device_kind),
+        "host": platform.node(),
+    }

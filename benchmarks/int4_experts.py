@@ -1,0 +1,205 @@
+"""Fused int4 expert kernel at decode shapes vs XLA dequant-then-einsum and lax.ragged_dot.
+
+64 routed rows per layer: Mixtral-8x7B experts (32 tokens x top-2 of 8) and Qwen3-30B-A3B
+experts (8 tokens x top-8 of 128). Achieved bytes/s counts the packed int4 bytes (nibbles +
+bf16 scales) of the experts that the rows select, over the measured HBM read bandwidth. Also
+measures host int4 -> bf16 dequantization and bytes per expert. Writes JSON + markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from strata_runtime.host_dequant import HostDequantizer
+
+from benchmarks.common import hbm_bandwidth, machine, median_time
+from strata_jax import expert_kernels as ek
+from strata_jax.pool import ExpertPool
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    d: int
+    f: int
+    experts: int
+    top_k: int
+    tokens: int
+    layers: int  # distinct layers rotated through so the weights do not sit in L2
+
+
+SHAPES = (
+    Shape("mixtral-8x7b", 4096, 14336, 8, 2, 32, 4),
+    Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 8, 8),
+)
+
+
+def int4_expert_bytes(d: int, f: int) -> int:
+    per = lambda k, n: k * n // 2 + (k // 128) * n * 2  # noqa: E731
+    return 2 * per(d, f) + per(f, d)
+
+
+def random_int4_pool(key, slots: int, d: int, f: int) -> ExpertPool:
+    k1, k2, k3 = jax.random.split(key, 3)
+
+    def packed(k, rows, cols):
+        return jax.random.randint(k, (slots, rows // 2, cols), 0, 256, jnp.int32).astype(jnp.uint8)
+
+    def scales(rows, cols):
+        return jnp.full((slots, rows // 128, cols), 0.01, jnp.bfloat16)
+
+    return ExpertPool(packed(k1, d, f), packed(k2, d, f), packed(k3, f, d),
+                      scales(d, f), scales(d, f), scales(f, d))
+
+
+def routing(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: the active expert ids padded to capacity, and sorted rows per expert."""
+    rng = np.random.default_rng(seed)
+    cap = min(shape.experts, shape.tokens * shape.top_k)
+    ids, counts = [], []
+    for _ in range(shape.layers):
+        sel = np.stack([rng.choice(shape.experts, shape.top_k, replace=False)
+                        for _ in range(shape.tokens)])
+        uniq = np.unique(sel)
+        ids.append(np.concatenate([uniq, np.setdiff1d(np.arange(shape.experts), uniq)])[:cap])
+        counts.append(np.bincount(sel.ravel(), minlength=shape.experts))
+    return np.array(ids, np.int32), np.array(counts, np.int32)
+
+
+def run_shape(shape: Shape, bw: float) -> list[dict]:
+    pool = random_int4_pool(jax.random.PRNGKey(1), shape.layers * shape.experts, shape.d, shape.f)
+    ids, counts = routing(shape, 2)
+    active = [len(np.unique(np.nonzero(c)[0])) for c in counts]
+    slots = jnp.asarray(ids + (np.arange(shape.layers) * shape.experts)[:, None])
+    x = jax.random.normal(jax.random.PRNGKey(3), (shape.tokens, shape.d), jnp.bfloat16)
+    rows = jax.random.normal(jax.random.PRNGKey(4), (shape.tokens * shape.top_k, shape.d),
+                             jnp.bfloat16)
+    tiles = ek.tiles_for(shape.d, shape.f, quantized=True)
+
+    def over_layers(one):
+        @jax.jit
+        def run(x, slots, pool):
+            return sum(one(x, slots[i], pool, i).sum() for i in range(shape.layers))
+        return lambda: run(x, slots, pool).block_until_ready()
+
+    def ragged(x_rows, _slots, pool, layer):
+        e0 = layer * shape.experts
+        sl = jnp.arange(shape.experts) + e0
+        w1, w3, w2 = (pool.dense_weights(k, sl, jnp.bfloat16) for k in ("w1", "w3", "w2"))
+        gs = jnp.asarray(counts[layer])
+        h = jax.nn.silu(jax.lax.ragged_dot(x_rows, w1, gs)) * jax.lax.ragged_dot(x_rows, w3, gs)
+        return jax.lax.ragged_dot(h, w2, gs)
+
+    variants = {
+        "pallas int4 (fused dequant)": over_layers(
+            lambda x, s, p, i: ek.grouped_swiglu_pallas(x, s, p, tiles=tiles)),
+        "XLA gather + dequant + einsum": over_layers(
+            lambda x, s, p, i: ek.grouped_swiglu_xla(x, s, p)),
+        "XLA dequant + lax.ragged_dot (64 rows)": None,
+    }
+    results = []
+    nbytes = sum(active) * int4_expert_bytes(shape.d, shape.f)
+    for name, fn in variants.items():
+        if fn is None:
+            @jax.jit
+            def run_ragged(rows, pool):
+                return sum(ragged(rows, None, pool, i).sum() for i in range(shape.layers))
+            fn = lambda: run_ragged(rows, pool).block_until_ready()  # noqa: E731
+        try:
+            dt = median_time(fn, reps=20, warmup=2) / shape.layers
+        except Exception as e:  # report, keep measuring the others
+            results.append({"shape": shape.name, "variant": name, "error": repr(e)[:300]})
+            continue
+        gbs = nbytes / shape.layers / dt / 1e9
+        results.append({
+            "shape": shape.name, "variant": name, "us_per_layer": dt * 1e6,
+            "active_experts": float(np.mean(active)), "GBps": gbs, "over_hbm": gbs / bw,
+        })  # fmt: skip
+        print(results[-1], flush=True)
+    return results
+
+
+def host_dequant(threads: int) -> dict:
+    rng = np.random.default_rng(0)
+    packed = rng.integers(0, 256, (4096 // 2, 14336), dtype=np.uint8)
+    scales = np.full((4096 // 128, 14336), 0.01, ml_dtypes.bfloat16)
+    dq = HostDequantizer(threads=threads)
+    batch = [(packed, scales)] * threads
+    dt = median_time(lambda: dq.dequantize_many(batch), reps=5) / threads
+    dq.close()
+    out_bytes = 4096 * 14336 * 2
+    return {"threads": threads, "ms_per_matrix": dt * 1e3, "out_GBps": out_bytes / dt / 1e9,
+            "in_GBps": (packed.nbytes + scales.nbytes) / dt / 1e9}
+
+
+def bytes_table() -> list[dict]:
+    from strata_jax.synth import SHAPES as CFGS
+
+    rows = []
+    for name, cfg in CFGS.items():
+        d, f = cfg.hidden_size, cfg.expert_intermediate_size
+        bf16 = 3 * d * f * 2
+        rows.append({"shape": name, "bf16_MB": bf16 / 1e6,
+                     "int4_MB": int4_expert_bytes(d, f) / 1e6,
+                     "ratio": bf16 / int4_expert_bytes(d, f)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    result = machine()
+    result["hbm_GBps"] = bw = hbm_bandwidth()
+    result["kernels"] = [r for s in SHAPES for r in run_shape(s, bw["read"])]
+    cores = os.cpu_count() or 1
+    result["host_dequant"] = [host_dequant(t) for t in sorted({1, cores // 2, cores})]
+    result["bytes_per_expert"] = bytes_table()
+    text = render(result)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "int4_experts.json").write_text(json.dumps(result, indent=2))
+    (args.out / "int4_experts.md").write_text(text)
+
+
+def render(r: dict) -> str:
+    lines = [
+        "# int4 expert kernels at decode shapes (64 routed rows per layer)",
+        f"{r['device']}, JAX {r['jax']}, {r['date']}; HBM read {r['hbm_GBps']['read']:.0f} GB/s, "
+        f"copy {r['hbm_GBps']['copy']:.0f} GB/s",
+        "",
+        "| shape | variant | us/layer | active experts | int4 GB/s | / HBM read |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k in r["kernels"]:
+        if "error" in k:
+            lines.append(f"| {k['shape']} | {k['variant']} | failed: {k['error'][:80]} | | | |")
+            continue
+        lines.append(f"| {k['shape']} | {k['variant']} | {k['us_per_layer']:.0f} | "
+                     f"{k['active_experts']:.1f} | {k['GBps']:.0f} | {k['over_hbm']:.2f} |")
+    lines += ["", "## Host int4 -> bf16 dequantization (4096 x 14336 matrix)", "",
+              "| threads | ms/matrix | bf16 out GB/s | packed in GB/s |", "|---|---|---|---|"]
+    for h in r["host_dequant"]:
+        lines.append(f"| {h['threads']} | {h['ms_per_matrix']:.1f} | {h['out_GBps']:.2f} | "
+                     f"{h['in_GBps']:.2f} |")
+    lines += ["", "## Bytes per expert (w1 + w3 + w2)", "",
+              "| shape | bf16 MB | int4 g128 MB | ratio |", "|---|---|---|---|"]
+    for b in r["bytes_per_expert"]:
+        lines.append(f"| {b['shape']} | {b['bf16_MB']:.2f} | {b['int4_MB']:.2f} | "
+                     f"{b['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"total {time.time() - t0:.0f} s")

@@ -1,0 +1,252 @@
+"""Weight quantization formats as pure functions (see docs/quantization.md).
+
+Weights are `[in, out]` (K, N), used as `x @ w`. Two formats:
+
+* int4, symmetric, group-wise along the input dim (routed experts). `q = clip(round(W / s),
+  -8, 7)` with one bfloat16 scale per (group of `group` input rows, output column). Two int4
+  values share a byte in the "group half-split" layout: for group g and j < group/2, byte row
+  `g * group/2 + j` holds `q[g * group + j] + 8` in its low nibble and
+  `q[g * group + group/2 + j] + 8` in its high nibble, so a kernel unpacks a group into two
+  contiguous row-halves with no interleave.
+* int8, symmetric, per output channel (dense / attention / shared weights):
+  `q = clip(round(W / s), -127, 127)` with one bfloat16 scale per output column. Because the
+  scale is per column, `x @ (q * s) == (x @ q) * s` and it can be applied after the matmul.
+
+Scales are rounded to bfloat16 *before* `q` is computed, so dequantization is exact with respect
+to the stored scales. All functions accept leading batch axes (`[..., K, N]`) except where noted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+GROUP = 128
+INT4_MIN, INT4_MAX = -8, 7
+INT8_MAX = 127
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class Int4Weight(NamedTuple):
+    """Packed int4 weight: packed uint8 [..., K/2, N], scales bfloat16 [..., K/group, N]."""
+
+    packed: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the unquantized weight."""
+        *lead, half, n = self.packed.shape
+        return (*lead, 2 * half, n)
+
+    @property
+    def group(self) -> int:
+        return self.shape[-2] // self.scales.shape[-2]
+
+
+class Int8Weight(NamedTuple):
+    """Per-output-channel int8 weight: q int8 [..., K, N], scales bfloat16 [..., N]."""
+
+    q: np.ndarray
+    scales: np.ndarray
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_group(k: int, group: int = GROUP, name: str | None = None) -> None:
+    """Raise ValueError unless the input dim `k` splits into whole groups of `group` rows."""
+    where = f"{name}: " if name else ""
+    if group <= 0 or group % 2:
+        raise ValueError(f"{where}int4 group size must be a positive even number, got {group}")
+    if k <= 0 or k % group:
+        raise ValueError(
+            f"{where}int4 quantization needs the input dim K to be a multiple of the group "
+            f"size {group}, got K={k}"
+        )
+
+
+def _check_finite(w: np.ndarray, name: str | None) -> None:
+    if not np.all(np.isfinite(w)):
+        where = f"{name}: " if name else ""
+        raise ValueError(f"{where}cannot quantize a weight with non-finite values")
+
+
+def _as_float32(w: np.ndarray, name: str | None) -> np.ndarray:
+    w = np.asarray(w)
+    if w.ndim < 2:
+        where = f"{name}: " if name else ""
+        raise ValueError(f"{where}expected a weight [..., K, N], got shape {w.shape}")
+    w = w.astype(np.float32)
+    _check_finite(w, name)
+    return w
+
+
+def to_bf16(s: np.ndarray) -> np.ndarray:
+    """Round to bfloat16 (round-to-nearest-even)."""
+    return np.asarray(s, np.float32).astype(BF16)
+
+
+def quantize_with_scales(w: np.ndarray, scales: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
+    """clip(round(w / s), qmin, qmax) as int8, with q = 0 where s == 0; shapes broadcast."""
+    s = np.asarray(scales, np.float32)
+    safe = np.where(s == 0, np.float32(1), s)
+    q = np.clip(np.round(np.asarray(w, np.float32) / safe), qmin, qmax)
+    return np.where(s == 0, 0, q).astype(np.int8)
+
+
+# --------------------------------------------------------------------------- int4
+
+
+def pack_int4(q: np.ndarray, group: int = GROUP, name: str | None = None) -> np.ndarray:
+    """int8 [..., K, N] in [-8, 7] -> uint8 [..., K/2, N] in the group half-split layout."""
+    q = np.asarray(q)
+    *lead, k, n = q.shape
+    check_group(k, group, name)
+    if q.size and (q.min() < INT4_MIN or q.max() > INT4_MAX):
+        raise ValueError(f"int4 values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
+    u = (q.astype(np.int16) + 8).astype(np.uint8).reshape(*lead, k // group, 2, group // 2, n)
+    packed = u[..., 0, :, :] | (u[..., 1, :, :] << 4)
+    return packed.reshape(*lead, k // 2, n)
+
+
+def unpack_int4(packed: np.ndarray, group: int = GROUP) -> np.ndarray:
+    """uint8 [..., K/2, N] (group half-split) -> int8 [..., K, N] in [-8, 7]."""
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8:
+        raise ValueError(f"packed int4 must be uint8, got {packed.dtype}")
+    *lead, half, n = packed.shape
+    check_group(2 * half, group)
+    p = packed.reshape(*lead, 2 * half // group, 1, group // 2, n)
+    low = (p & 0x0F).astype(np.int8) - 8
+    high = (p >> 4).astype(np.int8) - 8
+    return np.concatenate([low, high], axis=-3).reshape(*lead, 2 * half, n)
+
+
+def int4_absmax_scales(w: np.ndarray, group: int = GROUP, name: str | None = None) -> np.ndarray:
+    """Per-group scales max|W_group| / 7 rounded to bfloat16: [..., K, N] -> [..., K/group, N]."""
+    *lead, k, n = w.shape
+    check_group(k, group, name)
+    absmax = np.abs(w).reshape(*lead, k // group, group, n).max(axis=-2)
+    return to_bf16(absmax / np.float32(INT4_MAX))
+
+
+def quantize_int4_with_scales(
+    w: np.ndarray, scales: np.ndarray, group: int = GROUP, name: str | None = None
+) -> Int4Weight:
+    """Quantize [..., K, N] with given bfloat16 group scales [..., K/group, N]."""
+    w = _as_float32(w, name)
+    *lead, k, n = w.shape
+    check_group(k, group, name)
+    scales = to_bf16(scales)
+    if scales.shape != (*lead, k // group, n):
+        raise ValueError(f"scales shape {scales.shape} != {(*lead, k // group, n)}")
+    s = np.repeat(scales.astype(np.float32), group, axis=-2)
+    q = quantize_with_scales(w, s, INT4_MIN, INT4_MAX)
+    return Int4Weight(pack_int4(q, group, name), scales)
+
+
+def quantize_int4_rtn(w: np.ndarray, group: int = GROUP, name: str | None = None) -> Int4Weight:
+    """Round-to-nearest int4 with absmax group scales."""
+    w = _as_float32(w, name)
+    return quantize_int4_with_scales(w, int4_absmax_scales(w, group, name), group, name)
+
+
+def dequantize_int4(weight: Int4Weight) -> np.ndarray:
+    """Int4Weight -> float32 [..., K, N]."""
+    group = weight.group
+    q = unpack_int4(weight.packed, group).astype(np.float32)
+    *lead, k, n = q.shape
+    s = weight.scales.astype(np.float32)[..., :, None, :]
+    return (q.reshape(*lead, k // group, group, n) * s).reshape(*lead, k, n)
+
+
+def unpack_int4_jnp(packed: jnp.ndarray, group: int = GROUP) -> jnp.ndarray:
+    """jnp twin of `unpack_int4` (jit-friendly): uint8 [..., K/2, N] -> int8 [..., K, N]."""
+    *lead, half, n = packed.shape
+    check_group(2 * half, group)
+    p = packed.reshape(*lead, 2 * half // group, 1, group // 2, n)
+    low = (p & 0x0F).astype(jnp.int8) - 8
+    high = (p >> 4).astype(jnp.int8) - 8
+    return jnp.concatenate([low, high], axis=-3).reshape(*lead, 2 * half, n)
+
+
+def dequantize_int4_jnp(
+    packed: jnp.ndarray, scales: jnp.ndarray, dtype: jnp.dtype = jnp.float32
+) -> jnp.ndarray:
+    """jnp twin of `dequantize_int4`: packed [..., K/2, N], scales [..., K/g, N] -> [..., K, N].
+
+    The product q * s is exact in float32 (4-bit times 8-bit significands), so the float32
+    result equals the numpy one bit for bit and a narrower `dtype` is one rounding of it.
+    """
+    *lead, half, n = packed.shape
+    k, groups = 2 * half, scales.shape[-2]
+    if groups <= 0 or k % groups:
+        raise ValueError(f"scales {scales.shape} do not split K={k} into whole groups")
+    group = k // groups
+    q = unpack_int4_jnp(packed, group).astype(jnp.float32)
+    s = scales.astype(jnp.float32)[..., :, None, :]
+    w = (q.reshape(*lead, groups, group, n) * s).reshape(*lead, k, n)
+    return w.astype(dtype)
+
+
+# --------------------------------------------------------------------------- int8
+
+
+def int8_absmax_scales(w: np.ndarray) -> np.ndarray:
+    """Per-output-channel scales max|W[:, n]| / 127 rounded to bfloat16: [..., K, N] -> [..., N]."""
+    return to_bf16(np.abs(w).max(axis=-2) / np.float32(INT8_MAX))
+
+
+def quantize_int8_with_scales(w: np.ndarray, scales: np.ndarray) -> Int8Weight:
+    """Quantize [..., K, N] with given per-output-channel scales [..., N]."""
+    scales = to_bf16(scales)
+    q = quantize_with_scales(w, scales.astype(np.float32)[..., None, :], -INT8_MAX, INT8_MAX)
+    return Int8Weight(q, scales)
+
+
+def quantize_int8(w: np.ndarray, name: str | None = None) -> Int8Weight:
+    """Round-to-nearest symmetric int8 with one absmax scale per output column."""
+    w = _as_float32(w, name)
+    return quantize_int8_with_scales(w, int8_absmax_scales(w))
+
+
+def dequantize_int8(weight: Int8Weight) -> np.ndarray:
+    """Int8Weight -> float32 [..., K, N]."""
+    return weight.q.astype(np.float32) * weight.scales.astype(np.float32)[..., None, :]
+
+
+def dequantize_int8_jnp(
+    q: jnp.ndarray, scales: jnp.ndarray, dtype: jnp.dtype = jnp.float32
+) -> jnp.ndarray:
+    """jnp twin of `dequantize_int8` (float32 result is bit-identical to numpy's)."""
+    w = q.astype(jnp.float32) * scales.astype(jnp.float32)[..., None, :]
+    return w.astype(dtype)
+
+
+def int8_matmul_jnp(x: jnp.ndarray, q: jnp.ndarray, scales: jnp.ndarray) -> jnp.ndarray:
+    """x @ (q * s) computed as (x @ q) * s: the per-column scale moves after the matmul."""
+    y = jnp.matmul(x, q.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scales.astype(jnp.float32)).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def int4_bytes(k: int, n: int, group: int = GROUP) -> int:
+    """Bytes of an int4 [K, N] weight: packed nibbles plus bfloat16 group scales."""
+    check_group(k, group)
+    return k * n // 2 + (k // group) * n * 2
+
+
+def int8_bytes(k: int, n: int) -> int:
+    """Bytes of an int8 [K, N] weight: int8 values plus bfloat16 per-column scales."""
+    return k * n + n * 2
+
+
+def dense_bytes(k: int, n: int, dtype: str | np.dtype | type = "bfloat16") -> int:
+    """Bytes of an unquantized [K, N] weight of `dtype`."""
+    return k * n * np.dtype(dtype).itemsize
