@@ -64,8 +64,8 @@ def check_group(k: int, group: int = GROUP, name: str | None = None) -> None:
         raise ValueError(f"{where}int4 group size must be a positive even number, got {group}")
     if k <= 0 or k % group:
         raise ValueError(
-            f"{where}int4 quantization needs the input dim K to be a multiple of the group "
-            f"size {group}, got K={k}"
+            f"{where}int4 quantization needs the input dim K={k} to be a multiple of the "
+            f"group size {group}"
         )
 
 

@@ -27,7 +27,6 @@ import strata_jax  # noqa: E402
 from strata_jax import cli  # noqa: E402
 from strata_jax.checkpoint import CheckpointError  # noqa: E402
 from strata_jax.hf_convert import convert_hf, model_config_from_hf  # noqa: E402
-from strata_jax.moe import ExpertPool  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 BASE = dict(
@@ -99,7 +98,7 @@ def upcast(model: strata_jax.Model) -> strata_jax.Model:
     return strata_jax.Model(
         model.config.replace(dtype="float32"),
         jax.tree.map(f32, model.params),
-        ExpertPool(*map(f32, model.experts)),
+        jax.tree.map(f32, model.experts),
         model.slot_table,
     )
 
