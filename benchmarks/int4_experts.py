@@ -37,6 +37,16 @@ class Shape:
     layers: int  # distinct layers rotated through so the weights do not sit in L2
 
 
+SWEEP = (
+    ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4),
+    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3),
+    ek.Tiles(bf=128, bd=64, split_k=4, num_warps=4, num_stages=4),
+    ek.Tiles(bf=256, bd=128, split_k=2, num_warps=4, num_stages=3),
+    ek.Tiles(bf=256, bd=256, split_k=4, num_warps=8, num_stages=3),
+    ek.Tiles(bf=256, bd=256, split_k=8, num_warps=8, num_stages=4),
+    ek.Tiles(bf=512, bd=256, split_k=4, num_warps=8, num_stages=2),
+)
+
 SHAPES = (
     Shape("mixtral-8x7b", 4096, 14336, 8, 2, 32, 4),
     Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 8, 8),
@@ -99,8 +109,23 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
         h = jax.nn.silu(jax.lax.ragged_dot(x_rows, w1, gs)) * jax.lax.ragged_dot(x_rows, w3, gs)
         return jax.lax.ragged_dot(h, w2, gs)
 
+    best = None
+    for cand in SWEEP:
+        t = ek.tiles_for(shape.d, shape.f, base=cand, quantized=True)
+        if t is None:
+            continue
+        fn = over_layers(lambda x, s, p, i, t=t: ek.grouped_swiglu_pallas(x, s, p, tiles=t))
+        try:
+            dt = median_time(fn, reps=10, warmup=2) / shape.layers
+        except Exception as e:
+            print("tiles", t, "failed", repr(e)[:200], flush=True)
+            continue
+        print(f"{shape.name} {t}: {dt * 1e6:.0f} us/layer", flush=True)
+        if best is None or dt < best[0]:
+            best = (dt, t)
+    tiles = best[1]
     variants = {
-        "pallas int4 (fused dequant)": over_layers(
+        f"pallas int4 (fused dequant), {tiles}": over_layers(
             lambda x, s, p, i: ek.grouped_swiglu_pallas(x, s, p, tiles=tiles)),
         "XLA gather + dequant + einsum": over_layers(
             lambda x, s, p, i: ek.grouped_swiglu_xla(x, s, p)),

@@ -59,7 +59,7 @@ def step_bytes(model: api.Model, unique_per_layer: np.ndarray) -> float:
     p = model.params
     dense = sum(a.nbytes for lp in p["layers"] for a in lp.values())
     head = (p["embed"] if model.config.tie_word_embeddings else p["lm_head"]).nbytes
-    per_expert = sum(w[0].nbytes for w in model.experts)
+    per_expert = sum(w[0].nbytes for w in model.experts if w is not None)
     return dense + head + float(unique_per_layer.sum()) * per_expert
 
 

@@ -155,10 +155,12 @@ def grouped_swiglu_xla(x, slots, pool: ExpertPool):
 
 
 TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
+TILES_INT4 = Tiles()
 
 
-def tiles_for(d: int, f: int, base: Tiles = TILES, quantized: bool = False) -> Tiles | None:
+def tiles_for(d: int, f: int, base: Tiles | None = None, quantized: bool = False) -> Tiles | None:
     """`base` with the largest split_k <= base.split_k that divides the K steps, or None."""
+    base = base or (TILES_INT4 if quantized else TILES)
     for split in range(base.split_k, 0, -1):
         tiles = dataclasses.replace(base, split_k=split)
         try:

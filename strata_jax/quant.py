@@ -28,6 +28,8 @@ GROUP = 128
 INT4_MIN, INT4_MAX = -8, 7
 INT8_MAX = 127
 BF16 = np.dtype(ml_dtypes.bfloat16)
+SCALE_METHODS = ("absmax", "mse")
+SEARCH_SHRINK = tuple(float(r) for r in np.linspace(0.6, 1.0, 21))
 
 
 class Int4Weight(NamedTuple):
@@ -134,6 +136,51 @@ def int4_absmax_scales(w: np.ndarray, group: int = GROUP, name: str | None = Non
     return to_bf16(absmax / np.float32(INT4_MAX))
 
 
+def int4_mse_scales(
+    w: np.ndarray,
+    group: int = GROUP,
+    name: str | None = None,
+    shrink: tuple[float, ...] = SEARCH_SHRINK,
+) -> np.ndarray:
+    """Per-group bfloat16 scales minimizing the squared error, [..., K, N] -> [..., K/group, N].
+
+    Candidates are r·max|W_g|/7 and r·(-p)/8, p the group's signed value of largest magnitude
+    (so p lands on -8 and all 16 levels are used; such a scale may be negative), for each r in
+    `shrink`. r = 1 with /7 is the absmax scale, so the error is never above absmax's.
+    """
+    *lead, k, n = w.shape
+    check_group(k, group, name)
+    g = np.asarray(w, np.float32).reshape(*lead, k // group, group, n)
+    peak = np.take_along_axis(g, np.abs(g).argmax(axis=-2)[..., None, :], axis=-2)[..., 0, :]
+    best = to_bf16(np.abs(peak) / np.float32(INT4_MAX))
+    best_err = _group_sq_err(g, best)
+    for r in shrink:
+        for base in (np.abs(peak) / np.float32(INT4_MAX), -peak / np.float32(-INT4_MIN)):
+            cand = to_bf16(np.float32(r) * base)
+            err = _group_sq_err(g, cand)
+            better = err < best_err
+            best, best_err = np.where(better, cand, best), np.where(better, err, best_err)
+    return best
+
+
+def _group_sq_err(g: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Squared int4 error per group of g [..., G, group, N] with scales [..., G, N]."""
+    s = scales.astype(np.float32)[..., None, :]
+    q = quantize_with_scales(g, s, INT4_MIN, INT4_MAX)
+    return ((q * s - g) ** 2).sum(axis=-2)
+
+
+def int4_scales(
+    w: np.ndarray, group: int = GROUP, method: str = "absmax", name: str | None = None
+) -> np.ndarray:
+    """Group scales by `method`: "absmax" (max|W_g| / 7) or "mse" (`int4_mse_scales`)."""
+    if method == "absmax":
+        return int4_absmax_scales(w, group, name)
+    if method == "mse":
+        return int4_mse_scales(w, group, name)
+    raise ValueError(f"unknown int4 scale method {method!r}; expected one of {SCALE_METHODS}")
+
+
 def quantize_int4_with_scales(
     w: np.ndarray, scales: np.ndarray, group: int = GROUP, name: str | None = None
 ) -> Int4Weight:
@@ -149,10 +196,12 @@ def quantize_int4_with_scales(
     return Int4Weight(pack_int4(q, group, name), scales)
 
 
-def quantize_int4_rtn(w: np.ndarray, group: int = GROUP, name: str | None = None) -> Int4Weight:
-    """Round-to-nearest int4 with absmax group scales."""
+def quantize_int4_rtn(
+    w: np.ndarray, group: int = GROUP, name: str | None = None, scale_method: str = "absmax"
+) -> Int4Weight:
+    """Round-to-nearest int4; group scales by `scale_method` (see `int4_scales`)."""
     w = _as_float32(w, name)
-    return quantize_int4_with_scales(w, int4_absmax_scales(w, group, name), group, name)
+    return quantize_int4_with_scales(w, int4_scales(w, group, scale_method, name), group, name)
 
 
 def dequantize_int4(weight: Int4Weight) -> np.ndarray:

@@ -26,6 +26,7 @@ def trial_errors() -> dict[str, np.ndarray]:
         "rtn": lambda w, h: Q.dequantize_int4(Q.quantize_int4_rtn(w)),
         "gptq": lambda w, h: Q.dequantize_int4(G.gptq_quantize(w, h)),
         "gptq_act": lambda w, h: Q.dequantize_int4(G.gptq_quantize(w, h, act_order=True)),
+        "gptq_mse": lambda w, h: Q.dequantize_int4(G.gptq_quantize(w, h, scale_method="mse")),
         "rtn8": lambda w, h: Q.dequantize_int8(G.rtn_quantize_int8(w)),
         "gptq8": lambda w, h: Q.dequantize_int8(G.gptq_quantize_int8(w, h)),
     }
@@ -41,7 +42,7 @@ def trial_errors() -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize(("method", "baseline"), [
-    ("gptq", "rtn"), ("gptq_act", "rtn"), ("gptq8", "rtn8"),
+    ("gptq", "rtn"), ("gptq_act", "rtn"), ("gptq_mse", "rtn"), ("gptq8", "rtn8"),
 ])  # fmt: skip
 def test_gptq_beats_rtn_on_held_out_tokens(trial_errors, method, baseline):
     ratio = trial_errors[method] / trial_errors[baseline]
@@ -71,10 +72,11 @@ def test_gptq_output_is_rtn_format():
         np.testing.assert_array_equal(again.packed, qw.packed)
 
 
-def test_act_order_uses_static_absmax_group_scales():
+@pytest.mark.parametrize("method", ["absmax", "mse"])
+def test_act_order_uses_static_group_scales(method):
     x, w = _problem(2)
-    qw = G.gptq_quantize(w, G.hessian_from_inputs(x), act_order=True)
-    np.testing.assert_array_equal(qw.scales, Q.quantize_int4_rtn(w).scales)
+    qw = G.gptq_quantize(w, G.hessian_from_inputs(x), act_order=True, scale_method=method)
+    np.testing.assert_array_equal(qw.scales, Q.quantize_int4_rtn(w, scale_method=method).scales)
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -165,3 +167,59 @@ def test_quantize_expert_falls_back_to_rtn():
     np.testing.assert_array_equal(qw.packed, G.gptq_quantize(w, enough.hessian).packed)
     qw, method = G.quantize_expert(w, few, G.GPTQConfig(min_tokens=16, act_order=True))
     assert method == "gptq"
+    qw, method = G.quantize_expert(w, None, G.GPTQConfig(scale_method="mse"))
+    assert method == "rtn"
+    np.testing.assert_array_equal(qw.scales, Q.quantize_int4_rtn(w, scale_method="mse").scales)
+
+
+def _reference_fasterquant(w_t, h, act_order: bool):
+    """Line-by-line port of IST-DASLab/gptq `GPTQ.fasterquant` (torch, [out, in] layout), with
+    `static_groups=act_order` and Strata's bf16 absmax/7 symmetric quantizer. Returns Ŵᵀ."""
+    import torch
+
+    def bf16(t):
+        return t.float().to(torch.bfloat16).double()
+
+    def quantize(x, s):
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.clamp(torch.round(x.float() / safe.float()), -8, 7).double()
+        return torch.where(s == 0, torch.zeros_like(q), q) * s
+
+    w, h, cols, group = w_t.clone(), h.clone(), w_t.shape[1], 128
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    if act_order:
+        groups = [bf16(w[:, i : i + group].abs().amax(1) / 7) for i in range(0, cols, group)]
+        perm = torch.argsort(torch.diag(h), descending=True, stable=True)
+        w, h = w[:, perm], h[perm][:, perm]
+    q_all = torch.zeros_like(w)
+    h += 0.01 * torch.mean(torch.diag(h)) * torch.eye(cols, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    for i1 in range(0, cols, 128):
+        i2 = min(i1 + 128, cols)
+        w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+        err1 = torch.zeros(w.shape[0], i2 - i1, dtype=torch.float64)
+        for i in range(i2 - i1):
+            if act_order:
+                scale = groups[int(perm[i1 + i]) // group]
+            elif (i1 + i) % group == 0:
+                scale = bf16(w[:, i1 + i : i1 + i + group].abs().amax(1) / 7)
+            q = quantize(w1[:, i], scale)
+            q_all[:, i1 + i] = q
+            e = (w1[:, i] - q) / hinv1[i, i]
+            w1[:, i:] -= e.unsqueeze(1).matmul(hinv1[i, i:].unsqueeze(0))
+            err1[:, i] = e
+        w[:, i2:] -= err1.matmul(hinv[i1:i2, i2:])
+    return q_all[:, torch.argsort(perm)] if act_order else q_all
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_matches_reference_gptq_bit_for_bit(act_order):
+    torch = pytest.importorskip("torch")
+    x, w = _problem(10, tokens=1024)
+    x[:, 5] = 0.0  # one dead input
+    h = G.hessian_from_inputs(x)
+    ref = _reference_fasterquant(torch.tensor(w.T, dtype=torch.float64), torch.tensor(h), act_order)
+    ours = Q.dequantize_int4(G.gptq_quantize(w, h, act_order=act_order))
+    np.testing.assert_array_equal(ours, ref.numpy().T.astype(np.float32))

@@ -133,6 +133,31 @@ def test_int4_dequant_is_exact_wrt_stored_scales():
     np.testing.assert_array_equal(again.packed, qw.packed)
 
 
+@settings(max_examples=10, deadline=None)
+@given(shape=shapes, seed=seeds, scale=magnitudes)
+def test_int4_mse_scales_never_worse_than_absmax(shape, seed, scale):
+    w = _weights(seed, *shape, scale)
+    absmax, mse = Q.quantize_int4_rtn(w), Q.quantize_int4_rtn(w, scale_method="mse")
+    assert mse.packed.shape == absmax.packed.shape and mse.scales.dtype == BF16
+
+    def group_sq_err(qw):
+        return ((Q.dequantize_int4(qw) - w) ** 2).reshape(-1, 128, shape[1]).sum(axis=1)
+
+    assert np.all(group_sq_err(mse) <= group_sq_err(absmax))
+    again = Q.quantize_int4_with_scales(Q.dequantize_int4(mse), mse.scales)
+    np.testing.assert_array_equal(again.packed, mse.packed)
+
+
+def test_int4_mse_scales_reduce_error_and_may_be_negative():
+    w = _weights(11, 512, 64, 0.02)
+    absmax, mse = Q.quantize_int4_rtn(w), Q.quantize_int4_rtn(w, scale_method="mse")
+    err = [np.linalg.norm(Q.dequantize_int4(qw) - w) for qw in (absmax, mse)]
+    assert err[1] < 0.9 * err[0]
+    assert (mse.scales.astype(np.float32) < 0).any()  # signed /-8 candidates were chosen
+    with pytest.raises(ValueError, match="unknown int4 scale method"):
+        Q.quantize_int4_rtn(w, scale_method="minmax")
+
+
 def test_int4_zero_group_gives_zero_scale_and_values():
     w = _weights(4, 256, 6, 1.0)
     w[128:, 2] = 0.0
