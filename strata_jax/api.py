@@ -42,11 +42,21 @@ def from_arrays(
     dtype = jnp.dtype(config.dtype)
     params = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
     params["layers"] = tuple(
-        {k: jnp.asarray(v[i], dtype) for k, v in layers.items()} for i in range(config.num_layers)
+        fuse_qkv({k: jnp.asarray(v[i], dtype) for k, v in layers.items()})
+        for i in range(config.num_layers)
     )
     flat = {k: jnp.asarray(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
     pool = ExpertPool(flat["w1"], flat["w3"], flat["w2"])
     return Model(config, params, pool, mdl.resident_slot_table(config))
+
+
+def fuse_qkv(lp: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three."""
+    lp = dict(lp)
+    lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
+    if "bq" in lp:
+        lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
+    return lp
 
 
 def load(path: str | os.PathLike) -> Model:

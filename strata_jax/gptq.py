@@ -91,8 +91,8 @@ def _prepare(
     """Dead inputs zeroed, optional act-order permutation: (W, H, perm) in float64."""
     w = np.array(w, np.float64)
     h = np.array(h, np.float64)
-    k = w.shape[0]
-    if w.ndim != 2 or h.shape != (k, k):
+    k = w.shape[0] if w.ndim == 2 else -1
+    if k < 0 or h.shape != (k, k):
         raise ValueError(f"need w [K, N] and H [K, K], got {w.shape} and {h.shape}")
     if not (np.all(np.isfinite(w)) and np.all(np.isfinite(h))):
         raise ValueError("GPTQ inputs contain non-finite values")
@@ -131,7 +131,7 @@ def inverse_hessian_cholesky(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
 def _gptq_rows(
     w: np.ndarray,
     u: np.ndarray,
-    scales: np.ndarray | None,
+    scales: tuple[np.ndarray, np.ndarray] | None,
     qmin: int,
     qmax: int,
     group: int,
@@ -140,7 +140,8 @@ def _gptq_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize the rows of w [K, N] in order with GPTQ error feedback.
 
-    `scales` [K, N] gives each row's scale; None means int4 groups whose bfloat16 scale (by
+    `scales` = (table [S, N], row_index [K]) fixes row i's scale to table[row_index[i]]; None
+    means int4 groups whose bfloat16 scale (by
     `scale_method`) is taken from the error-updated rows when entering each group. Rows of a
     block get rank-1 updates row by row and later rows one matrix product per block ("lazy
     batch"), so when block and group divide one another, a group's rows have received every
@@ -162,7 +163,7 @@ def _gptq_rows(
                     group_scales.append(quant.int4_scales(rows, group, scale_method)[0])
                 s = group_scales[-1].astype(np.float64)
             else:
-                s = scales[b0 + i]
+                s = scales[0][scales[1][b0 + i]]
             qi = quant.quantize_with_scales(wb[i], s, qmin, qmax)
             q[b0 + i] = qi
             e = (wb[i] - qi * s) / ub[i, i]
@@ -193,16 +194,15 @@ def gptq_quantize(
     fixed up front per original group from the (dead-row-zeroed) weights ("static groups").
     `scale_method` is "absmax" (max|W_g| / 7) or "mse" (see `quant.int4_mse_scales`).
     """
-    k, n = np.shape(w)
-    quant.check_group(k, group, name)
+    quant.check_group(np.shape(w)[0], group, name)
     if block <= 0 or (block % group and group % block):
         raise ValueError(f"GPTQ block={block} must divide, or be a multiple of, group={group}")
     wp, hp, perm = _prepare(w, h, act_order)
     u = inverse_hessian_cholesky(hp, damp)
     if act_order:
         scales = quant.int4_scales(wp[np.argsort(perm)], group, scale_method, name)
-        row_scales = np.repeat(scales.astype(np.float64), group, axis=0)[perm]
-        qp, _ = _gptq_rows(wp, u, row_scales, INT4_MIN, INT4_MAX, group, block)
+        fixed = (scales.astype(np.float64), perm // group)
+        qp, _ = _gptq_rows(wp, u, fixed, INT4_MIN, INT4_MAX, group, block)
     else:
         qp, used = _gptq_rows(wp, u, None, INT4_MIN, INT4_MAX, group, block, scale_method)
         scales = used.astype(quant.BF16)
@@ -221,8 +221,8 @@ def gptq_quantize_int8(
     wp, hp, perm = _prepare(w, h, act_order)
     u = inverse_hessian_cholesky(hp, damp)
     scales = quant.int8_absmax_scales(wp)
-    row_scales = np.broadcast_to(scales.astype(np.float64), wp.shape)
-    qp, _ = _gptq_rows(wp, u, row_scales, -INT8_MAX, INT8_MAX, block, block)
+    fixed = (scales.astype(np.float64)[None], np.zeros(wp.shape[0], np.intp))
+    qp, _ = _gptq_rows(wp, u, fixed, -INT8_MAX, INT8_MAX, block, block)
     return Int8Weight(qp[np.argsort(perm)], scales)
 
 

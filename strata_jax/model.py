@@ -23,20 +23,24 @@ Params = dict[str, Any]
 
 
 class KVCache(NamedTuple):
-    """Keys and values [layers, batch, max_len, kv_heads, head_dim]."""
+    """Keys and values: one [batch, max_len, kv_heads, head_dim] array per layer.
 
-    k: jax.Array
-    v: jax.Array
+    Per-layer buffers (not one stacked array) so a decode step updates each in place.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
 def resident_slot_table(cfg: ModelConfig) -> jax.Array:
@@ -48,9 +52,10 @@ def resident_slot_table(cfg: ModelConfig) -> jax.Array:
 def _project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
     """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] with the family's q/k norm and RoPE applied."""
     b, t, _ = h.shape
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    qkv = h @ lp["wqkv"]
     if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        qkv = qkv + lp["bqkv"]
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     if cfg.qk_norm == "full":
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
     if cfg.clip_qkv is not None:
@@ -107,9 +112,7 @@ def _run_causal(cfg, params, pool, slot_table, tokens):
         x, kv, experts = _causal_layer(cfg, lp, x, positions, pool, slot_table[i])
         kvs.append(kv)
         routes.append(experts)
-    k = jnp.stack([kv[0] for kv in kvs])
-    v = jnp.stack([kv[1] for kv in kvs])
-    return _lm_head(cfg, params, x), (k, v), jnp.stack(routes)
+    return _lm_head(cfg, params, x), kvs, jnp.stack(routes)
 
 
 def forward(
@@ -140,13 +143,15 @@ def prefill(
     Returns logits for every position [B, T, vocab]; a row of length n reads position n - 1.
     Cache entries past a row's length hold padding and are overwritten by later decode steps.
     """
-    logits, (k, v), _ = _run_causal(cfg, params, pool, slot_table, tokens)
-    cache = init_cache(cfg, tokens.shape[0], max_len)
-    cache = KVCache(
-        jax.lax.dynamic_update_slice_in_dim(cache.k, k, 0, axis=2),
-        jax.lax.dynamic_update_slice_in_dim(cache.v, v, 0, axis=2),
-    )
-    return logits, cache
+    logits, kvs, _ = _run_causal(cfg, params, pool, slot_table, tokens)
+    empty = init_cache(cfg, tokens.shape[0], max_len)
+
+    def place(buf, new):
+        return jax.lax.dynamic_update_slice_in_dim(buf, new, 0, axis=1)
+
+    k = tuple(place(buf, kv[0]) for buf, kv in zip(empty.k, kvs, strict=True))
+    v = tuple(place(buf, kv[1]) for buf, kv in zip(empty.v, kvs, strict=True))
+    return logits, KVCache(k, v)
 
 
 def decode_layer(cfg, lp, x, positions, k_cache, v_cache, pool, slot_row):
@@ -179,4 +184,4 @@ def decode_step(
         x, (k, v) = decode_layer(cfg, lp, x, positions, cache.k[i], cache.v[i], pool, slot_table[i])
         ks.append(k)
         vs.append(v)
-    return _lm_head(cfg, params, x[:, 0]), KVCache(jnp.stack(ks), jnp.stack(vs))
+    return _lm_head(cfg, params, x[:, 0]), KVCache(tuple(ks), tuple(vs))
