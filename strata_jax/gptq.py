@@ -140,12 +140,11 @@ def _gptq_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Quantize the rows of w [K, N] in order with GPTQ error feedback.
 
-    `scales` = (table [S, N], row_index [K]) fixes row i's scale to table[row_index[i]]; None
-    means int4 groups whose bfloat16 scale (by
-    `scale_method`) is taken from the error-updated rows when entering each group. Rows of a
-    block get rank-1 updates row by row and later rows one matrix product per block ("lazy
-    batch"), so when block and group divide one another, a group's rows have received every
-    earlier row's update by the time the group starts.
+    `scales` = (table [S, N], row_index [K]) fixes row i's scale to table[row_index[i]]. None
+    means int4 groups whose bfloat16 scale (by `scale_method`) is taken from the error-updated
+    rows when entering each group. Rows of a block get rank-1 updates row by row and later rows
+    one matrix product per block ("lazy batch"), so when block and group divide one another, a
+    group's rows have received every earlier row's update by the time the group starts.
     Returns (q int8 [K, N], scales used [K/group, N]).
     """
     k, n = w.shape
