@@ -19,14 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.pool import INT4_GROUP, dequantize_int4
+from strata_jax.quant import GROUP as INT4_GROUP
+from strata_jax.quant import dequantize_int4_jnp
 
 _CPU = jax.devices("cpu")[0]
 
 
 @jax.jit
 def _dequantize_bf16(packed, scales):
-    return dequantize_int4(packed, scales, jnp.bfloat16)
+    return dequantize_int4_jnp(packed, scales, jnp.bfloat16)
 
 
 class HostDequantizer:

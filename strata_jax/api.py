@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import model as mdl
-from strata_jax.checkpoint import EXPERT_KINDS, CheckpointReader
+from strata_jax.checkpoint import CheckpointReader
 from strata_jax.config import ModelConfig
 from strata_jax.moe import ExpertPool
 
@@ -42,18 +42,29 @@ def from_arrays(
     dtype = jnp.dtype(config.dtype)
     params = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
     params["layers"] = tuple(
-        fuse_qkv({k: jnp.asarray(v[i], dtype) for k, v in layers.items()})
+        fuse_qkv({k: _device_array(v[i], dtype) for k, v in layers.items()})
         for i in range(config.num_layers)
     )
-    flat = {k: jnp.asarray(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
-    pool = ExpertPool(flat["w1"], flat["w3"], flat["w2"])
+    flat = {k: _device_array(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
+    pool = ExpertPool(**flat)
     return Model(config, params, pool, mdl.resident_slot_table(config))
+
+
+def _device_array(v: Any, dtype) -> jax.Array:
+    """Float arrays in the model dtype; quantized codes and scales keep their stored dtype."""
+    v = np.asarray(v)
+    if v.dtype in (np.uint8, np.int8) or v.dtype.name == "bfloat16":
+        return jnp.asarray(v)
+    return jnp.asarray(v, dtype)
 
 
 def fuse_qkv(lp: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three."""
     lp = dict(lp)
-    lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=-1)
+    for suffix in ("", "_scale"):
+        if f"wq{suffix}" in lp:
+            parts = [lp.pop(f"w{p}{suffix}") for p in "qkv"]
+            lp[f"wqkv{suffix}"] = jnp.concatenate(parts, axis=-1)
     if "bq" in lp:
         lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
     return lp
@@ -66,7 +77,7 @@ def load(path: str | os.PathLike) -> Model:
     with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
         experts = {
             kind: _stack_experts(ex, reader, kind, cfg.num_layers, cfg.num_experts)
-            for kind in EXPERT_KINDS
+            for kind in reader.expert_specs
         }
     layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
     stacked = {name: [lp[name] for lp in layers] for name in layers[0]}

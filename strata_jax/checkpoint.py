@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from strata_jax.config import ModelConfig
+from strata_jax.quant import GROUP as INT4_GROUP
 
 FORMAT = "strata"
 FORMAT_VERSION = 1
@@ -73,11 +74,59 @@ def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+FLOAT = {"dense": "none", "experts": "none"}
+DENSE_QUANTS = ("none", "int8")
+EXPERT_QUANTS = ("none", "int4-g128")
+# dense matrices that int8 quantization covers (router, norms, biases stay in the model dtype)
+INT8_MATRICES = ("wq", "wk", "wv", "wo", "shared_w1", "shared_w3", "shared_w2")
+
+ArraySpec = tuple[tuple[int, ...], str]  # (shape, dtype name)
+
+
+def check_quantization(quant: dict[str, str]) -> None:
+    if quant.get("dense") not in DENSE_QUANTS or quant.get("experts") not in EXPERT_QUANTS:
+        raise CheckpointError(
+            f"unsupported quantization {quant}; dense in {DENSE_QUANTS}, experts in {EXPERT_QUANTS}"
+        )
+
+
+def expert_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
+    """Stored arrays of one expert: w1/w3/w2 in the model dtype, or packed int4 + scales."""
+    if quant["experts"] == "none":
+        return {kind: (expert_shape(cfg, kind), cfg.dtype) for kind in EXPERT_KINDS}
+    specs: dict[str, ArraySpec] = {}
+    for kind in EXPERT_KINDS:
+        k, n = expert_shape(cfg, kind)
+        if k % INT4_GROUP:
+            raise CheckpointError(
+                f"expert {kind}: input dim {k} is not a multiple of the int4 group {INT4_GROUP}"
+            )
+        specs[kind] = ((k // 2, n), "uint8")
+        specs[f"{kind}_scale"] = ((k // INT4_GROUP, n), "bfloat16")
+    return specs
+
+
+def dense_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
+    """Stored arrays of one layer's dense params, with int8 matrices + scales if quantized."""
+    specs: dict[str, ArraySpec] = {}
+    for name, shape in dense_layer_shapes(cfg).items():
+        if quant["dense"] == "int8" and name in INT8_MATRICES:
+            specs[name] = (shape, "int8")
+            specs[f"{name}_scale"] = ((shape[-1],), "bfloat16")
+        else:
+            specs[name] = (shape, cfg.dtype)
+    return specs
+
+
 def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes
+
+
+def _shapes(specs: dict[str, ArraySpec]) -> dict[str, tuple[int, ...]]:
+    return {k: v[0] for k, v in specs.items()}
 
 
 def _check_shapes(expected: dict[str, tuple[int, ...]], got: dict[str, Any], where: str) -> None:
@@ -113,6 +162,9 @@ def _expert_spec(path: Path, shape: tuple[int, ...], dtype: str, create: bool) -
                 "name": "regular",
                 "configuration": {"chunk_shape": [1, 1, *shape[2:]]},
             },
+            # plain bytes: without this TensorStore shards each chunk into 1024x1024
+            # sub-chunks behind an index, and one expert is no longer one plain read
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
         }
         spec["create"] = True
     return spec
@@ -139,7 +191,10 @@ class CheckpointWriter:
         if self.dst.exists() and not overwrite:
             raise FileExistsError(f"{self.dst} already exists; pass --overwrite to replace it")
         self.config = config
-        self.quantization = quantization or {"dense": "none", "experts": "none"}
+        self.quantization = dict(quantization or FLOAT)
+        check_quantization(self.quantization)
+        self._expert_specs = expert_arrays(config, self.quantization)
+        self._dense_specs = dense_layer_arrays(config, self.quantization)
         self.extra = extra or {}
         _remove_stale_partials(self.dst)
         self.tmp = self.dst.parent / f"{self.dst.name}.partial-{os.getpid()}"
@@ -156,12 +211,12 @@ class CheckpointWriter:
             kind: ts.open(
                 _expert_spec(
                     self.tmp / "experts" / kind,
-                    (config.num_layers, config.num_experts, *expert_shape(config, kind)),
-                    config.dtype,
+                    (config.num_layers, config.num_experts, *shape),
+                    dtype,
                     create=True,
                 )
             ).result()
-            for kind in EXPERT_KINDS
+            for kind, (shape, dtype) in self._expert_specs.items()
         }
         self.bytes_written = 0
 
@@ -176,9 +231,8 @@ class CheckpointWriter:
         self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def _save_dense(self, name: str, tree: dict[str, np.ndarray]) -> None:
-        dtype = numpy_dtype(self.config.dtype)
-        tree = {k: np.asarray(v, dtype=dtype) for k, v in tree.items()}
+    def _save_dense(self, name: str, tree: dict[str, np.ndarray], dtypes: dict[str, str]) -> None:
+        tree = {k: np.asarray(v, dtype=numpy_dtype(dtypes[k])) for k, v in tree.items()}
         self._checkpointer.save(self.tmp / "dense" / name, tree)
         self._checkpointer.wait_until_finished()
         self.bytes_written += sum(v.nbytes for v in tree.values())
@@ -186,24 +240,30 @@ class CheckpointWriter:
     def write_globals(self, params: dict[str, np.ndarray]) -> None:
         """Embeddings, final norm and (untied) lm_head."""
         _check_shapes(global_shapes(self.config), params, "globals")
-        self._save_dense("globals", params)
+        self._save_dense("globals", params, {k: self.config.dtype for k in params})
         self._globals_done = True
 
     def write_layer_dense(self, layer: int, params: dict[str, np.ndarray]) -> None:
-        _check_shapes(dense_layer_shapes(self.config), params, f"layer {layer}")
-        self._save_dense(f"layer_{layer:04d}", params)
+        _check_shapes(_shapes(self._dense_specs), params, f"layer {layer}")
+        dtypes = {k: v[1] for k, v in self._dense_specs.items()}
+        self._save_dense(f"layer_{layer:04d}", params, dtypes)
         with self._lock:
             self._layers_done.add(layer)
 
     def write_expert(self, layer: int, expert: int, kind: str, array: np.ndarray) -> Future:
-        """Queue one expert weight ([in, out] layout) for writing; returns its future."""
-        shape = expert_shape(self.config, kind)
+        """Queue one expert array (see `expert_arrays`) for writing; returns its future."""
+        if kind not in self._expert_specs:
+            raise CheckpointError(
+                f"layer {layer} expert {expert}: unknown array {kind!r} for quantization "
+                f"{self.quantization}; expected one of {sorted(self._expert_specs)}"
+            )
+        shape, dtype = self._expert_specs[kind]
         if tuple(array.shape) != shape:
             raise CheckpointError(
                 f"layer {layer} expert {expert} {kind}: shape {tuple(array.shape)}, "
                 f"expected {shape}"
             )
-        array = np.ascontiguousarray(array, dtype=numpy_dtype(self.config.dtype))
+        array = np.ascontiguousarray(array, dtype=numpy_dtype(dtype))
         fut = self._pool.submit(self._write_chunk, layer, expert, kind, array)
         self._pending.append(fut)
         if len(self._pending) > 4 * self._pool._max_workers:
@@ -232,7 +292,7 @@ class CheckpointWriter:
                 f"incomplete checkpoint: dense layers missing {missing_layers}, "
                 f"globals written={self._globals_done}"
             )
-        expected = cfg.num_layers * cfg.num_experts * len(EXPERT_KINDS)
+        expected = cfg.num_layers * cfg.num_experts * len(self._expert_specs)
         if len(self._hashes) != expected:
             raise CheckpointError(f"incomplete checkpoint: {len(self._hashes)}/{expected} chunks")
         meta = {
@@ -299,6 +359,10 @@ class CheckpointReader:
                 f"version {self.meta.get('format_version')!r}"
             )
         self.config = ModelConfig.from_dict(self.meta["model"])
+        self.quantization = dict(self.meta.get("quantization", FLOAT))
+        check_quantization(self.quantization)
+        self.expert_specs = expert_arrays(self.config, self.quantization)
+        self.dense_specs = dense_layer_arrays(self.config, self.quantization)
         self.hashes: dict[str, str] = json.loads(manifest_path.read_text())["expert_chunks"]
         self._checkpointer = ocp.StandardCheckpointer()
         self._experts: dict[str, ts.TensorStore] = {}
@@ -315,7 +379,7 @@ class CheckpointReader:
         return self._dense("globals", global_shapes(self.config))
 
     def read_layer_dense(self, layer: int) -> dict[str, np.ndarray]:
-        return self._dense(f"layer_{layer:04d}", dense_layer_shapes(self.config))
+        return self._dense(f"layer_{layer:04d}", _shapes(self.dense_specs))
 
     def read_dense_stacked(self) -> dict[str, np.ndarray]:
         """All layers' dense params stacked on a leading layer axis."""
@@ -324,7 +388,9 @@ class CheckpointReader:
 
     def expert_store(self, kind: str) -> ts.TensorStore:
         if kind not in self._experts:
-            spec = _expert_spec(self.path / "experts" / kind, (), self.config.dtype, create=False)
+            if kind not in self.expert_specs:
+                raise CheckpointError(f"{self.path}: no expert array {kind!r}")
+            spec = _expert_spec(self.path / "experts" / kind, (), "", create=False)
             self._experts[kind] = ts.open(spec, read=True).result()
         return self._experts[kind]
 
@@ -344,8 +410,8 @@ class CheckpointReader:
         return array
 
     def iter_layer_experts(self, layer: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(kind, [E, in, out]) for each expert weight kind of one layer, verified."""
-        for kind in EXPERT_KINDS:
+        """(kind, [E, ...]) for each stored expert array of one layer, verified."""
+        for kind in self.expert_specs:
             yield kind, np.stack(
                 [self.read_expert(layer, e, kind) for e in range(self.config.num_experts)]
             )

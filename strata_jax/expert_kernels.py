@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from strata_jax.layers import einsum_f32
-from strata_jax.pool import INT4_GROUP, ExpertPool
+from strata_jax.pool import ExpertPool
+from strata_jax.quant import GROUP as INT4_GROUP
 
 PALLAS_MAX_ROWS = 32  # decode shapes; larger row counts take the XLA path
 

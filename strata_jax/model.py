@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
-from strata_jax.moe import ExpertPool, apply_experts, route, swiglu
+from strata_jax.moe import ExpertPool, apply_experts, route
 
 Params = dict[str, Any]
 
@@ -49,10 +49,19 @@ def resident_slot_table(cfg: ModelConfig) -> jax.Array:
     return ids.reshape(cfg.num_layers, cfg.num_experts)
 
 
+def linear(x: jax.Array, lp: Params, name: str) -> jax.Array:
+    """x @ lp[name]; an int8 matrix carries a per-output-channel scale applied after the dot."""
+    w = lp[name]
+    scale = lp.get(f"{name}_scale")
+    if scale is None:
+        return x @ w
+    return (x @ w.astype(x.dtype)) * scale.astype(x.dtype)
+
+
 def _project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
     """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] with the family's q/k norm and RoPE applied."""
     b, t, _ = h.shape
-    qkv = h @ lp["wqkv"]
+    qkv = linear(h, lp, "wqkv")
     if cfg.attention_bias:
         qkv = qkv + lp["bqkv"]
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -79,7 +88,8 @@ def moe_block(
     routing = route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
     out = apply_experts(h, routing, pool, slot_row)
     if cfg.has_shared_expert:
-        shared = swiglu(h, lp["shared_w1"], lp["shared_w3"], lp["shared_w2"])
+        gate, up = linear(h, lp, "shared_w1"), linear(h, lp, "shared_w3")
+        shared = linear(jax.nn.silu(gate) * up, lp, "shared_w2")
         if cfg.shared_gate:
             shared = jax.nn.sigmoid(h @ lp["shared_gate"][:, None]) * shared
         out = out + shared
@@ -98,7 +108,7 @@ def _causal_layer(cfg, lp, x, positions, pool, slot_row):
     q, k, v = _project_qkv(cfg, lp, h, positions)
     t = x.shape[1]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
-    x = x + attend(q, k, v, mask) @ lp["wo"]
+    x = x + linear(attend(q, k, v, mask), lp, "wo")
     x, experts = moe_block(cfg, lp, x, pool, slot_row)
     return x, (k, v), experts
 
@@ -163,7 +173,7 @@ def decode_layer(cfg, lp, x, positions, k_cache, v_cache, pool, slot_row):
     k_cache = k_cache.at[rows, positions].set(k[:, 0])
     v_cache = v_cache.at[rows, positions].set(v[:, 0])
     mask = (jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None])[:, None, :]
-    x = x + attend(q, k_cache, v_cache, mask) @ lp["wo"]
+    x = x + linear(attend(q, k_cache, v_cache, mask), lp, "wo")
     x, _ = moe_block(cfg, lp, x, pool, slot_row)
     return x, (k_cache, v_cache)
 

@@ -88,8 +88,3 @@ def apply_experts(
     # multiply + reduce (not a dot) so XLA fuses the split-K sum and the combine into one pass
     weighted = partial * coef.T[:, None, :, None]
     return jnp.sum(weighted, axis=(0, 1)).astype(x.dtype)
-
-
-def swiglu(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array) -> jax.Array:
-    """Dense SwiGLU FFN: x [N, D], w1/w3 [D, F], w2 [F, D]."""
-    return (jax.nn.silu(x @ w1) * (x @ w3)) @ w2

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-INT4_GROUP = 128  # int4 group size along each expert matrix's input dim
+from strata_jax.quant import dequantize_int4_jnp
 
 
 class ExpertPool(NamedTuple):
@@ -42,14 +41,4 @@ class ExpertPool(NamedTuple):
         w = getattr(self, kind)[slots]
         if not self.quantized:
             return w.astype(dtype)
-        return dequantize_int4(w, getattr(self, f"{kind}_scale")[slots], dtype)
-
-
-def dequantize_int4(packed: jax.Array, scales: jax.Array, dtype) -> jax.Array:
-    """[..., K/2, N] packed nibbles + [..., K/128, N] scales -> [..., K, N] in `dtype`."""
-    *lead, half_k, n = packed.shape
-    groups = half_k * 2 // INT4_GROUP
-    p = packed.reshape(*lead, groups, INT4_GROUP // 2, n).astype(jnp.int32)
-    q = jnp.concatenate([(p & 0xF) - 8, (p >> 4) - 8], axis=-2)  # [..., G, 128, N]
-    w = q.astype(jnp.float32) * scales.astype(jnp.float32)[..., :, None, :]
-    return w.reshape(*lead, half_k * 2, n).astype(dtype)
+        return dequantize_int4_jnp(w, getattr(self, f"{kind}_scale")[slots], dtype)
