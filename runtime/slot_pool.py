@@ -1,0 +1,103 @@
+"""Tier 0: fixed device arrays holding expert weights in slots, and the page table.
+
+All device memory for experts is allocated once, at construction: `permanent` slots for the hot
+set plus two staging regions (A and B) that the transfer engine fills alternately per layer.
+Installing an expert is a donated, jitted in-place update, so nothing is allocated after
+warm-up. The page table maps (layer, expert) -> permanent slot (-1 = not resident).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.checkpoint import numpy_dtype
+from strata_jax.pool import ExpertPool
+
+ABSENT = -1
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _install(pool: ExpertPool, slot: jax.Array, arrays: ExpertPool) -> ExpertPool:
+    def put(buf, value):
+        if buf is None:
+            return None
+        return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
+
+    return ExpertPool(*(put(b, v) for b, v in zip(pool, arrays, strict=True)))
+
+
+class SlotPool:
+    """Expert slots on one device: [0, permanent) hot set, then staging A and B."""
+
+    def __init__(
+        self,
+        specs: Mapping[str, tuple[tuple[int, ...], str]],
+        num_layers: int,
+        num_experts: int,
+        permanent: int,
+        staging: int,
+        device: jax.Device | None = None,
+    ) -> None:
+        self.permanent, self.staging = permanent, staging
+        self.num_slots = permanent + 2 * staging
+        self.device = device or jax.devices()[0]
+        fields = {
+            name: jax.device_put(
+                np.zeros((self.num_slots, *shape), numpy_dtype(dtype)), self.device
+            )
+            for name, (shape, dtype) in specs.items()
+        }
+        self.arrays = ExpertPool(**fields)
+        self.page_table = np.full((num_layers, num_experts), ABSENT, np.int32)
+        self._owner: dict[int, tuple[int, int]] = {}
+        self._free = list(range(permanent - 1, -1, -1))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays if a is not None)
+
+    def staging_slots(self, region: int) -> range:
+        """Slot ids of staging region 0 (A) or 1 (B)."""
+        start = self.permanent + region * self.staging
+        return range(start, start + self.staging)
+
+    def slot_of(self, layer: int, expert: int) -> int | None:
+        slot = int(self.page_table[layer, expert])
+        return None if slot == ABSENT else slot
+
+    def install(self, slot: int, arrays: Mapping[str, object]) -> None:
+        """Write one expert's arrays (host or device) into `slot` in place."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
+        values = ExpertPool(**{k: arrays.get(k) for k in ExpertPool._fields if k in arrays})
+        self.arrays = _install(self.arrays, jnp.int32(slot), values)
+
+    def admit(self, layer: int, expert: int, arrays: Mapping[str, object]) -> int:
+        """Give (layer, expert) a free permanent slot, install it, update the page table."""
+        if self.slot_of(layer, expert) is not None:
+            raise ValueError(f"layer {layer} expert {expert} is already resident")
+        if not self._free:
+            raise RuntimeError("no free permanent slot; evict first")
+        slot = self._free.pop()
+        self.install(slot, arrays)
+        self.page_table[layer, expert] = slot
+        self._owner[slot] = (layer, expert)
+        return slot
+
+    def evict(self, layer: int, expert: int) -> int:
+        """Forget (layer, expert); its slot becomes free (contents overwritten later)."""
+        slot = self.slot_of(layer, expert)
+        if slot is None:
+            raise KeyError(f"layer {layer} expert {expert} is not resident")
+        self.page_table[layer, expert] = ABSENT
+        del self._owner[slot]
+        self._free.append(slot)
+        return slot
+
+    def resident(self) -> dict[tuple[int, int], int]:
+        return {owner: slot for slot, owner in self._owner.items()}
