@@ -40,14 +40,23 @@ def from_arrays(
     experts are [L, E, in, out] per kind.
     """
     dtype = jnp.dtype(config.dtype)
-    params = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
+    params = dense_params(config, globals_, layers)
+    flat = {k: _device_array(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
+    pool = ExpertPool(**flat)
+    return Model(config, params, pool, mdl.resident_slot_table(config))
+
+
+def dense_params(
+    config: ModelConfig, globals_: dict[str, np.ndarray], layers: dict[str, Any]
+) -> dict[str, Any]:
+    """Device params the model functions take: globals plus one dict per layer (qkv fused)."""
+    dtype = jnp.dtype(config.dtype)
+    params: dict[str, Any] = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
     params["layers"] = tuple(
         fuse_qkv({k: _device_array(v[i], dtype) for k, v in layers.items()})
         for i in range(config.num_layers)
     )
-    flat = {k: _device_array(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
-    pool = ExpertPool(**flat)
-    return Model(config, params, pool, mdl.resident_slot_table(config))
+    return params
 
 
 def _device_array(v: Any, dtype) -> jax.Array:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
-from strata_jax.moe import ExpertPool, apply_experts, route
+from strata_jax.moe import ExpertPool, Routing, apply_experts, route
 
 Params = dict[str, Any]
 
@@ -79,13 +79,18 @@ def _project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Arra
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, Routing]:
+    """The MoE input [N, D] of residual stream x and its routing (what moe_block will use)."""
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).reshape(-1, x.shape[-1])
+    return h, route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
+
+
 def moe_block(
     cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Residual MoE FFN (routed + optional gated shared expert); also the selected experts."""
     shape = x.shape
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).reshape(-1, shape[-1])
-    routing = route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
+    h, routing = route_layer(cfg, lp, x)
     out = apply_experts(h, routing, pool, slot_row)
     if cfg.has_shared_expert:
         gate, up = linear(h, lp, "shared_w1"), linear(h, lp, "shared_w3")
@@ -96,7 +101,7 @@ def moe_block(
     return x + out.reshape(shape), routing.experts
 
 
-def _lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     h = rms_norm(x, params["final_norm"], cfg.rms_eps)
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     return einsum_f32("...d,vd->...v", h, w)
@@ -104,13 +109,18 @@ def _lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 
 def _causal_layer(cfg, lp, x, positions, pool, slot_row):
     """One layer over a whole (prefix) sequence; also returns its k, v for a cache."""
+    x, k, v = causal_attention(cfg, lp, x, positions)
+    x, experts = moe_block(cfg, lp, x, pool, slot_row)
+    return x, (k, v), experts
+
+
+def causal_attention(cfg, lp, x, positions):
+    """The attention half of a layer over a whole prefix (residual included), with its k, v."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q, k, v = _project_qkv(cfg, lp, h, positions)
     t = x.shape[1]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
-    x = x + linear(attend(q, k, v, mask), lp, "wo")
-    x, experts = moe_block(cfg, lp, x, pool, slot_row)
-    return x, (k, v), experts
+    return x + linear(attend(q, k, v, mask), lp, "wo"), k, v
 
 
 def _run_causal(cfg, params, pool, slot_table, tokens):
@@ -122,7 +132,7 @@ def _run_causal(cfg, params, pool, slot_table, tokens):
         x, kv, experts = _causal_layer(cfg, lp, x, positions, pool, slot_table[i])
         kvs.append(kv)
         routes.append(experts)
-    return _lm_head(cfg, params, x), kvs, jnp.stack(routes)
+    return lm_head(cfg, params, x), kvs, jnp.stack(routes)
 
 
 def forward(
@@ -166,6 +176,13 @@ def prefill(
 
 def decode_layer(cfg, lp, x, positions, k_cache, v_cache, pool, slot_row):
     """One layer for one new token per row; k/v caches are this layer's [B, max_len, Hkv, hd]."""
+    x, k_cache, v_cache = decode_attention(cfg, lp, x, positions, k_cache, v_cache)
+    x, _ = moe_block(cfg, lp, x, pool, slot_row)
+    return x, (k_cache, v_cache)
+
+
+def decode_attention(cfg, lp, x, positions, k_cache, v_cache):
+    """The attention half of a decode layer (residual included); writes this step's k, v."""
     b = x.shape[0]
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q, k, v = _project_qkv(cfg, lp, h, positions[:, None])
@@ -174,8 +191,7 @@ def decode_layer(cfg, lp, x, positions, k_cache, v_cache, pool, slot_row):
     v_cache = v_cache.at[rows, positions].set(v[:, 0])
     mask = (jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None])[:, None, :]
     x = x + linear(attend(q, k_cache, v_cache, mask), lp, "wo")
-    x, _ = moe_block(cfg, lp, x, pool, slot_row)
-    return x, (k_cache, v_cache)
+    return x, k_cache, v_cache
 
 
 def decode_step(
@@ -194,4 +210,4 @@ def decode_step(
         x, (k, v) = decode_layer(cfg, lp, x, positions, cache.k[i], cache.v[i], pool, slot_table[i])
         ks.append(k)
         vs.append(v)
-    return _lm_head(cfg, params, x[:, 0]), KVCache(tuple(ks), tuple(vs))
+    return lm_head(cfg, params, x[:, 0]), KVCache(tuple(ks), tuple(vs))

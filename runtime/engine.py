@@ -1,0 +1,155 @@
+"""The offload engine: experts in a fixed slot pool, misses staged per layer from host or disk.
+
+This first version serves a miss synchronously after reading the layer's routing (the naive
+rung of the write-up's ladder). Every layer runs the same compiled functions whatever the
+budget, and experts are operands, so an offloaded run is bit-identical to an unlimited one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from strata_runtime.expert_store import ExpertStore
+from strata_runtime.slot_pool import SlotPool
+
+from strata_jax import api
+from strata_jax import model as mdl
+from strata_jax.checkpoint import CheckpointReader
+from strata_jax.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. `resident_experts`: experts pinned in HBM slots (None = all of them)."""
+
+    resident_experts: int | None = None
+    host_experts: int | None = None
+    batch_capacity: int = 16
+    max_len: int = 256
+
+
+def placement(cfg: ModelConfig, resident: int, host: int) -> tuple[list, list]:
+    """Uniform heat: spread the resident set evenly over layers, then the host set."""
+    order = [(layer, e) for e in range(cfg.num_experts) for layer in range(cfg.num_layers)]
+    return order[:resident], order[resident : resident + host]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(4, 5))
+def _attn_decode(cfg, lp, x, positions, k_cache, v_cache):
+    return mdl.decode_attention(cfg, lp, x, positions, k_cache, v_cache)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attn_prefill(cfg, lp, x, positions):
+    return mdl.causal_attention(cfg, lp, x, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _route(cfg, lp, x):
+    return mdl.route_layer(cfg, lp, x)[1].experts
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _moe(cfg, lp, x, pool, slot_row):
+    return mdl.moe_block(cfg, lp, x, pool, slot_row)[0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _head(cfg, params, x):
+    return mdl.lm_head(cfg, params, x)
+
+
+class Engine:
+    """Greedy generation over an expert pool smaller than the model."""
+
+    def __init__(self, reader: CheckpointReader, config: EngineConfig) -> None:
+        self.cfg, self.config = reader.config, config
+        cfg = self.cfg
+        total = cfg.num_layers * cfg.num_experts
+        resident = total if config.resident_experts is None else config.resident_experts
+        host = total - resident if config.host_experts is None else config.host_experts
+        tier0, tier1 = placement(cfg, resident, host)
+        self.store = ExpertStore(reader, tier1)
+        self.pool = SlotPool(reader.expert_specs, cfg.num_layers, cfg.num_experts,
+                             permanent=max(resident, 1), staging=cfg.num_experts)
+        for layer, e in tier0:
+            self.pool.admit(layer, e, self.store._read(layer, e))
+        layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
+        stacked = {k: [lp[k] for lp in layers] for k in layers[0]}
+        self.params = api.dense_params(cfg, reader.read_globals(), stacked)
+        self.staged = 0
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, config: EngineConfig) -> Engine:
+        return cls(CheckpointReader(path), config)
+
+    def _slot_row(self, layer: int, experts: jax.Array) -> jax.Array:
+        """Slots for this layer's experts; needed non-resident ones are staged now."""
+        needed = set(np.unique(np.asarray(experts)).tolist())
+        staging = iter(self.pool.staging_slots(layer % 2))
+        row = np.zeros(self.cfg.num_experts, np.int32)
+        for e in range(self.cfg.num_experts):
+            slot = self.pool.slot_of(layer, e)
+            if slot is None and e in needed:
+                slot = next(staging)
+                self.pool.install(slot, self.store.fetch(layer, e))
+                self.staged += 1
+            row[e] = 0 if slot is None else slot
+        return jnp.asarray(row)
+
+    def _moe_layer(self, layer: int, lp, x):
+        row = self._slot_row(layer, _route(self.cfg, lp, x))
+        return _moe(self.cfg, lp, x, self.pool.arrays, row)
+
+    def _prefill(self, tokens: np.ndarray):
+        cfg = self.cfg
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        x = self.params["embed"][tokens]
+        cache = mdl.init_cache(cfg, b, self.config.max_len)
+        ks, vs = [], []
+        for layer, lp in enumerate(self.params["layers"]):
+            x, k, v = _attn_prefill(cfg, lp, x, positions)
+            ks.append(jax.lax.dynamic_update_slice_in_dim(cache.k[layer], k, 0, axis=1))
+            vs.append(jax.lax.dynamic_update_slice_in_dim(cache.v[layer], v, 0, axis=1))
+            x = self._moe_layer(layer, lp, x)
+        return _head(cfg, self.params, x), ks, vs
+
+    def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
+        x = self.params["embed"][tokens][:, None, :]
+        for layer, lp in enumerate(self.params["layers"]):
+            x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],
+                                                   vs[layer])
+            x = self._moe_layer(layer, lp, x)
+        return _head(self.cfg, self.params, x[:, 0])
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy; new tokens only. Rows are padded to the fixed batch capacity."""
+        return self.generate_with_logits(prompts, max_new_tokens)[0]
+
+    def generate_with_logits(self, prompts: list[list[int]], max_new_tokens: int):
+        """Greedy tokens and the last step's logits [len(prompts), vocab]."""
+        cap = self.config.batch_capacity
+        if not 0 < len(prompts) <= cap:
+            raise ValueError(f"need 1..{cap} prompts, got {len(prompts)}")
+        lengths = np.ones(cap, np.int32)
+        lengths[: len(prompts)] = [len(p) for p in prompts]
+        t = api.bucket(int(lengths.max()))
+        if t + max_new_tokens > self.config.max_len:
+            raise ValueError(f"prompt bucket {t} + {max_new_tokens} new tokens > max_len")
+        tokens = np.zeros((cap, t), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+        logits, ks, vs = self._prefill(tokens)
+        last = np.asarray(logits)[np.arange(cap), lengths - 1]
+        out = [np.argmax(last, -1).astype(np.int32)]
+        for i in range(max_new_tokens - 1):
+            last = np.asarray(self._decode(jnp.asarray(out[-1]), jnp.asarray(lengths + i), ks, vs))
+            out.append(np.argmax(last, -1).astype(np.int32))
+        tokens_out = np.stack(out, axis=1)[: len(prompts)].tolist()
+        return tokens_out, last[: len(prompts)]
