@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from strata_runtime.expert_store import ExpertStore
+from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.slot_pool import SlotPool
 
 from strata_jax import api
@@ -25,12 +26,19 @@ from strata_jax.config import ModelConfig
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs. `resident_experts`: experts pinned in HBM slots (None = all of them)."""
+    """Engine knobs.
 
-    resident_experts: int | None = None
-    host_experts: int | None = None
+    `hbm_budget` / `host_budget` ("24GB", bytes, or None = unlimited) go through the ledger,
+    which decides how many experts get HBM slots (tier 0) and host memory (tier 1).
+    `resident_experts` / `host_experts` override those counts directly, for ablations.
+    """
+
+    hbm_budget: int | str | None = None
+    host_budget: int | str | None = None
     batch_capacity: int = 16
     max_len: int = 256
+    resident_experts: int | None = None
+    host_experts: int | None = None
 
 
 def placement(cfg: ModelConfig, resident: int, host: int) -> tuple[list, list]:
@@ -70,9 +78,7 @@ class Engine:
     def __init__(self, reader: CheckpointReader, config: EngineConfig) -> None:
         self.cfg, self.config = reader.config, config
         cfg = self.cfg
-        total = cfg.num_layers * cfg.num_experts
-        resident = total if config.resident_experts is None else config.resident_experts
-        host = total - resident if config.host_experts is None else config.host_experts
+        resident, host = self._tier_sizes(reader)
         tier0, tier1 = placement(cfg, resident, host)
         self.store = ExpertStore(reader, tier1)
         self.pool = SlotPool(reader.expert_specs, cfg.num_layers, cfg.num_experts,
@@ -83,6 +89,24 @@ class Engine:
         stacked = {k: [lp[k] for lp in layers] for k in layers[0]}
         self.params = api.dense_params(cfg, reader.read_globals(), stacked)
         self.staged = 0
+
+    def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int]:
+        """(tier-0, tier-1) expert counts: from the ledger, unless overridden."""
+        cfg, config = self.cfg, self.config
+        total = cfg.num_layers * cfg.num_experts
+        resident, host = total, 0
+        if config.hbm_budget is not None:
+            self.ledger = plan_ledger(
+                ModelBytes.from_reader(reader), config.hbm_budget, config.host_budget,
+                batch_capacity=config.batch_capacity, max_len=config.max_len,
+                staging_slots=cfg.num_experts,
+            )
+            resident, host = self.ledger.tier0, self.ledger.tier1
+        if config.resident_experts is not None:
+            resident = config.resident_experts
+        if config.host_experts is not None:
+            host = config.host_experts
+        return resident, min(host, total - resident)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, config: EngineConfig) -> Engine:

@@ -46,6 +46,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from strata_runtime.ledger import BudgetError, ModelBytes, plan_ledger
+
+    from strata_jax.checkpoint import CheckpointReader
+
+    model = ModelBytes.from_reader(CheckpointReader(args.ckpt))
+    try:
+        ledger = plan_ledger(model, args.hbm, args.host, batch_capacity=args.batch_capacity,
+                             max_len=args.max_len)
+    except BudgetError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(ledger.render())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma-separated token ids; repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, default=16)
     gen.set_defaults(func=_generate)
+    plan = sub.add_parser("plan", help="print how an HBM budget splits (the ledger) and tiers")
+    plan.add_argument("ckpt")
+    plan.add_argument("--hbm", required=True, help="HBM budget, e.g. 24GB or 20GiB")
+    plan.add_argument("--host", default=None, help="host (pinned RAM) budget for tier 1")
+    plan.add_argument("--batch-capacity", type=int, default=16)
+    plan.add_argument("--max-len", type=int, default=4096)
+    plan.set_defaults(func=_plan)
     return parser
 
 

@@ -41,3 +41,13 @@ def test_budgets_are_bit_identical_to_unlimited(ckpt):
 def test_engine_matches_resident_generate(ckpt):
     tokens, _, _ = _run(ckpt, 3)
     assert tokens == strata_jax.generate(strata_jax.load(ckpt), PROMPTS, 6)
+
+
+def test_budget_goes_through_the_ledger(ckpt):
+    from strata_runtime.ledger import BudgetError
+
+    with pytest.raises(BudgetError, match="too small"):
+        Engine.from_checkpoint(ckpt, EngineConfig(hbm_budget="1MiB", max_len=32))
+    engine = Engine.from_checkpoint(ckpt, EngineConfig(hbm_budget="1GiB", host_budget="1MiB",
+                                                       batch_capacity=4, max_len=32))
+    assert engine.ledger.resident and engine.pool.permanent == 12

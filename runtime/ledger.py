@@ -1,0 +1,352 @@
+"""One HBM budget, split and explained (`strata plan`).
+
+The user gives one HBM budget. The ledger takes out, in order: the dense weights (embeddings,
+lm_head, final norm, every layer's attention / norms / router / shared expert), the KV cache
+for `batch_capacity` sequences of `max_len` tokens, the two staging buffers a transfer engine
+double-buffers experts through, and a workspace for activations and compiler scratch. What
+remains becomes the expert slot pool (tier 0). Experts that do not fit in HBM live in pinned host
+memory (tier 1) as far as the host budget goes, and on disk (tier 2) after that.
+
+If every expert fits next to the dense weights, KV cache and workspace, the model runs fully
+resident: every expert gets a slot and no staging buffers are reserved (nothing is ever fetched).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from strata_jax.checkpoint import (
+    ArraySpec,
+    dense_layer_arrays,
+    expert_arrays,
+    global_shapes,
+    numpy_dtype,
+)
+from strata_jax.config import ModelConfig
+
+KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
+KiB, MiB, GiB, TiB = 2**10, 2**20, 2**30, 2**40
+UNITS = {
+    "b": 1, "kb": KB, "mb": MB, "gb": GB, "tb": TB,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.ASCII | re.IGNORECASE)
+
+DEFAULT_MAX_LEN = 4096
+DEFAULT_BATCH = 16
+# Activations, logits, compiler scratch and allocator slack: 5 % of the budget, at least 256 MiB.
+WORKSPACE_FRACTION = 0.05
+WORKSPACE_FLOOR = 256 * MiB
+
+
+class BudgetError(ValueError):
+    """The HBM budget cannot hold the fixed components plus a minimum expert pool."""
+
+    def __init__(self, message: str, ledger: Ledger, shortfall: int) -> None:
+        super().__init__(message)
+        self.ledger = ledger
+        self.shortfall = shortfall
+
+
+def parse_bytes(value: int | str) -> int:
+    """'24GB' (10**9), '24GiB' (2**30), '512MiB', '1.5 GiB', '1000' or an int -> bytes."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"expected a byte count or a size like '24GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte count must be non-negative, got {value}")
+        return value
+    m = _SIZE.match(value)
+    unit = m[2].lower() if m else ""
+    if m is None or (unit and unit not in UNITS):
+        raise ValueError(
+            f"cannot parse size {value!r}: expected a number with an optional unit, one of "
+            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)"
+        )
+    return int(Fraction(m[1]) * UNITS[unit or "b"])
+
+
+def fmt_bytes(n: int) -> str:
+    """Human-readable binary size: 1536 -> '1.50 KiB'."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+def _nbytes(specs: dict[str, ArraySpec]) -> int:
+    return sum(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in specs.values())
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """Byte sizes the ledger needs from a model, as stored in its checkpoint."""
+
+    global_bytes: int  # embed, lm_head (if untied) and final norm; all stay resident
+    dense_per_layer: int  # attention, norms, router, shared expert of one layer
+    bytes_per_expert: int  # all stored arrays of one routed expert (scales included)
+    num_layers: int
+    experts_per_layer: int
+    top_k: int
+    kv_bytes_per_token: int  # K and V of every layer for one token, in the model dtype
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_expert <= 0 or self.num_layers <= 0 or self.experts_per_layer <= 0:
+            raise ValueError(f"degenerate model sizes: {self}")
+
+    @property
+    def dense(self) -> int:
+        return self.global_bytes + self.num_layers * self.dense_per_layer
+
+    @property
+    def num_experts(self) -> int:
+        return self.num_layers * self.experts_per_layer
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.num_experts * self.bytes_per_expert
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert_bytes
+
+    @classmethod
+    def from_specs(
+        cls,
+        config: ModelConfig,
+        expert_specs: dict[str, ArraySpec],
+        dense_specs: dict[str, ArraySpec],
+    ) -> ModelBytes:
+        """From per-expert and per-layer array specs (`expert_arrays`, `dense_layer_arrays`)."""
+        globals_specs = {k: (s, config.dtype) for k, s in global_shapes(config).items()}
+        itemsize = numpy_dtype(config.dtype).itemsize
+        return cls(
+            global_bytes=_nbytes(globals_specs),
+            dense_per_layer=_nbytes(dense_specs),
+            bytes_per_expert=_nbytes(expert_specs),
+            num_layers=config.num_layers,
+            experts_per_layer=config.num_experts,
+            top_k=config.top_k,
+            kv_bytes_per_token=2 * config.num_layers * config.kv_size * itemsize,
+        )
+
+    @classmethod
+    def from_config(
+        cls, config: ModelConfig, quantization: dict[str, str] | None = None
+    ) -> ModelBytes:
+        quant = quantization or {"dense": "none", "experts": "none"}
+        return cls.from_specs(
+            config, expert_arrays(config, quant), dense_layer_arrays(config, quant)
+        )
+
+    @classmethod
+    def from_reader(cls, reader: Any) -> ModelBytes:
+        """From a `CheckpointReader` (uses its `config`, `expert_specs` and `dense_specs`)."""
+        return cls.from_specs(reader.config, reader.expert_specs, reader.dense_specs)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Where every byte of the HBM budget goes, and which tier each expert lives in."""
+
+    hbm_budget: int
+    dense: int
+    kv_cache: int
+    staging: int  # two buffers of `staging_slots` experts each
+    workspace: int
+    pool_slots: int
+    bytes_per_expert: int
+    staging_slots: int
+    num_experts: int
+    host_budget: int | None  # None: unlimited
+    host_slots: int
+    batch_capacity: int
+    max_len: int
+    resident_budget: int  # the smallest HBM budget that holds every expert
+
+    @property
+    def pool(self) -> int:
+        return self.pool_slots * self.bytes_per_expert
+
+    @property
+    def used(self) -> int:
+        return self.dense + self.kv_cache + self.staging + self.workspace + self.pool
+
+    @property
+    def free(self) -> int:
+        """Unassigned HBM (less than one expert slot); negative when over budget."""
+        return self.hbm_budget - self.used
+
+    @property
+    def tier0(self) -> int:
+        """Experts in HBM slots."""
+        return min(self.pool_slots, self.num_experts)
+
+    @property
+    def tier1(self) -> int:
+        """Experts in pinned host memory."""
+        return min(self.num_experts - self.tier0, self.host_slots)
+
+    @property
+    def tier2(self) -> int:
+        """Experts read from disk on demand."""
+        return self.num_experts - self.tier0 - self.tier1
+
+    @property
+    def resident(self) -> bool:
+        return self.tier0 == self.num_experts
+
+    def render(self) -> str:
+        """A table of components (bytes, GiB, MB, share of budget) and the tier split."""
+        return "\n".join([*self._component_lines(), "", *self._tier_lines()])
+
+    def _component_lines(self) -> list[str]:
+        staging = f"2 x {self.staging_slots} experts" if self.staging_slots else "none: resident"
+        rows = [
+            ("dense + shared weights", self.dense),
+            (f"KV cache ({self.batch_capacity} seq x {self.max_len} tokens)", self.kv_cache),
+            (f"staging ({staging})", self.staging),
+            ("workspace (activations, scratch)", self.workspace),
+            (f"expert pool ({self.pool_slots} slots)", self.pool),
+            ("free" if self.free >= 0 else "OVER BUDGET", self.free),
+        ]
+        lines = [
+            f"HBM budget {fmt_bytes(self.hbm_budget)} ({self.hbm_budget / GB:.2f} GB)",
+            f"  {'component':<42}{'bytes':>16}{'GiB':>10}{'MB':>12}{'share':>8}",
+        ]
+        for name, n in [*rows, ("total", self.hbm_budget)]:
+            share = n / self.hbm_budget if self.hbm_budget else 0.0
+            lines.append(f"  {name:<42}{n:>16,}{n / GiB:>10.3f}{n / MB:>12.2f}{share:>8.1%}")
+        return lines
+
+    def _tier_lines(self) -> list[str]:
+        host = "unlimited" if self.host_budget is None else fmt_bytes(self.host_budget)
+        n = self.num_experts
+        lines = [f"experts: {n} of {fmt_bytes(self.bytes_per_expert)} each"]
+        for label, count in (
+            ("tier 0  HBM slots", self.tier0),
+            (f"tier 1  pinned host (budget {host})", self.tier1),
+            ("tier 2  disk", self.tier2),
+        ):
+            lines.append(f"  {label:<42}{count:>8}{count / n:>8.1%}")
+        if self.resident:
+            lines.append("fully resident: every expert has an HBM slot, no staging buffers")
+        else:
+            lines.append(
+                f"{self.tier0 / n:.1%} of experts in HBM; fully resident needs an HBM budget "
+                f"of {fmt_bytes(self.resident_budget)}"
+            )
+        return lines
+
+
+def workspace_bytes(
+    hbm_budget: int, fraction: float = WORKSPACE_FRACTION, floor: int = WORKSPACE_FLOOR
+) -> int:
+    """Activation and compile headroom: `fraction` of the budget, at least `floor` bytes."""
+    return max(int(hbm_budget * fraction), floor)
+
+
+def resident_budget(
+    need: int, fraction: float = WORKSPACE_FRACTION, floor: int = WORKSPACE_FLOOR
+) -> int:
+    """Smallest budget B with need + workspace_bytes(B) <= B (B - workspace is monotone in B)."""
+    lo, hi = need, max(need + floor, math.ceil(need / (1 - fraction)) + 1)
+    while need + workspace_bytes(hi, fraction, floor) > hi:  # float rounding guard
+        hi *= 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need + workspace_bytes(mid, fraction, floor) <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _check_args(
+    batch_capacity: int, max_len: int, fraction: float, staging: int | None, min_pool: int | None
+) -> None:
+    if batch_capacity < 1 or max_len < 0:
+        raise ValueError(f"need batch_capacity >= 1, max_len >= 0; got {batch_capacity}, {max_len}")
+    if not 0 <= fraction < 1:
+        raise ValueError(f"workspace fraction must be in [0, 1), got {fraction}")
+    if staging is not None and staging < 1:
+        raise ValueError(f"staging_slots must be >= 1, got {staging}")
+    if min_pool is not None and min_pool < 0:
+        raise ValueError(f"min_pool_slots must be >= 0, got {min_pool}")
+
+
+def plan_ledger(
+    model: ModelBytes,
+    hbm_budget: int | str,
+    host_budget: int | str | None = None,
+    *,
+    batch_capacity: int = DEFAULT_BATCH,
+    max_len: int = DEFAULT_MAX_LEN,
+    staging_slots: int | None = None,
+    min_pool_slots: int | None = None,
+    workspace_fraction: float = WORKSPACE_FRACTION,
+    workspace_floor: int | str = WORKSPACE_FLOOR,
+) -> Ledger:
+    """Split `hbm_budget` among dense, KV cache, staging, workspace and the expert pool.
+
+    `staging_slots` defaults to the experts one layer can need in one decode step,
+    min(experts per layer, batch_capacity * top_k); `min_pool_slots` defaults to that too.
+    `host_budget` None means unlimited pinned host memory. Raises `BudgetError` (with the
+    rendered ledger and the shortfall: how much larger the budget must be, its workspace share
+    included) when the minimum pool does not fit.
+    """
+    _check_args(batch_capacity, max_len, workspace_fraction, staging_slots, min_pool_slots)
+    hbm, floor = parse_bytes(hbm_budget), parse_bytes(workspace_floor)
+    host = None if host_budget is None else parse_bytes(host_budget)
+    bpe, total = model.bytes_per_expert, model.num_experts
+    kv = batch_capacity * max_len * model.kv_bytes_per_token
+    workspace = workspace_bytes(hbm, workspace_fraction, floor)
+    fixed = model.dense + kv + workspace
+    everything = resident_budget(model.dense + kv + model.expert_bytes, workspace_fraction, floor)
+    if fixed + model.expert_bytes <= hbm:
+        slots, pool = 0, total
+    else:
+        slots = staging_slots or min(model.experts_per_layer, batch_capacity * model.top_k)
+        pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), total)
+    ledger = Ledger(
+        hbm_budget=hbm,
+        dense=model.dense,
+        kv_cache=kv,
+        staging=2 * slots * bpe,
+        workspace=workspace,
+        pool_slots=pool,
+        bytes_per_expert=bpe,
+        staging_slots=slots,
+        num_experts=total,
+        host_budget=host,
+        host_slots=total if host is None else min(host // bpe, total),
+        batch_capacity=batch_capacity,
+        max_len=max_len,
+        resident_budget=everything,
+    )
+    need_slots = min(slots if min_pool_slots is None else min_pool_slots, total)
+    if ledger.pool_slots < need_slots or ledger.free < 0:
+        without_ws = ledger.dense + kv + ledger.staging + need_slots * bpe
+        offloaded = resident_budget(without_ws, workspace_fraction, floor)
+        _over_budget(ledger, need_slots, min(offloaded, everything))
+    return ledger
+
+
+def _over_budget(ledger: Ledger, need_slots: int, minimum: int) -> None:
+    """Raise BudgetError; `minimum` is the smallest budget that plans (offloaded or resident)."""
+    shortfall = minimum - ledger.hbm_budget
+    raise BudgetError(
+        f"HBM budget {fmt_bytes(ledger.hbm_budget)} is too small: dense + KV cache + staging + "
+        f"workspace + {need_slots} expert slots (or every expert, without staging) need "
+        f"{fmt_bytes(minimum)}, short by "
+        f"{fmt_bytes(shortfall)} ({shortfall:,} bytes). Raise the budget, or lower "
+        f"max_len ({ledger.max_len}) / batch_capacity ({ledger.batch_capacity}).\n"
+        f"{ledger.render()}",
+        ledger,
+        shortfall,
+    )
