@@ -31,6 +31,7 @@ class Tiles:
     split_k: int = 4
     num_warps: int = 4
     num_stages: int = 4
+    fold_offset: bool = True  # int4: fold the -8 nibble offset into a row-sum correction
 
 
 def _compiler_params(tiles: Tiles):
@@ -42,7 +43,7 @@ def _compiler_params(tiles: Tiles):
         return None
 
 
-def _block_dot(xblock, w, slot, k, cols, bk: int):
+def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True):
     """x[:, K block k] @ W[slot][K block k, cols] in float32.
 
     `w` is (weights,) for a float pool or (packed, scales) for int4: then block k is one
@@ -53,12 +54,18 @@ def _block_dot(xblock, w, slot, k, cols, bk: int):
                        preferred_element_type=jnp.float32)
     packed_ref, scale_ref = w
     half = bk // 2
-    p = packed_ref[slot, pl.ds(k * half, half), cols].astype(jnp.int32)
+    p = packed_ref[slot, pl.ds(k * half, half), cols]
     x_lo, x_hi = xblock(k * bk, half), xblock(k * bk + half, half)
-    lo = ((p & 0xF) - 8).astype(x_lo.dtype)
-    hi = ((p >> 4) - 8).astype(x_lo.dtype)
+    if fold_offset:  # nibbles straight to bf16 (0..15); -8 applied as -8 * row sum of x
+        lo, hi = (p & 0xF).astype(x_lo.dtype), (p >> 4).astype(x_lo.dtype)
+    else:
+        p = p.astype(jnp.int32)
+        lo, hi = ((p & 0xF) - 8).astype(x_lo.dtype), ((p >> 4) - 8).astype(x_lo.dtype)
     acc = jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
     acc += jnp.dot(x_hi, hi, preferred_element_type=jnp.float32)
+    if fold_offset:
+        rows = jnp.sum(x_lo.astype(jnp.float32), 1) + jnp.sum(x_hi.astype(jnp.float32), 1)
+        acc -= 8.0 * rows[:, None]
     return acc * scale_ref[slot, pl.ds(k, 1), cols].astype(jnp.float32)
 
 
@@ -74,8 +81,8 @@ def _gate_up_kernel(slots_ref, x_ref, *refs, tiles: Tiles, nw: int):
 
     def body(k, accs):
         a1, a3 = accs
-        a1 += _block_dot(xblock, w1, slot, k, cols, tiles.bk)
-        a3 += _block_dot(xblock, w3, slot, k, cols, tiles.bk)
+        a1 += _block_dot(xblock, w1, slot, k, cols, tiles.bk, tiles.fold_offset)
+        a3 += _block_dot(xblock, w3, slot, k, cols, tiles.bk, tiles.fold_offset)
         return a1, a3
 
     zero = jnp.zeros((n, tiles.bf), jnp.float32)
@@ -95,7 +102,8 @@ def _down_kernel(slots_ref, h_ref, *refs, tiles: Tiles, nw: int):
         return h_ref[c, :, pl.ds(start, size)]
 
     def body(k, acc):
-        return acc + _block_dot(xblock, w2, slot, s * steps + k, cols, tiles.bk)
+        return acc + _block_dot(xblock, w2, slot, s * steps + k, cols, tiles.bk,
+                                tiles.fold_offset)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((n, tiles.bd), jnp.float32))
     y_ref[...] = acc[None, None]

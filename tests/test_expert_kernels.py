@@ -62,13 +62,14 @@ def _int4_pool(seed, slots=6, d=256, f=256):
     return ExpertPool(p1, p3, p2, s1, s3, s2), (d1, d3, d2)
 
 
+@pytest.mark.parametrize("fold", [True, False])
 @pytest.mark.parametrize("n", [1, 7])
-def test_int4_pallas_kernel_matches_float64(n):
+def test_int4_pallas_kernel_matches_float64(n, fold):
     pool, (d1, d3, d2) = _int4_pool(n)
     x = np.random.default_rng(n + 100).normal(size=(n, 256)).astype(np.float32)
     slots = np.array([5, 1], np.int32)
     ref = _reference(x, slots, d1, d3, d2)
-    tiles = ek.Tiles(bd=64, split_k=2)
+    tiles = ek.Tiles(bd=64, split_k=2, fold_offset=fold)
     y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
     y_xla = ek.grouped_swiglu_xla(x, slots, pool).sum(1)
