@@ -20,7 +20,7 @@ from strata_runtime.slot_pool import SlotPool
 
 from strata_jax import api
 from strata_jax import model as mdl
-from strata_jax.checkpoint import CheckpointReader
+from strata_jax.checkpoint import CheckpointError, CheckpointReader
 from strata_jax.config import ModelConfig
 
 
@@ -113,18 +113,38 @@ class Engine:
         return cls(CheckpointReader(path), config)
 
     def _slot_row(self, layer: int, experts: jax.Array) -> jax.Array:
-        """Slots for this layer's experts; needed non-resident ones are staged now."""
-        needed = set(np.unique(np.asarray(experts)).tolist())
+        """Slots for this layer's experts; live rows' non-resident experts are staged now.
+
+        A chunk that cannot be read fails only the rows that routed to it: they are marked
+        dead and their expert reads slot 0 (finite weights; the rows' outputs are discarded).
+        """
+        experts = np.asarray(experts)
+        token_rows = np.arange(experts.shape[0]) // (experts.shape[0] // len(self._live))
+        live = self._live[token_rows]
         staging = iter(self.pool.staging_slots(layer % 2))
         row = np.zeros(self.cfg.num_experts, np.int32)
+        for e in np.unique(experts[live]).tolist():
+            slot = self.pool.slot_of(layer, e)
+            if slot is None:
+                slot = self._stage(layer, e, next(staging), token_rows[(experts == e).any(1)])
+            row[e] = slot
         for e in range(self.cfg.num_experts):
             slot = self.pool.slot_of(layer, e)
-            if slot is None and e in needed:
-                slot = next(staging)
-                self.pool.install(slot, self.store.fetch(layer, e))
-                self.staged += 1
-            row[e] = 0 if slot is None else slot
+            if slot is not None:
+                row[e] = slot
         return jnp.asarray(row)
+
+    def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray) -> int:
+        try:
+            self.pool.install(slot, self.store.fetch(layer, expert))
+        except CheckpointError as e:
+            for r in np.unique(rows).tolist():
+                if self._live[r]:
+                    self._live[r] = False
+                    self._errors[r] = str(e)
+            return 0
+        self.staged += 1
+        return slot
 
     def _moe_layer(self, layer: int, lp, x):
         row = self._slot_row(layer, _route(self.cfg, lp, x))
@@ -153,11 +173,22 @@ class Engine:
         return _head(self.cfg, self.params, x[:, 0])
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy; new tokens only. Rows are padded to the fixed batch capacity."""
+        """Greedy; new tokens only. Raises RequestFailed if any request failed."""
         return self.generate_with_logits(prompts, max_new_tokens)[0]
 
     def generate_with_logits(self, prompts: list[list[int]], max_new_tokens: int):
         """Greedy tokens and the last step's logits [len(prompts), vocab]."""
+        results, logits = self._run(prompts, max_new_tokens)
+        failed = {i: r.error for i, r in enumerate(results) if r.error}
+        if failed:
+            raise RequestFailed(failed, results)
+        return [r.tokens for r in results], logits
+
+    def generate_results(self, prompts: list[list[int]], max_new_tokens: int):
+        """One RequestResult per prompt: its tokens, or the error that failed it alone."""
+        return self._run(prompts, max_new_tokens)[0]
+
+    def _run(self, prompts: list[list[int]], max_new_tokens: int):
         cap = self.config.batch_capacity
         if not 0 < len(prompts) <= cap:
             raise ValueError(f"need 1..{cap} prompts, got {len(prompts)}")
@@ -169,11 +200,34 @@ class Engine:
         tokens = np.zeros((cap, t), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
+        self._live = np.arange(cap) < len(prompts)  # padding rows fetch nothing
+        self._errors: dict[int, str] = {}
         logits, ks, vs = self._prefill(tokens)
         last = np.asarray(logits)[np.arange(cap), lengths - 1]
         out = [np.argmax(last, -1).astype(np.int32)]
         for i in range(max_new_tokens - 1):
             last = np.asarray(self._decode(jnp.asarray(out[-1]), jnp.asarray(lengths + i), ks, vs))
             out.append(np.argmax(last, -1).astype(np.int32))
-        tokens_out = np.stack(out, axis=1)[: len(prompts)].tolist()
-        return tokens_out, last[: len(prompts)]
+        tokens_out = np.stack(out, axis=1).tolist()
+        results = [
+            RequestResult([], self._errors[i]) if i in self._errors else RequestResult(tokens_out[i])
+            for i in range(len(prompts))
+        ]
+        return results, last[: len(prompts)]
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """A request's new tokens, or why it failed (the other requests are unaffected)."""
+
+    tokens: list[int]
+    error: str | None = None
+
+
+class RequestFailed(RuntimeError):
+    """Some requests of a batch failed; `results` holds every request's outcome."""
+
+    def __init__(self, failed: dict[int, str], results: list[RequestResult]) -> None:
+        lines = "; ".join(f"request {i}: {msg}" for i, msg in sorted(failed.items()))
+        super().__init__(f"{len(failed)} of {len(results)} requests failed: {lines}")
+        self.results = results

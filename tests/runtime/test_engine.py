@@ -51,3 +51,49 @@ def test_budget_goes_through_the_ledger(ckpt):
     engine = Engine.from_checkpoint(ckpt, EngineConfig(hbm_budget="1GiB", host_budget="1MiB",
                                                        batch_capacity=4, max_len=32))
     assert engine.ledger.resident and engine.pool.permanent == 12
+
+
+def _experts_touched(ckpt, tokens):
+    """Per request: the (layer, expert) pairs its prompt + generated tokens route to."""
+    import jax
+
+    from strata_jax import model as mdl
+
+    m = strata_jax.load(ckpt)
+    fn = jax.jit(mdl.forward_with_routing, static_argnums=0)
+    touched = []
+    for prompt, new in zip(PROMPTS, tokens, strict=True):
+        seq = np.array([prompt + new[:-1]], np.int32)
+        _, routes = fn(m.config, m.params, m.experts, m.slot_table, seq)
+        routes = np.asarray(routes)
+        touched.append({(layer, int(e)) for layer in range(routes.shape[0])
+                        for e in routes[layer].ravel()})
+    return touched
+
+
+def test_corrupt_tier2_chunk_fails_only_requests_that_need_it(ckpt, tmp_path):
+    import shutil
+
+    ref_tokens, _, _ = _run(ckpt, 0, host=0)
+    touched = _experts_touched(ckpt, ref_tokens)
+    candidates = sorted(set.union(*touched) - set.intersection(*touched))
+    assert candidates, "every request touches every expert; use shorter requests"
+    layer, expert = candidates[0]
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    target = bad / "experts" / "w1" / "c" / str(layer) / str(expert) / "0" / "0"
+    data = bytearray(target.read_bytes())
+    data[7] ^= 0x55
+    target.write_bytes(bytes(data))
+    engine = Engine.from_checkpoint(bad, EngineConfig(resident_experts=0, host_experts=0,
+                                                      batch_capacity=4, max_len=32))
+    results = engine.generate_results(PROMPTS, 6)
+    for i, r in enumerate(results):
+        if (layer, expert) in touched[i]:
+            assert r.error and f"layer {layer} expert {expert}" in r.error
+        else:
+            assert r.error is None and r.tokens == ref_tokens[i]
+    healthy = [p for p, t in zip(PROMPTS, touched, strict=True) if (layer, expert) not in t]
+    assert [r.tokens for r in engine.generate_results(healthy, 6)] == [
+        t for t, s in zip(ref_tokens, touched, strict=True) if (layer, expert) not in s
+    ]
