@@ -210,7 +210,8 @@ class Engine:
             out.append(np.argmax(last, -1).astype(np.int32))
         tokens_out = np.stack(out, axis=1).tolist()
         results = [
-            RequestResult([], self._errors[i]) if i in self._errors else RequestResult(tokens_out[i])
+            RequestResult([], self._errors[i]) if i in self._errors
+            else RequestResult(tokens_out[i])
             for i in range(len(prompts))
         ]
         return results, last[: len(prompts)]
