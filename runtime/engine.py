@@ -37,6 +37,7 @@ class EngineConfig:
     host_budget: int | str | None = None
     batch_capacity: int = 16
     max_len: int = 256
+    workspace_floor: int | str = "256MiB"
     resident_experts: int | None = None
     host_experts: int | None = None
 
@@ -99,7 +100,7 @@ class Engine:
             self.ledger = plan_ledger(
                 ModelBytes.from_reader(reader), config.hbm_budget, config.host_budget,
                 batch_capacity=config.batch_capacity, max_len=config.max_len,
-                staging_slots=cfg.num_experts,
+                staging_slots=cfg.num_experts, workspace_floor=config.workspace_floor,
             )
             resident, host = self.ledger.tier0, self.ledger.tier1
         if config.resident_experts is not None:
@@ -107,6 +108,17 @@ class Engine:
         if config.host_experts is not None:
             host = config.host_experts
         return resident, min(host, total - resident)
+
+    def stats(self) -> dict[str, object]:
+        """Counters so far: experts staged per miss, fetches and bytes per tier."""
+        s = self.store.stats
+        return {
+            "tier0_experts": len(self.pool.resident()),
+            "tier1_experts": len(self.store._host),
+            "staged": self.staged,
+            "fetches": dict(s.hits),
+            "bytes_moved": dict(s.bytes),
+        }
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, config: EngineConfig) -> Engine:

@@ -33,16 +33,30 @@ def _synth(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import time
 
-    import strata_jax
-
-    model = strata_jax.load(args.ckpt)
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
-    t0 = time.perf_counter()
-    out = strata_jax.generate(model, prompts, args.max_new_tokens)
+    if args.hbm is None:
+        import strata_jax
+
+        model = strata_jax.load(args.ckpt)
+        t0 = time.perf_counter()
+        out = strata_jax.generate(model, prompts, args.max_new_tokens)
+        stats = None
+    else:
+        from strata_runtime.engine import Engine, EngineConfig
+
+        config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
+                              batch_capacity=max(len(prompts), 1),
+                              max_len=args.max_len)
+        engine = Engine.from_checkpoint(args.ckpt, config)
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, args.max_new_tokens)
+        stats = engine.stats()
     dt = time.perf_counter() - t0
     for p, o in zip(prompts, out, strict=True):
         print(f"{p} -> {o}")
     print(f"{sum(map(len, out))} tokens in {dt:.2f}s (includes compilation)")
+    if stats is not None:
+        print(f"engine stats: {stats}")
     return 0
 
 
@@ -88,11 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("dst")
     syn.set_defaults(func=_synth)
 
-    gen = sub.add_parser("generate", help="greedy generation from a resident checkpoint")
+    gen = sub.add_parser("generate", help="greedy generation (resident, or offloaded with --hbm)")
     gen.add_argument("ckpt")
     gen.add_argument("--prompt", action="append", required=True,
                      help="comma-separated token ids; repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--hbm", default=None,
+                     help="HBM budget (e.g. 8GB): run through the offload engine")
+    gen.add_argument("--host", default=None, help="host budget for tier-1 experts")
+    gen.add_argument("--max-len", type=int, default=256)
     gen.set_defaults(func=_generate)
     plan = sub.add_parser("plan", help="print how an HBM budget splits (the ledger) and tiers")
     plan.add_argument("ckpt")

@@ -36,7 +36,8 @@ def expert_stats(model: strata_jax.Model, seqs: list[list[int]]) -> list[tuple[f
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny-skewed"
-        print(synthesize("tiny", path, skew=0.8, seed=0, dtype="float32", progress=False))
+        print(synthesize("tiny", path, layers=6, skew=0.8, seed=0, dtype="float32",
+                         progress=False))
         model = strata_jax.load(path)
         cfg = model.config
         print(f"model: {cfg.family}, {cfg.num_layers} layers, {cfg.num_experts} experts "
@@ -55,6 +56,39 @@ def main() -> None:
         for layer, (share, hit) in enumerate(stats):
             print(f"  layer {layer}: top-20% experts take {share:.0%} of assignments; "
                   f"a cache of those experts hits {hit:.0%}")
+        offloaded(path, outs)
+
+
+def offloaded(path: Path, resident_outs: list[list[int]]) -> None:
+    """The same prompts through the offload engine with a third of the experts in HBM."""
+    from strata_jax.checkpoint import CheckpointReader
+    from strata_runtime.engine import Engine, EngineConfig
+    from strata_runtime.ledger import ModelBytes
+
+    mb = ModelBytes.from_reader(CheckpointReader(path))
+    kv = len(PROMPTS) * 128 * mb.kv_bytes_per_token
+    staging = 2 * mb.experts_per_layer * mb.bytes_per_expert
+    budget = mb.global_bytes + mb.dense + kv + staging + mb.expert_bytes // 3
+    config = EngineConfig(hbm_budget=budget, host_budget=mb.expert_bytes // 3,
+                          batch_capacity=len(PROMPTS), max_len=128, workspace_floor=0)
+    engine = Engine.from_checkpoint(path, config)
+    print(f"offload engine, HBM budget {budget / 1e6:.2f} MB for a "
+          f"{mb.total / 1e6:.2f} MB model:")
+    print("\n".join("  " + line for line in engine.ledger.render().splitlines()))
+    engine.generate(PROMPTS, NEW_TOKENS)  # compile
+    before = engine.stats()
+    t0 = time.perf_counter()
+    outs = engine.generate(PROMPTS, NEW_TOKENS)
+    dt = time.perf_counter() - t0
+    n = sum(map(len, outs))
+    assert outs == resident_outs, "offloaded tokens differ from the resident run"
+    after = engine.stats()
+    moved = {t: after["bytes_moved"][t] - before["bytes_moved"][t] for t in (1, 2)}
+    fetched = {t: after["fetches"][t] - before["fetches"][t] for t in (1, 2)}
+    print(f"{n} tokens in {dt * 1e3:.1f} ms: {n / dt:.0f} tok/s, identical to the resident run")
+    print(f"cache statistics: {after['tier0_experts']} experts in HBM slots, "
+          f"{after['tier1_experts']} in host memory; misses staged {fetched[1]} from host "
+          f"({moved[1] / 1e6:.2f} MB) and {fetched[2]} from disk ({moved[2] / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":
