@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from strata_runtime.expert_store import ExpertStore
 from strata_runtime.ledger import ModelBytes, plan_ledger
+from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
 
 from strata_jax import api
@@ -38,6 +39,7 @@ class EngineConfig:
     batch_capacity: int = 16
     max_len: int = 256
     workspace_floor: int | str = "256MiB"
+    predictor: str = "both"
     resident_experts: int | None = None
     host_experts: int | None = None
 
@@ -77,6 +79,7 @@ class Engine:
     """Greedy generation over an expert pool smaller than the model."""
 
     def __init__(self, reader: CheckpointReader, config: EngineConfig) -> None:
+        check_predictor(config.predictor)
         self.cfg, self.config = reader.config, config
         cfg = self.cfg
         resident, host = self._tier_sizes(reader)
@@ -90,6 +93,10 @@ class Engine:
         stacked = {k: [lp[k] for lp in layers] for k in layers[0]}
         self.params = api.dense_params(cfg, reader.read_globals(), stacked)
         self.staged = 0
+        self.stalls = 0
+        self.predictor_stats = PredictorStats()
+        self._history: dict[int, set[int]] = {}
+        self._prefetched: dict[int, dict[int, int]] = {}
 
     def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int]:
         """(tier-0, tier-1) expert counts: from the ledger, unless overridden."""
@@ -116,6 +123,8 @@ class Engine:
             "tier0_experts": len(self.pool.resident()),
             "tier1_experts": len(self.store._host),
             "staged": self.staged,
+            "stalls": self.stalls,
+            "prediction": self.predictor_stats.summary(),
             "fetches": dict(s.hits),
             "bytes_moved": dict(s.bytes),
         }
@@ -125,7 +134,8 @@ class Engine:
         return cls(CheckpointReader(path), config)
 
     def _slot_row(self, layer: int, experts: jax.Array) -> jax.Array:
-        """Slots for this layer's experts; live rows' non-resident experts are staged now.
+        """Slots for this layer's experts; live rows' non-resident experts are staged now
+        unless the predictor already prefetched them (a miss staged now is a stall).
 
         A chunk that cannot be read fails only the rows that routed to it: they are marked
         dead and their expert reads slot 0 (finite weights; the rows' outputs are discarded).
@@ -133,24 +143,32 @@ class Engine:
         experts = np.asarray(experts)
         token_rows = np.arange(experts.shape[0]) // (experts.shape[0] // len(self._live))
         live = self._live[token_rows]
-        staging = iter(self.pool.staging_slots(layer % 2))
+        needed = set(np.unique(experts[live]).tolist())
+        missing = {e for e in needed if self.pool.slot_of(layer, e) is None}
+        prefetched = self._prefetched.pop(layer, {})
+        self.predictor_stats.record(layer, set(prefetched), missing)
+        self._history[layer] = needed
+        free = iter(s for s in self.pool.staging_slots(layer % 2) if s not in prefetched.values())
         row = np.zeros(self.cfg.num_experts, np.int32)
-        for e in np.unique(experts[live]).tolist():
-            slot = self.pool.slot_of(layer, e)
-            if slot is None:
-                slot = self._stage(layer, e, next(staging), token_rows[(experts == e).any(1)])
-            row[e] = slot
+        for e in sorted(missing):
+            if e in prefetched:
+                row[e] = prefetched[e]
+            else:
+                self.stalls += 1
+                row[e] = self._stage(layer, e, next(free), token_rows[(experts == e).any(1)])
         for e in range(self.cfg.num_experts):
             slot = self.pool.slot_of(layer, e)
             if slot is not None:
                 row[e] = slot
         return jnp.asarray(row)
 
-    def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray) -> int:
+    def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray | None) -> int:
+        """Install one expert into a staging slot; a bad chunk fails `rows` (or just skips,
+        for a speculative prefetch: the miss, if real, is retried and attributed later)."""
         try:
             self.pool.install(slot, self.store.fetch(layer, expert))
         except CheckpointError as e:
-            for r in np.unique(rows).tolist():
+            for r in np.unique(rows if rows is not None else []).tolist():
                 if self._live[r]:
                     self._live[r] = False
                     self._errors[r] = str(e)
@@ -158,8 +176,28 @@ class Engine:
         self.staged += 1
         return slot
 
+    def _prefetch(self, layer: int, x: jax.Array | None) -> None:
+        """Stage the predicted non-resident experts of `layer` into its staging region."""
+        kind = self.config.predictor
+        if kind == "none" or layer >= self.cfg.num_layers:
+            return
+        gate: set[int] = set()
+        if x is not None and kind in ("next-gate", "both"):
+            ids = np.asarray(_route(self.cfg, self.params["layers"][layer], x))
+            rows = np.arange(ids.shape[0]) // (ids.shape[0] // len(self._live))
+            gate = set(np.unique(ids[self._live[rows]]).tolist())
+        wanted = combine(kind, gate, self._history.get(layer, set()))
+        wanted = sorted(e for e in wanted if self.pool.slot_of(layer, e) is None)
+        slots = self.pool.staging_slots(layer % 2)
+        staged = {}
+        for e, slot in zip(wanted, slots, strict=False):
+            if self._stage(layer, e, slot, None) == slot:
+                staged[e] = slot
+        self._prefetched[layer] = staged
+
     def _moe_layer(self, layer: int, lp, x):
         row = self._slot_row(layer, _route(self.cfg, lp, x))
+        self._prefetch(layer + 1, x)  # copies for layer L+1 before layer L's experts run
         return _moe(self.cfg, lp, x, self.pool.arrays, row)
 
     def _prefill(self, tokens: np.ndarray):
@@ -177,6 +215,7 @@ class Engine:
         return _head(cfg, self.params, x), ks, vs
 
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
+        self._prefetch(0, None)  # layer 0: only the previous step's experts are known
         x = self.params["embed"][tokens][:, None, :]
         for layer, lp in enumerate(self.params["layers"]):
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],

@@ -18,24 +18,31 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _run(ckpt, resident, host=None):
+def _run(ckpt, resident, host=None, predictor="both"):
     engine = Engine.from_checkpoint(ckpt, EngineConfig(resident_experts=resident,
                                                        host_experts=host, batch_capacity=4,
-                                                       max_len=32))
+                                                       max_len=32, predictor=predictor))
     tokens, logits = engine.generate_with_logits(PROMPTS, 6)
     return tokens, logits, engine
 
 
-def test_budgets_are_bit_identical_to_unlimited(ckpt):
-    ref_tokens, ref_logits, full = _run(ckpt, None)
+@pytest.mark.parametrize("predictor", ["none", "history", "next-gate", "both"])
+def test_budgets_are_bit_identical_to_unlimited(ckpt, predictor):
+    ref_tokens, ref_logits, full = _run(ckpt, None, predictor=predictor)
     assert full.staged == 0
     total = full.cfg.num_layers * full.cfg.num_experts
     for fraction in (0.1, 0.35, 0.7):
-        tokens, logits, engine = _run(ckpt, int(fraction * total), host=2)
+        tokens, logits, engine = _run(ckpt, int(fraction * total), host=2, predictor=predictor)
         assert tokens == ref_tokens
         np.testing.assert_array_equal(logits, ref_logits)
         assert engine.staged > 0
         assert engine.store.stats.hits[2] > 0 and engine.store.stats.hits[1] > 0
+        stats = engine.stats()["prediction"]
+        recall = [v["recall"] for v in stats.values() if v["recall"] is not None]
+        if predictor == "none":
+            assert engine.stalls > 0 and all(r == 0 for r in recall)
+        else:
+            assert max(recall) > 0  # some misses were prefetched instead of stalling
 
 
 def test_engine_matches_resident_generate(ckpt):
