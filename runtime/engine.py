@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore
 from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
@@ -40,6 +41,11 @@ class EngineConfig:
     max_len: int = 256
     workspace_floor: int | str = "256MiB"
     predictor: str = "both"
+    policy: str = "lfru"
+    cache_fraction: float = 0.25  # share of the HBM expert slots run as a cache, not pinned
+    rebalance_every: int = 0  # decode steps between re-rankings of the pinned set; 0 = never
+    hysteresis: float = 0.1
+    heat_decay: float = 0.9
     resident_experts: int | None = None
     host_experts: int | None = None
 
@@ -80,15 +86,23 @@ class Engine:
 
     def __init__(self, reader: CheckpointReader, config: EngineConfig) -> None:
         check_predictor(config.predictor)
+        check_policy(config.policy)
         self.cfg, self.config = reader.config, config
         cfg = self.cfg
         resident, host = self._tier_sizes(reader)
-        tier0, tier1 = placement(cfg, resident, host)
+        cache_slots = 0 if config.policy == "static" else int(config.cache_fraction * resident)
+        if resident == cfg.num_layers * cfg.num_experts:
+            cache_slots = 0
+        tier0, tier1 = placement(cfg, resident - cache_slots, host)
         self.store = ExpertStore(reader, tier1)
         self.pool = SlotPool(reader.expert_specs, cfg.num_layers, cfg.num_experts,
                              permanent=max(resident, 1), staging=cfg.num_experts)
         for layer, e in tier0:
-            self.pool.admit(layer, e, self.store._read(layer, e))
+            self.pool.admit(layer, e, self.store.fetch(layer, e, count=False))
+        self.pinned = set(tier0)
+        self.cache = ExpertCache(config.policy, cache_slots)
+        self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
+        self.tier0_hits = self.tier0_needed = self.steps = self.swaps = 0
         layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
         stacked = {k: [lp[k] for lp in layers] for k in layers[0]}
         self.params = api.dense_params(cfg, reader.read_globals(), stacked)
@@ -97,6 +111,7 @@ class Engine:
         self.predictor_stats = PredictorStats()
         self._history: dict[int, set[int]] = {}
         self._prefetched: dict[int, dict[int, int]] = {}
+        self._admit_after: dict[int, list[tuple[int, int]]] = {}
 
     def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int]:
         """(tier-0, tier-1) expert counts: from the ledger, unless overridden."""
@@ -121,7 +136,9 @@ class Engine:
         s = self.store.stats
         return {
             "tier0_experts": len(self.pool.resident()),
-            "tier1_experts": len(self.store._host),
+            "tier1_experts": self.store.host_experts,
+            "tier0_hit_rate": self.tier0_hits / max(1, self.tier0_needed),
+            "rebalance_swaps": self.swaps,
             "staged": self.staged,
             "stalls": self.stalls,
             "prediction": self.predictor_stats.summary(),
@@ -145,6 +162,12 @@ class Engine:
         live = self._live[token_rows]
         needed = set(np.unique(experts[live]).tolist())
         missing = {e for e in needed if self.pool.slot_of(layer, e) is None}
+        self.heat.observe(layer, experts[live])
+        self.tier0_needed += len(needed)
+        self.tier0_hits += len(needed) - len(missing)
+        for e in needed - missing:
+            if (layer, e) in self.cache:
+                self.cache.touch((layer, e))
         prefetched = self._prefetched.pop(layer, {})
         self.predictor_stats.record(layer, set(prefetched), missing)
         self._history[layer] = needed
@@ -160,7 +183,36 @@ class Engine:
             slot = self.pool.slot_of(layer, e)
             if slot is not None:
                 row[e] = slot
+        self._admit_after[layer] = [(e, int(row[e])) for e in sorted(missing) if row[e] != 0]
         return jnp.asarray(row)
+
+    def _cache_admit(self, layer: int, expert: int, staged_slot: int) -> None:
+        """Keep a staged expert in a cache slot (device copy), evicting by the policy."""
+        if self.cache.capacity == 0:
+            return
+        if len(self.cache) >= self.cache.capacity:
+            victim = self.cache.victim()
+            self.cache.remove(victim)
+            self.pool.evict(*victim)
+        self.pool.admit_from(layer, expert, staged_slot)
+        self.cache.add((layer, expert))
+
+    def _end_step(self) -> None:
+        """Advance the heat estimate; every `rebalance_every` steps re-rank the pinned set."""
+        self.heat.end_step()
+        self.steps += 1
+        every = self.config.rebalance_every
+        if not every or self.steps % every:
+            return
+        for out, new in rebalance(self.heat.heat, self.pinned, self.config.hysteresis):
+            self.pool.evict(*out)
+            self.pinned.discard(out)
+            if new in self.cache:  # already in HBM: promote the cached copy
+                self.cache.remove(new)
+            else:
+                self.pool.admit(*new, self.store.fetch(*new))
+            self.pinned.add(new)
+            self.swaps += 1
 
     def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray | None) -> int:
         """Install one expert into a staging slot; a bad chunk fails `rows` (or just skips,
@@ -198,7 +250,11 @@ class Engine:
     def _moe_layer(self, layer: int, lp, x):
         row = self._slot_row(layer, _route(self.cfg, lp, x))
         self._prefetch(layer + 1, x)  # copies for layer L+1 before layer L's experts run
-        return _moe(self.cfg, lp, x, self.pool.arrays, row)
+        out = _moe(self.cfg, lp, x, self.pool.arrays, row)
+        # only now may cache admission evict: this layer's experts are already operands
+        for e, staged in self._admit_after.pop(layer, []):
+            self._cache_admit(layer, e, staged)
+        return out
 
     def _prefill(self, tokens: np.ndarray):
         cfg = self.cfg
@@ -259,6 +315,7 @@ class Engine:
         for i in range(max_new_tokens - 1):
             last = np.asarray(self._decode(jnp.asarray(out[-1]), jnp.asarray(lengths + i), ks, vs))
             out.append(np.argmax(last, -1).astype(np.int32))
+            self._end_step()
         tokens_out = np.stack(out, axis=1).tolist()
         results = [
             RequestResult([], self._errors[i]) if i in self._errors

@@ -41,13 +41,20 @@ class ExpertStore:
     def tier_of(self, layer: int, expert: int) -> int:
         return 1 if (layer, expert) in self._host else 2
 
-    def fetch(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+    def fetch(self, layer: int, expert: int, count: bool = True) -> dict[str, np.ndarray]:
+        """The expert's arrays from the tier holding it; `count=False` for initial placement."""
         tier = self.tier_of(layer, expert)
         arrays = self._host[(layer, expert)] if tier == 1 else self._read(layer, expert)
+        if not count:
+            return arrays
         with self._lock:
             self.stats.hits[tier] += 1
             self.stats.bytes[tier] += sum(a.nbytes for a in arrays.values())
         return arrays
+
+    @property
+    def host_experts(self) -> int:
+        return len(self._host)
 
     @property
     def host_bytes(self) -> int:

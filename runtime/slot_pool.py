@@ -31,6 +31,16 @@ def _install(pool: ExpertPool, slot: jax.Array, arrays: ExpertPool) -> ExpertPoo
     return ExpertPool(*(put(b, v) for b, v in zip(pool, arrays, strict=True)))
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy(pool: ExpertPool, src: jax.Array, dst: jax.Array) -> ExpertPool:
+    def move(buf):
+        if buf is None:
+            return None
+        return jax.lax.dynamic_update_index_in_dim(buf, buf[src], dst, 0)
+
+    return ExpertPool(*(move(b) for b in pool))
+
+
 class SlotPool:
     """Expert slots on one device: [0, permanent) hot set, then staging A and B."""
 
@@ -88,6 +98,22 @@ class SlotPool:
         self.page_table[layer, expert] = slot
         self._owner[slot] = (layer, expert)
         return slot
+
+    def admit_from(self, layer: int, expert: int, src: int) -> int:
+        """Admit (layer, expert) by copying its weights from slot `src` on the device."""
+        if self.slot_of(layer, expert) is not None:
+            raise ValueError(f"layer {layer} expert {expert} is already resident")
+        if not self._free:
+            raise RuntimeError("no free permanent slot; evict first")
+        slot = self._free.pop()
+        self.arrays = _copy(self.arrays, jnp.int32(src), jnp.int32(slot))
+        self.page_table[layer, expert] = slot
+        self._owner[slot] = (layer, expert)
+        return slot
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
 
     def evict(self, layer: int, expert: int) -> int:
         """Forget (layer, expert); its slot becomes free (contents overwritten later)."""

@@ -18,21 +18,28 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _run(ckpt, resident, host=None, predictor="both"):
+def _run(ckpt, resident, host=None, predictor="both", policy="lfru"):
     engine = Engine.from_checkpoint(ckpt, EngineConfig(resident_experts=resident,
                                                        host_experts=host, batch_capacity=4,
-                                                       max_len=32, predictor=predictor))
+                                                       max_len=32, predictor=predictor,
+                                                       policy=policy))
     tokens, logits = engine.generate_with_logits(PROMPTS, 6)
     return tokens, logits, engine
 
 
-@pytest.mark.parametrize("predictor", ["none", "history", "next-gate", "both"])
-def test_budgets_are_bit_identical_to_unlimited(ckpt, predictor):
-    ref_tokens, ref_logits, full = _run(ckpt, None, predictor=predictor)
+SETTINGS = [(p, "lfru") for p in ("none", "history", "next-gate", "both")] + [
+    ("both", policy) for policy in ("static", "lru", "lfu")
+]
+
+
+@pytest.mark.parametrize(("predictor", "policy"), SETTINGS)
+def test_budgets_are_bit_identical_to_unlimited(ckpt, predictor, policy):
+    ref_tokens, ref_logits, full = _run(ckpt, None, predictor=predictor, policy=policy)
     assert full.staged == 0
     total = full.cfg.num_layers * full.cfg.num_experts
     for fraction in (0.1, 0.35, 0.7):
-        tokens, logits, engine = _run(ckpt, int(fraction * total), host=2, predictor=predictor)
+        tokens, logits, engine = _run(ckpt, int(fraction * total), host=2, predictor=predictor,
+                                      policy=policy)
         assert tokens == ref_tokens
         np.testing.assert_array_equal(logits, ref_logits)
         assert engine.staged > 0

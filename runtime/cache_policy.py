@@ -1,0 +1,96 @@
+"""Which cached expert to evict from the non-pinned HBM slots, and the online heat estimate.
+
+`static`: no cache (misses are staged for one use). `lru`: least recently used. `lfu`: least
+frequently used (counts since admission). `lfru`: least frequently used among the older half
+by recency, so a burst of new experts cannot flush the frequently used ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+POLICIES = ("static", "lru", "lfu", "lfru")
+Key = tuple[int, int]
+
+
+def check_policy(kind: str) -> None:
+    if kind not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {kind!r}")
+
+
+class ExpertCache:
+    """Bookkeeping of the cache slots: recency order and use counts of the cached experts."""
+
+    def __init__(self, policy: str, capacity: int) -> None:
+        check_policy(policy)
+        self.policy = policy
+        self.capacity = capacity if policy != "static" else 0
+        self._order: OrderedDict[Key, None] = OrderedDict()
+        self._uses: dict[Key, int] = {}
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def touch(self, key: Key) -> None:
+        self._order.move_to_end(key)
+        self._uses[key] += 1
+
+    def add(self, key: Key) -> None:
+        self._order[key] = None
+        self._uses[key] = 1
+
+    def remove(self, key: Key) -> None:
+        del self._order[key]
+        del self._uses[key]
+
+    def victim(self) -> Key:
+        keys = list(self._order)  # least recent first
+        if self.policy == "lru":
+            return keys[0]
+        if self.policy == "lfu":
+            return min(keys, key=lambda k: (self._uses[k], keys.index(k)))
+        older = keys[: max(1, len(keys) // 2)]
+        return min(older, key=lambda k: (self._uses[k], older.index(k)))
+
+
+class HeatEstimate:
+    """EMA of per-(layer, expert) routing counts, updated once per step."""
+
+    def __init__(self, num_layers: int, num_experts: int, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.heat = np.zeros((num_layers, num_experts), np.float64)
+        self._step = np.zeros_like(self.heat)
+
+    def observe(self, layer: int, experts: np.ndarray) -> None:
+        self._step[layer] += np.bincount(experts.ravel(), minlength=self.heat.shape[1])
+
+    def end_step(self) -> None:
+        self.heat = self.decay * self.heat + (1 - self.decay) * self._step
+        self._step[:] = 0
+
+
+def rebalance(heat: np.ndarray, pinned: set[Key], hysteresis: float) -> list[tuple[Key, Key]]:
+    """(out, in) swaps that move the hottest experts into the pinned set.
+
+    An outside expert replaces the coldest pinned one only if it is hotter by a factor
+    (1 + hysteresis), so experts of similar heat do not ping-pong between tiers.
+    """
+    swaps: list[tuple[Key, Key]] = []
+    pinned = set(pinned)
+    flat = np.argsort(-heat, axis=None)
+    outside = [tuple(map(int, np.unravel_index(i, heat.shape))) for i in flat]
+    for cand in outside:
+        if cand in pinned or not pinned:
+            continue
+        coldest = min(pinned, key=lambda k: heat[k])
+        if heat[cand] <= (1 + hysteresis) * heat[coldest]:
+            break
+        pinned.remove(coldest)
+        pinned.add(cand)
+        swaps.append((coldest, cand))
+    return swaps

@@ -1,0 +1,61 @@
+"""Eviction order of each policy, the heat estimate, and rebalancing with hysteresis."""
+
+import numpy as np
+import pytest
+
+from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
+
+
+def _cache(policy):
+    c = ExpertCache(policy, 3)
+    for key in [(0, 0), (0, 1), (0, 2)]:
+        c.add(key)
+    return c
+
+
+def test_lru_evicts_least_recent():
+    c = _cache("lru")
+    c.touch((0, 0))
+    assert c.victim() == (0, 1)
+
+
+def test_lfu_evicts_least_used():
+    c = _cache("lfu")
+    c.touch((0, 0))
+    c.touch((0, 0))
+    c.touch((0, 1))
+    assert c.victim() == (0, 2)
+
+
+def test_lfru_evicts_the_least_used_of_the_older_half():
+    c2 = ExpertCache("lfru", 4)
+    for key in [(1, 0), (1, 1), (1, 2), (1, 3)]:
+        c2.add(key)
+    for _ in range(3):
+        c2.touch((1, 0))
+    c2.touch((1, 2))
+    c2.touch((1, 3))
+    # older half by recency: (1, 1) and (1, 0); (1, 1) is used less
+    assert c2.victim() == (1, 1)
+
+
+def test_static_has_no_capacity_and_bad_names_fail():
+    assert ExpertCache("static", 5).capacity == 0
+    with pytest.raises(ValueError, match="policy must be one of"):
+        check_policy("fifo")
+
+
+def test_heat_is_an_ema_of_counts():
+    h = HeatEstimate(1, 4, decay=0.5)
+    h.observe(0, np.array([[0, 1], [0, 2]]))
+    h.end_step()
+    np.testing.assert_allclose(h.heat[0], [1.0, 0.5, 0.5, 0.0])
+    h.end_step()
+    np.testing.assert_allclose(h.heat[0], [0.5, 0.25, 0.25, 0.0])
+
+
+def test_rebalance_swaps_only_past_hysteresis():
+    heat = np.array([[1.0, 5.0, 1.05, 0.2]])
+    swaps = rebalance(heat, {(0, 0), (0, 3)}, hysteresis=0.1)
+    assert swaps == [((0, 3), (0, 1))]  # (0, 2) is not 10 % hotter than (0, 0)
+    assert rebalance(heat, {(0, 1), (0, 2)}, hysteresis=0.1) == []
