@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 
 
