@@ -1,11 +1,14 @@
 """Synthetic MoE checkpoints: real architectures' shapes, random weights, tunable routing skew.
 
 Weights are deterministic per seed and independent of thread scheduling: every tensor is cut
-into fixed pieces of `PIECE` elements, each drawn from its own PCG64 stream keyed by
-`SeedSequence([seed, domain, *where], spawn_key=(piece,))` (an expert chunk's key is
-`[seed, EXPERT, layer, expert, kind_index]`). Values come from a 65,536-entry table of standard
-normal quantiles indexed by 16 random bits, scaled to std 1/sqrt(fan_in) (embeddings: std 1,
-norms: 1), which is several times faster than `standard_normal` + a cast to bfloat16.
+into fixed pieces of `PIECE` elements; piece p takes a key (a, b) from
+`SeedSequence([seed, domain, *where], spawn_key=(p,))` (an expert chunk's key is
+`[seed, EXPERT, layer, expert, kind_index]`), and its element i is a pure function of the
+counter a * i + b (mod 2^32): a 32-bit integer hash (lowbias32), the sum of the hash's four
+bytes (Irwin-Hall: bell-shaped, zero-mean once centred, variance exactly 21845, tails cut at
+3.45 std), scaled to std 1/sqrt(fan_in) (embeddings: std 1, norms: 1) and rounded to bfloat16
+to nearest even. The chain runs as one fused XLA:CPU loop per block (numpy, with the same
+bits, for short runs): no table lookup, no intermediate arrays.
 
 `skew` is the target share of top-k routing assignments that go to the top 20 % of experts in
 each layer (see `top_share`); it is reached by a per-expert router bias
@@ -72,8 +75,8 @@ SHAPES: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 PIECE = 1 << 22  # elements per independent random stream
-_BLOCK = 1 << 20  # elements per XLA call: few GIL round trips, output reused by the allocator
-_MIN_XLA = 1 << 16  # shorter runs are cheaper in numpy (same bits)
+_BLOCK = 1 << 20  # max elements per XLA call: few GIL round trips, output reused by malloc
+_MIN_XLA = 1 << 15  # shorter runs are cheaper in numpy (same bits)
 _GLOBAL, _DENSE, _EXPERT, _ROUTE = 0, 1, 2, 3  # seed-sequence domains
 TOP_FRACTION = 0.2
 MEASURE_MAX_PARAMS = 200_000_000
@@ -155,19 +158,37 @@ def _values_np(a: int, b: int, n: int, scale: np.float32, bf16: bool) -> np.ndar
 
 
 @functools.cache
-def _block_kernel(bf16: bool) -> Callable:
-    """XLA:CPU kernel for one `_BLOCK` of a piece: the whole chain in one fused loop.
+def _block_kernel(size: int, bf16: bool) -> Callable:
+    """XLA:CPU kernel for `size` consecutive counters: the whole chain in one fused loop.
 
-    numpy would make ~15 passes over memory (and as many GIL round trips) per block;
-    fused, the block costs about one pass (~0.6 ns per element, ~3 GB/s of bf16 per core).
+    numpy would make ~15 passes over memory (and as many GIL round trips) per block; fused,
+    a block costs about one pass: ~0.4 core-s per GB of bf16 with the copy out (~2.5 GB/s).
+    The output overwrites the donated `buf` in place: a fresh output per call would be
+    page-faulted in again whenever malloc has given the last one back to the kernel.
     """
 
-    def kernel(args):  # uint32[3]: a, b, scale bits
-        x = lax.iota(jnp.uint32, _BLOCK) * args[0] + args[1]
-        return _values(x, lax.bitcast_convert_type(args[2], jnp.float32), bf16, jnp)
+    def kernel(buf, args):  # args: uint32[3] = a, b, scale bits
+        x = lax.iota(jnp.uint32, size) * args[0] + args[1]
+        values = _values(x, lax.bitcast_convert_type(args[2], jnp.float32), bf16, jnp)
+        return lax.dynamic_update_slice(buf, values, (0,))
 
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])  # on the host even where a GPU is
-    return jax.jit(kernel, in_shardings=cpu, out_shardings=cpu)
+    return jax.jit(kernel, donate_argnums=0, in_shardings=cpu, out_shardings=cpu)
+
+
+_scratch = threading.local()  # each thread's donated output buffers, by (size, bf16)
+
+
+def _xla_block(size: int, bf16: bool, args: np.ndarray) -> jax.Array:
+    """One block from `_block_kernel`, in this thread's recycled buffer (valid until the
+    thread's next call: copy it out and drop any numpy view of it before then)."""
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.pop((size, bf16), None)
+    if buf is None:
+        dtype = np.uint16 if bf16 else np.float32
+        buf = jax.device_put(np.zeros(size, dtype), jax.devices("cpu")[0])
+    bufs[size, bf16] = buf = _block_kernel(size, bf16)(buf, args)
+    return buf
 
 
 def _fill_piece(out: np.ndarray, entropy: Sequence[int], piece: int, std: float) -> None:
@@ -175,15 +196,17 @@ def _fill_piece(out: np.ndarray, entropy: Sequence[int], piece: int, std: float)
     a, b = _piece_key(entropy, piece)
     scale = np.float32(std / math.sqrt(_BYTE_SUM_VAR))
     bf16 = out.dtype == np.uint16
-    for start in range(0, out.size, _BLOCK):
-        n = min(_BLOCK, out.size - start)
+    start = 0
+    while start < out.size:
+        n = out.size - start
         b_start = (b + a * start) % 2**32  # counters a * (start + i) + b
-        if n >= _MIN_XLA:
+        if n >= _MIN_XLA:  # blocks of 2^k elements, _MIN_XLA <= 2^k <= _BLOCK: few kernels
+            n = min(_BLOCK, 1 << (n.bit_length() - 1))
             args = np.array([a, b_start, scale.view(np.uint32)], np.uint32)
-            block = np.asarray(_block_kernel(bf16)(args))[:n]
-        else:
-            block = _values_np(a, b_start, n, scale, bf16)
-        out[start : start + n] = block  # casts float32 to other float dtypes
+            out[start : start + n] = np.asarray(_xla_block(n, bf16, args))
+        else:  # float32 is cast to other float dtypes on assignment
+            out[start : start + n] = _values_np(a, b_start, n, scale, bf16)
+        start += n
 
 
 def random_array(
@@ -260,11 +283,13 @@ def layer_params(
     return params
 
 
-def expert_array(cfg: ModelConfig, seed: int, layer: int, expert: int, kind: str) -> np.ndarray:
-    """One expert weight [in, out], std 1/sqrt(in)."""
+def expert_array(
+    cfg: ModelConfig, seed: int, layer: int, expert: int, kind: str, out: np.ndarray | None = None
+) -> np.ndarray:
+    """One expert weight [in, out], std 1/sqrt(in); written into `out` if given."""
     shape = expert_shape(cfg, kind)
     key = [seed, _EXPERT, layer, expert, EXPERT_KINDS.index(kind)]
-    return random_array(shape, numpy_dtype(cfg.dtype), shape[0] ** -0.5, key)
+    return random_array(shape, numpy_dtype(cfg.dtype), shape[0] ** -0.5, key, out=out)
 
 
 # ---------------------------------------------------------------------------------- skew
@@ -392,30 +417,56 @@ def checkpoint_bytes(cfg: ModelConfig) -> int:
     return total * numpy_dtype(cfg.dtype).itemsize
 
 
-def _window(cfg: ModelConfig, workers: int, budget: int = 4 << 30) -> int:
-    """Expert chunks generated or being written at once: 4 per worker, <= budget, <= 2 layers."""
+def _window(cfg: ModelConfig, workers: int, budget: int | None = None) -> int:
+    """Expert chunk buffers: 4 per worker, <= 3 layers, <= budget (RAM / 8, at most 8 GiB)."""
     chunk = math.prod(expert_shape(cfg, "w1")) * numpy_dtype(cfg.dtype).itemsize
-    two_layers = 2 * cfg.num_experts * len(EXPERT_KINDS)
-    return max(2, min(two_layers, max(8, 4 * workers), budget // chunk))
+    if budget is None:
+        budget = min(8 << 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8)
+    three_layers = 3 * cfg.num_experts * len(EXPERT_KINDS)
+    return max(2, min(three_layers, 4 * workers, budget // chunk))
 
 
-def _dense_job(writer: CheckpointWriter, seed: int, layer: int | None, alpha: float, pool) -> int:
+class _Buffers:
+    """At most `limit` flat expert buffers, made on demand and recycled after their write.
+
+    Reuse keeps the kernel out of the loop: a fresh 100 MB array costs page faults on first
+    touch and a munmap on free, both under the process-wide memory-map lock.
+    """
+
+    def __init__(self, size: int, dtype: np.dtype, limit: int) -> None:
+        self._size, self._dtype, self._limit = size, dtype, limit
+        self._free: list[np.ndarray] = []
+        self._made = 0
+        self._cv = threading.Condition()
+
+    def take(self, block: bool = False) -> np.ndarray | None:
+        """A free buffer, a new one while under the limit, else None (or wait if `block`)."""
+        with self._cv:
+            while not self._free and self._made >= self._limit:
+                if not block:
+                    return None
+                self._cv.wait()
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return np.empty(self._size, self._dtype)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
+
+
+def _dense_job(writer: CheckpointWriter, seed: int, layer: int | None, alpha: float) -> int:
     """Generate and save the globals (layer None) or one layer's dense params; their bytes."""
     cfg = writer.config
     if layer is None:
-        params = global_params(cfg, seed, pool)
+        params = global_params(cfg, seed)
         writer.write_globals(params)
     else:
-        params = layer_params(cfg, seed, layer, alpha, pool)
+        params = layer_params(cfg, seed, layer, alpha)
         writer.write_layer_dense(layer, params)
     return sum(a.nbytes for a in params.values())
-
-
-def _settle(queue: deque[tuple[int, Future]], keep: int, advance: Callable[[int], None]) -> None:
-    """Wait for the oldest jobs until `keep` remain; a job's bytes are given or its result."""
-    while len(queue) > max(keep, 0):
-        nbytes, fut = queue.popleft()
-        advance(nbytes + (fut.result() or 0))
 
 
 def _write_all(
@@ -425,39 +476,64 @@ def _write_all(
     pool: ThreadPoolExecutor,
     advance: Callable[[int], None],
 ) -> None:
-    """Dense params saved on a background thread; expert chunks generated ahead of writes.
+    """Two independent lanes: dense params and experts; neither waits for the other.
 
-    At most `_window` expert chunks are generated or being written at once, and at most two
-    layers' dense params are in flight, so memory stays bounded at any model size.
+    Dense lane (one thread): the globals, then each layer's dense params, each generated
+    when its turn comes and saved by orbax, so at most one of them is in memory.
+    Expert lane: each chunk is generated on `pool` into a recycled buffer, handed to the
+    writer (which hashes and writes it on its own pool) in order as soon as it is ready,
+    and its buffer is reused once the write is done. At most `_window` buffers exist, so
+    generation runs ahead of the writer by a bounded amount and memory stays bounded.
     """
     cfg = writer.config
-    chunks = iter(
-        [(li, e, k) for li in range(cfg.num_layers) for e in range(cfg.num_experts)
-         for k in EXPERT_KINDS]
-    )  # fmt: skip
-    window = _window(cfg, pool._max_workers)
-    generating: deque[tuple[tuple[int, int, str], Future]] = deque()
+    chunks = [
+        (li, e, k) for li in range(cfg.num_layers) for e in range(cfg.num_experts)
+        for k in EXPERT_KINDS
+    ]  # fmt: skip
+    size = math.prod(expert_shape(cfg, "w1"))
+    buffers = _Buffers(size, numpy_dtype(cfg.dtype), _window(cfg, pool._max_workers))
+    generating: deque[tuple[tuple[int, int, str], np.ndarray, Future]] = deque()
     writing: deque[tuple[int, Future]] = deque()
-    dense: deque[tuple[int, Future]] = deque()
+    dense: deque[Future] = deque()
 
-    def refill() -> None:
-        while len(generating) + len(writing) < window and (c := next(chunks, None)) is not None:
-            generating.append((c, pool.submit(expert_array, cfg, seed, *c)))
+    def hand_over() -> None:  # oldest generated chunk -> writer
+        (li, e, kind), buf, fut = generating.popleft()
+        array = fut.result()
+        done = writer.write_expert(li, e, kind, array)
+        done.add_done_callback(lambda _: buffers.give(buf))
+        writing.append((array.nbytes, done))
 
-    with ThreadPoolExecutor(1, thread_name_prefix="synth-dense") as dense_thread:
-        dense.append((0, dense_thread.submit(_dense_job, writer, seed, None, alpha, pool)))
-        for layer in range(cfg.num_layers):
-            dense.append((0, dense_thread.submit(_dense_job, writer, seed, layer, alpha, pool)))
-            _settle(dense, 2, advance)
-            for _ in range(cfg.num_experts * len(EXPERT_KINDS)):
-                refill()
-                (li, e, kind), fut = generating.popleft()
-                array = fut.result()
-                writing.append((array.nbytes, writer.write_expert(li, e, kind, array)))
-                del array
-                _settle(writing, window - len(generating) - 1, advance)
-        _settle(writing, 0, advance)
-        _settle(dense, 0, advance)
+    def report(wait: bool = False) -> None:  # progress, in order; raises a failed job's error
+        while writing and (wait or writing[0][1].done()):
+            nbytes, fut = writing.popleft()
+            fut.result()
+            advance(nbytes)
+        while dense and (wait or dense[0].done()):
+            advance(dense.popleft().result())
+
+    random_array((_BLOCK,), numpy_dtype(cfg.dtype), 1.0, [seed])  # compile once, not per thread
+    dense_lane = ThreadPoolExecutor(1, thread_name_prefix="synth-dense")
+    try:
+        for layer in (None, *range(cfg.num_layers)):
+            dense.append(dense_lane.submit(_dense_job, writer, seed, layer, alpha))
+        for li, e, kind in chunks:
+            buf = buffers.take()
+            while buf is None and generating:
+                hand_over()
+                buf = buffers.take()
+            if buf is None:  # all buffers are being written
+                buf = buffers.take(block=True)
+            view = buf.reshape(expert_shape(cfg, kind))
+            job = pool.submit(expert_array, cfg, seed, li, e, kind, view)
+            generating.append(((li, e, kind), buf, job))
+            while generating and generating[0][2].done():
+                hand_over()
+            report()
+        while generating:
+            hand_over()
+        report(wait=True)
+    finally:  # on an error, skip the dense layers not started yet
+        dense_lane.shutdown(wait=True, cancel_futures=True)
 
 
 def synthesize(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -80,6 +81,65 @@ def test_random_array_independent_of_threads() -> None:
     plain = synth.random_array(*args)
     np.testing.assert_array_equal(threaded, plain)
     assert threaded.std() == pytest.approx(0.5, rel=0.01)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_xla_kernel_matches_numpy(bf16: bool) -> None:
+    """Blocks of at least `_MIN_XLA` elements run in XLA, shorter ones in numpy: same bits."""
+    scale = np.float32(0.02)
+    for piece in range(2):  # the second call overwrites the first's (donated) buffer
+        a, b = synth._piece_key([3, 2, 1], piece)
+        args = np.array([a, b, scale.view(np.uint32)], np.uint32)
+        got = np.asarray(synth._xla_block(synth._BLOCK, bf16, args))
+        np.testing.assert_array_equal(got, synth._values_np(a, b, synth._BLOCK, scale, bf16))
+        del got
+
+
+def test_blocking_does_not_change_values() -> None:
+    """A piece of 1.5 M + 5 elements runs as blocks of 2^20, 2^19 and 5 (numpy)."""
+    n = synth._BLOCK + synth._BLOCK // 2 + 5
+    whole = synth.random_array((n,), np.dtype(np.float32), 0.3, [4, 4])
+    a, b = synth._piece_key([4, 4], 0)
+    scale = np.float32(0.3 / np.sqrt(synth._BYTE_SUM_VAR))
+    np.testing.assert_array_equal(whole, synth._values_np(a, b, n, scale, False))
+
+
+def test_random_values_distribution() -> None:
+    std = 0.05
+    x = synth.random_array((1 << 22,), np.dtype(np.float32), std, [11, 0]).astype(np.float64)
+    z = x / std
+    assert np.isfinite(z).all()
+    assert abs(z.mean()) < 3e-3  # standard error 5e-4
+    assert z.var() == pytest.approx(1.0, abs=4e-3)  # standard error 6.4e-4
+    assert abs((z**3).mean()) < 5e-3  # symmetric
+    assert (z**4).mean() == pytest.approx(2.7, abs=0.02)  # Irwin-Hall(4); a normal has 3
+    assert np.abs(z).max() <= 510 / np.sqrt(21845) + 1e-6  # bounded tails, about 3.45 std
+    counts = np.histogram(np.abs(z), bins=np.arange(0, 3.5, 0.25))[0]
+    assert (np.diff(counts) < 0).all()  # unimodal: density falls away from the centre
+    # bf16 is the float32 rounded to nearest even
+    y = synth.random_array((1 << 22,), np.dtype(ml_dtypes.bfloat16), std, [11, 0])
+    np.testing.assert_array_equal(y, x.astype(np.float32).astype(ml_dtypes.bfloat16))
+
+
+def test_expert_array_into_buffer_is_identical() -> None:
+    cfg = synth.SHAPES["tiny"]
+    buf = np.full(synth.expert_shape(cfg, "w2"), 7, synth.numpy_dtype(cfg.dtype))
+    synth.expert_array(cfg, 0, 1, 3, "w2", out=buf)
+    np.testing.assert_array_equal(buf, synth.expert_array(cfg, 0, 1, 3, "w2"))
+
+
+def test_pipeline_with_two_buffers_is_byte_identical(ckpts, tmp_path, monkeypatch) -> None:
+    """Buffers are recycled only after their write: with 2 for 96 chunks, nothing changes."""
+    monkeypatch.setattr(synth, "_window", lambda cfg, workers: 2)
+    path = tmp_path / "two"
+    synth.synthesize("tiny", path, workers=3, progress=False)
+    assert _chunk_hashes(path) == _chunk_hashes(ckpts["uniform"])
+    reader, ref = CheckpointReader(path), CheckpointReader(ckpts["uniform"])
+    for layer in range(reader.config.num_layers):  # read_expert checks every sha256 too
+        for (kind, got), (_, want) in zip(
+            reader.iter_layer_experts(layer), ref.iter_layer_experts(layer), strict=True
+        ):
+            np.testing.assert_array_equal(got, want, err_msg=kind)
 
 
 @pytest.mark.parametrize(("name", "target"), [("skew60", 0.6), ("skew80", 0.8)])
