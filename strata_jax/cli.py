@@ -76,6 +76,85 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from strata_jax.quantize import quantize_checkpoint
+
+    report = quantize_checkpoint(
+        args.src,
+        args.dst,
+        experts=args.experts,
+        dense=args.dense,
+        calib=args.calib,
+        calib_len=args.calib_len,
+        mix_random=args.mix_random,
+        damp=args.damp,
+        act_order=args.act_order,
+        min_tokens=args.min_tokens,
+        seed=args.seed,
+        overwrite=args.overwrite,
+    )
+    print(report)
+    return 0
+
+
+def _eval_quant(args: argparse.Namespace) -> int:
+    from strata_jax.quant_eval import evaluate_quantization, write_json
+
+    result = evaluate_quantization(
+        args.ckpt,
+        args.ref,
+        tokens=args.tokens,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        token_file=args.token_file,
+        min_expert_tokens=args.min_expert_tokens,
+    )
+    print(result.table())
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _add_quantize_parsers(sub: argparse._SubParsersAction) -> None:
+    """`strata quantize` and `strata eval quant`."""
+    qua = sub.add_parser("quantize", help="quantize a float checkpoint (int4 experts, int8 dense)")
+    qua.add_argument("src", help="float Strata checkpoint")
+    qua.add_argument("dst")
+    qua.add_argument("--experts", choices=("int4-gptq", "int4-rtn", "none"), default="int4-gptq",
+                     help="routed experts: int4 g128 by GPTQ or round-to-nearest, or kept float")
+    qua.add_argument("--dense", choices=("int8", "int8-gptq", "none"), default="int8",
+                     help="attention + shared-expert matrices: int8 by RTN or GPTQ, or float")
+    qua.add_argument("--calib", default="64", metavar="FILE_OR_N",
+                     help="token file (.npy [N, T] ints or .json list of lists), or a number of "
+                          "sequences to sample from the float model (loads it whole)")
+    qua.add_argument("--calib-len", type=int, default=64, help="length of sampled sequences")
+    qua.add_argument("--mix-random", type=float, default=0.25,
+                     help="fraction of calibration sequences that are uniform-random tokens")
+    qua.add_argument("--act-order", action="store_true")
+    qua.add_argument("--damp", type=float, default=0.01)
+    qua.add_argument("--min-tokens", type=int, default=None,
+                     help="fewest routed calibration tokens for GPTQ (default 2*K), else RTN")
+    qua.add_argument("--seed", type=int, default=0)
+    qua.add_argument("--overwrite", action="store_true")
+    qua.set_defaults(func=_quantize)
+
+    ev = sub.add_parser("eval", help="evaluate a checkpoint")
+    ev_sub = ev.add_subparsers(dest="what", required=True)
+    evq = ev_sub.add_parser("quant", help="quantized vs float: expert errors, logits KL, bytes")
+    evq.add_argument("ckpt", help="quantized Strata checkpoint")
+    evq.add_argument("--ref", required=True, help="its float source checkpoint")
+    evq.add_argument("--tokens", type=int, default=32,
+                     help="held-out sequences to sample from the float model")
+    evq.add_argument("--seq-len", type=int, default=64)
+    evq.add_argument("--token-file", default=None, help="extra held-out tokens (.npy / .json)")
+    evq.add_argument("--min-expert-tokens", type=int, default=32,
+                     help="skip experts with fewer held-out tokens in the error comparison")
+    evq.add_argument("--seed", type=int, default=0)
+    evq.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    evq.set_defaults(func=_eval_quant)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-capacity", type=int, default=16)
     plan.add_argument("--max-len", type=int, default=4096)
     plan.set_defaults(func=_plan)
+    _add_quantize_parsers(sub)
     return parser
 
 

@@ -116,11 +116,17 @@ def _causal_layer(cfg, lp, x, positions, pool, slot_row):
 
 def causal_attention(cfg, lp, x, positions):
     """The attention half of a layer over a whole prefix (residual included), with its k, v."""
+    o, k, v = attention_heads(cfg, lp, x, positions)
+    return x + linear(o, lp, "wo"), k, v
+
+
+def attention_heads(cfg, lp, x, positions):
+    """Causal attention of a whole prefix before wo: (wo's input [B, T, Q], k, v)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q, k, v = _project_qkv(cfg, lp, h, positions)
     t = x.shape[1]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
-    return x + linear(attend(q, k, v, mask), lp, "wo"), k, v
+    return attend(q, k, v, mask), k, v
 
 
 def _run_causal(cfg, params, pool, slot_table, tokens):
