@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from strata_jax import api
-from strata_jax.checkpoint import EXPERT_KINDS, dense_layer_shapes, expert_shape, global_shapes
+from strata_jax.checkpoint import (
+    EXPERT_KINDS,
+    CheckpointWriter,
+    dense_layer_shapes,
+    expert_shape,
+    global_shapes,
+)
 from strata_jax.config import ModelConfig
 
 
@@ -49,3 +55,17 @@ def random_arrays(cfg: ModelConfig, seed: int = 0, scale: float = 0.3):
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> api.Model:
     return api.from_arrays(cfg, *random_arrays(cfg, seed))
+
+
+def write_checkpoint(cfg: ModelConfig, dst, seed: int = 0, **writer_kw):
+    """Write `random_arrays(cfg, seed)` as a Strata checkpoint; returns the arrays."""
+    g, layers, experts = random_arrays(cfg, seed)
+    with CheckpointWriter(dst, cfg, **writer_kw) as w:
+        w.write_globals(g)
+        for i in range(cfg.num_layers):
+            w.write_layer_dense(i, {k: v[i] for k, v in layers.items()})
+            for e in range(cfg.num_experts):
+                for kind, arr in experts.items():
+                    w.write_expert(i, e, kind, arr[i, e])
+        w.commit()
+    return g, layers, experts

@@ -9,20 +9,9 @@ import pytest
 import strata_jax
 from strata_jax import api
 from strata_jax.checkpoint import CheckpointError, CheckpointReader, CheckpointWriter
-from tests.helpers import random_arrays, tiny_config
+from tests.helpers import random_arrays, tiny_config, write_checkpoint
 
-
-def _write(cfg, dst, seed=0, **kw):
-    g, layers, experts = random_arrays(cfg, seed)
-    with CheckpointWriter(dst, cfg, **kw) as w:
-        w.write_globals(g)
-        for i in range(cfg.num_layers):
-            w.write_layer_dense(i, {k: v[i] for k, v in layers.items()})
-            for e in range(cfg.num_experts):
-                for kind, arr in experts.items():
-                    w.write_expert(i, e, kind, arr[i, e])
-        w.commit()
-    return g, layers, experts
+_write = write_checkpoint
 
 
 def test_round_trip_is_exact(tmp_path):

@@ -5,8 +5,7 @@ import pytest
 from strata_runtime.engine import Engine, EngineConfig
 
 import strata_jax
-from tests.helpers import tiny_config
-from tests.test_checkpoint import _write
+from tests.helpers import tiny_config, write_checkpoint
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
 
@@ -14,7 +13,7 @@ PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("engine") / "ck"
-    _write(tiny_config("qwen2_moe"), path, seed=5)
+    write_checkpoint(tiny_config("qwen2_moe"), path, seed=5)
     return path
 
 

@@ -12,9 +12,9 @@ from strata_runtime.ledger import (
     resident_budget,
 )
 
-from strata_jax.checkpoint import CheckpointReader, CheckpointWriter
+from strata_jax.checkpoint import CheckpointReader
 from strata_jax.config import ModelConfig
-from tests.helpers import random_arrays
+from tests.helpers import write_checkpoint
 
 INT4 = {"dense": "int8", "experts": "int4-g128"}
 
@@ -66,15 +66,7 @@ def test_model_bytes_quantized_bf16_tied_shared_by_hand():
 
 def test_model_bytes_from_reader_matches_the_checkpoint(tmp_path):
     cfg = tiny()
-    g, layers, experts = random_arrays(cfg)
-    with CheckpointWriter(tmp_path / "ck", cfg) as w:
-        w.write_globals(g)
-        for i in range(cfg.num_layers):
-            w.write_layer_dense(i, {k: a[i] for k, a in layers.items()})
-            for e in range(cfg.num_experts):
-                for kind, arr in experts.items():
-                    w.write_expert(i, e, kind, arr[i, e])
-        w.commit()
+    _, _, experts = write_checkpoint(cfg, tmp_path / "ck")
     reader = CheckpointReader(tmp_path / "ck")
     mb = ModelBytes.from_reader(reader)
     assert mb == ModelBytes.from_config(cfg)
