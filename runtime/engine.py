@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 
 import jax
@@ -19,6 +20,7 @@ from strata_runtime.expert_store import ExpertStore
 from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
+from strata_runtime.timeline import Timeline
 
 from strata_jax import api
 from strata_jax import model as mdl
@@ -46,6 +48,7 @@ class EngineConfig:
     rebalance_every: int = 0  # decode steps between re-rankings of the pinned set; 0 = never
     hysteresis: float = 0.1
     heat_decay: float = 0.9
+    timeline: bool = False  # record copy / compute spans for `Engine.export_timeline`
     resident_experts: int | None = None
     host_experts: int | None = None
 
@@ -103,6 +106,9 @@ class Engine:
         self.cache = ExpertCache(config.policy, cache_slots)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         self.tier0_hits = self.tier0_needed = self.steps = self.swaps = 0
+        self.timeline = Timeline(config.timeline)
+        self.step_times: list[float] = []
+        self.tokens_out = 0
         layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
         stacked = {k: [lp[k] for lp in layers] for k in layers[0]}
         self.params = api.dense_params(cfg, reader.read_globals(), stacked)
@@ -139,12 +145,33 @@ class Engine:
             "tier1_experts": self.store.host_experts,
             "tier0_hit_rate": self.tier0_hits / max(1, self.tier0_needed),
             "rebalance_swaps": self.swaps,
+            **self._latency(),
             "staged": self.staged,
             "stalls": self.stalls,
             "prediction": self.predictor_stats.summary(),
             "fetches": dict(s.hits),
             "bytes_moved": dict(s.bytes),
         }
+
+    def _latency(self) -> dict[str, float]:
+        """Decode tok/s and step latency percentiles (ms) over all steps so far."""
+        if not self.step_times:
+            return {}
+        t = np.array(self.step_times)
+        return {
+            "decode_tok_s": self.tokens_out / t.sum(),
+            "step_ms_p50": float(np.percentile(t, 50) * 1e3),
+            "step_ms_p99": float(np.percentile(t, 99) * 1e3),
+            "stall_ms": self.timeline.total("copy") * 1e3 if self.timeline.enabled else None,
+            "overlap_fraction": self.timeline.overlap_fraction()
+            if self.timeline.enabled else None,
+        }
+
+    def export_timeline(self, path: str | os.PathLike) -> None:
+        """Chrome / Perfetto trace of copies vs compute (needs EngineConfig(timeline=True))."""
+        if not self.timeline.enabled:
+            raise ValueError("the timeline is off; construct with EngineConfig(timeline=True)")
+        self.timeline.export(path)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, config: EngineConfig) -> Engine:
@@ -218,7 +245,9 @@ class Engine:
         """Install one expert into a staging slot; a bad chunk fails `rows` (or just skips,
         for a speculative prefetch: the miss, if real, is retried and attributed later)."""
         try:
-            self.pool.install(slot, self.store.fetch(layer, expert))
+            tier = self.store.tier_of(layer, expert)
+            with self.timeline.span(f"fetch L{layer} E{expert}", "copy", tier=tier):
+                self.pool.install(slot, self.store.fetch(layer, expert))
         except CheckpointError as e:
             for r in np.unique(rows if rows is not None else []).tolist():
                 if self._live[r]:
@@ -250,7 +279,8 @@ class Engine:
     def _moe_layer(self, layer: int, lp, x):
         row = self._slot_row(layer, _route(self.cfg, lp, x))
         self._prefetch(layer + 1, x)  # copies for layer L+1 before layer L's experts run
-        out = _moe(self.cfg, lp, x, self.pool.arrays, row)
+        with self.timeline.span(f"experts L{layer}", "compute"):
+            out = _moe(self.cfg, lp, x, self.pool.arrays, row)
         # only now may cache admission evict: this layer's experts are already operands
         for e, staged in self._admit_after.pop(layer, []):
             self._cache_admit(layer, e, staged)
@@ -313,8 +343,11 @@ class Engine:
         last = np.asarray(logits)[np.arange(cap), lengths - 1]
         out = [np.argmax(last, -1).astype(np.int32)]
         for i in range(max_new_tokens - 1):
+            t0 = time.perf_counter()
             last = np.asarray(self._decode(jnp.asarray(out[-1]), jnp.asarray(lengths + i), ks, vs))
             out.append(np.argmax(last, -1).astype(np.int32))
+            self.step_times.append(time.perf_counter() - t0)
+            self.tokens_out += int(self._live.sum())
             self._end_step()
         tokens_out = np.stack(out, axis=1).tolist()
         results = [

@@ -110,3 +110,19 @@ def test_corrupt_tier2_chunk_fails_only_requests_that_need_it(ckpt, tmp_path):
     assert [r.tokens for r in engine.generate_results(healthy, 6)] == [
         t for t, s in zip(ref_tokens, touched, strict=True) if (layer, expert) not in s
     ]
+
+
+def test_stats_and_timeline_export(ckpt, tmp_path):
+    import json
+
+    engine = Engine.from_checkpoint(ckpt, EngineConfig(resident_experts=2, host_experts=2,
+                                                       batch_capacity=4, max_len=32,
+                                                       timeline=True))
+    engine.generate(PROMPTS, 6)
+    stats = engine.stats()
+    assert stats["decode_tok_s"] > 0 and stats["step_ms_p99"] >= stats["step_ms_p50"] > 0
+    assert 0.0 <= stats["overlap_fraction"] <= 1.0 and stats["stall_ms"] > 0
+    engine.export_timeline(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    kinds = {e["cat"] for e in events}
+    assert {"copy", "compute"} <= kinds and all(e["dur"] >= 0 for e in events)
