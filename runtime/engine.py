@@ -307,6 +307,7 @@ class Engine:
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],
                                                    vs[layer])
             x = self._moe_layer(layer, lp, x)
+        self._last_ks, self._last_vs = ks, vs
         return _head(self.cfg, self.params, x[:, 0])
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
