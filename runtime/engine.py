@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore
+from strata_runtime.host_dequant import HostDequantizer
 from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
@@ -24,7 +25,7 @@ from strata_runtime.timeline import Timeline
 
 from strata_jax import api
 from strata_jax import model as mdl
-from strata_jax.checkpoint import CheckpointError, CheckpointReader
+from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 
 
@@ -49,6 +50,7 @@ class EngineConfig:
     hysteresis: float = 0.1
     heat_decay: float = 0.9
     timeline: bool = False  # record copy / compute spans for `Engine.export_timeline`
+    dequant: str = "device"  # int4 experts: "device" (in the kernel) or "host" (bf16 slots)
     resident_experts: int | None = None
     host_experts: int | None = None
 
@@ -57,6 +59,18 @@ def placement(cfg: ModelConfig, resident: int, host: int) -> tuple[list, list]:
     """Uniform heat: spread the resident set evenly over layers, then the host set."""
     order = [(layer, e) for e in range(cfg.num_experts) for layer in range(cfg.num_layers)]
     return order[:resident], order[resident : resident + host]
+
+
+DEQUANT = ("device", "host")
+
+
+def _host_dequantizer(kind: str, reader: CheckpointReader) -> HostDequantizer | None:
+    """A host dequantizer when int4 experts are to be expanded to bf16 before the copy."""
+    if kind not in DEQUANT:
+        raise ValueError(f"dequant must be one of {DEQUANT}, got {kind!r}")
+    if kind == "device" or reader.quantization["experts"] == "none":
+        return None
+    return HostDequantizer(cache_bytes=0)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(4, 5))
@@ -98,10 +112,14 @@ class Engine:
             cache_slots = 0
         tier0, tier1 = placement(cfg, resident - cache_slots, host)
         self.store = ExpertStore(reader, tier1)
-        self.pool = SlotPool(reader.expert_specs, cfg.num_layers, cfg.num_experts,
+        self._dequant = _host_dequantizer(config.dequant, reader)
+        specs = reader.expert_specs
+        if self._dequant is not None:  # slots hold what the host produces: bf16 matrices
+            specs = expert_arrays(cfg.replace(dtype="bfloat16"))
+        self.pool = SlotPool(specs, cfg.num_layers, cfg.num_experts,
                              permanent=max(resident, 1), staging=cfg.num_experts)
         for layer, e in tier0:
-            self.pool.admit(layer, e, self.store.fetch(layer, e, count=False))
+            self.pool.admit(layer, e, self._weights(layer, e, count=False))
         self.pinned = set(tier0)
         self.cache = ExpertCache(config.policy, cache_slots)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
@@ -118,6 +136,14 @@ class Engine:
         self._history: dict[int, set[int]] = {}
         self._prefetched: dict[int, dict[int, int]] = {}
         self._admit_after: dict[int, list[tuple[int, int]]] = {}
+
+    def _weights(self, layer: int, expert: int, count: bool = True) -> dict[str, object]:
+        """An expert's arrays as the slots hold them (dequantized on the host if asked)."""
+        arrays = self.store.fetch(layer, expert, count=count)
+        if self._dequant is None:
+            return arrays
+        return {k: self._dequant.get((layer, expert, k), arrays[k], arrays[f"{k}_scale"])
+                for k in EXPERT_KINDS}
 
     def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int]:
         """(tier-0, tier-1) expert counts: from the ledger, unless overridden."""
@@ -237,7 +263,7 @@ class Engine:
             if new in self.cache:  # already in HBM: promote the cached copy
                 self.cache.remove(new)
             else:
-                self.pool.admit(*new, self.store.fetch(*new))
+                self.pool.admit(*new, self._weights(*new))
             self.pinned.add(new)
             self.swaps += 1
 
@@ -247,7 +273,7 @@ class Engine:
         try:
             tier = self.store.tier_of(layer, expert)
             with self.timeline.span(f"fetch L{layer} E{expert}", "copy", tier=tier):
-                self.pool.install(slot, self.store.fetch(layer, expert))
+                self.pool.install(slot, self._weights(layer, expert))
         except CheckpointError as e:
             for r in np.unique(rows if rows is not None else []).tolist():
                 if self._live[r]:

@@ -1,0 +1,43 @@
+"""Quantized experts: both dequant settings are bit-identical across budgets."""
+
+import numpy as np
+import pytest
+
+from strata_jax.quantize import quantize_checkpoint
+from strata_runtime.engine import Engine, EngineConfig
+from tests.helpers import tiny_config, write_checkpoint
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dequant")
+    cfg = tiny_config("mixtral", hidden_size=128, expert_intermediate_size=128, head_dim=32,
+                      num_experts=4)
+    write_checkpoint(cfg, root / "float", seed=4)
+    quantize_checkpoint(root / "float", root / "q", experts="int4-rtn", dense="int8",
+                        progress=False)
+    return root / "q"
+
+
+@pytest.mark.parametrize("dequant", ["device", "host"])
+def test_dequant_settings_are_exact_across_budgets(quantized, dequant):
+    def run(resident):
+        engine = Engine.from_checkpoint(quantized, EngineConfig(
+            resident_experts=resident, host_experts=1, batch_capacity=2, max_len=24,
+            dequant=dequant))
+        return engine.generate_with_logits(PROMPTS, 5), engine
+
+    (ref_tokens, ref_logits), full = run(None)
+    assert full.pool.arrays.w1.dtype.name == ("uint8" if dequant == "device" else "bfloat16")
+    for resident in (1, 3, 6):
+        (tokens, logits), engine = run(resident)
+        assert tokens == ref_tokens
+        np.testing.assert_array_equal(logits, ref_logits)
+        assert engine.staged > 0
+
+
+def test_unknown_dequant_is_refused(quantized):
+    with pytest.raises(ValueError, match="dequant must be one of"):
+        Engine.from_checkpoint(quantized, EngineConfig(dequant="gpu"))
