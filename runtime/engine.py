@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -51,6 +52,7 @@ class EngineConfig:
     heat_decay: float = 0.9
     timeline: bool = False  # record copy / compute spans for `Engine.export_timeline`
     dequant: str = "device"  # int4 experts: "device" (in the kernel) or "host" (bf16 slots)
+    fetch_threads: int = 4  # host-side fetches (disk reads, verification, host dequant)
     resident_experts: int | None = None
     host_experts: int | None = None
 
@@ -136,6 +138,7 @@ class Engine:
         self._history: dict[int, set[int]] = {}
         self._prefetched: dict[int, dict[int, int]] = {}
         self._admit_after: dict[int, list[tuple[int, int]]] = {}
+        self._fetcher = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="fetch")
 
     def _weights(self, layer: int, expert: int, count: bool = True) -> dict[str, object]:
         """An expert's arrays as the slots hold them (dequantized on the host if asked)."""
@@ -224,14 +227,16 @@ class Engine:
         prefetched = self._prefetched.pop(layer, {})
         self.predictor_stats.record(layer, set(prefetched), missing)
         self._history[layer] = needed
-        free = iter(s for s in self.pool.staging_slots(layer % 2) if s not in prefetched.values())
+        taken = {slot for slot, _ in prefetched.values()}
+        free = iter(s for s in self.pool.staging_slots(layer % 2) if s not in taken)
         row = np.zeros(self.cfg.num_experts, np.int32)
         for e in sorted(missing):
-            if e in prefetched:
-                row[e] = prefetched[e]
+            rows = token_rows[(experts == e).any(1)]
+            if e in prefetched:  # mispredicted experts are never copied to the device
+                row[e] = self._install_fetched(layer, e, *prefetched[e], rows)
             else:
                 self.stalls += 1
-                row[e] = self._stage(layer, e, next(free), token_rows[(experts == e).any(1)])
+                row[e] = self._stage(layer, e, next(free), rows)
         for e in range(self.cfg.num_experts):
             slot = self.pool.slot_of(layer, e)
             if slot is not None:
@@ -267,15 +272,20 @@ class Engine:
             self.pinned.add(new)
             self.swaps += 1
 
-    def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray | None) -> int:
-        """Install one expert into a staging slot; a bad chunk fails `rows` (or just skips,
-        for a speculative prefetch: the miss, if real, is retried and attributed later)."""
+    def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray) -> int:
+        """Fetch and install one expert into a staging slot now (a stall)."""
+        future = self._fetcher.submit(self._weights, layer, expert)
+        return self._install_fetched(layer, expert, slot, future, rows)
+
+    def _install_fetched(self, layer: int, expert: int, slot: int, future: Future,
+                         rows: np.ndarray) -> int:
+        """Install a fetched expert; a bad chunk fails only `rows` (they read slot 0)."""
         try:
             tier = self.store.tier_of(layer, expert)
-            with self.timeline.span(f"fetch L{layer} E{expert}", "copy", tier=tier):
-                self.pool.install(slot, self._weights(layer, expert))
+            with self.timeline.span(f"copy L{layer} E{expert}", "copy", tier=tier):
+                self.pool.install(slot, future.result())
         except CheckpointError as e:
-            for r in np.unique(rows if rows is not None else []).tolist():
+            for r in np.unique(rows).tolist():
                 if self._live[r]:
                     self._live[r] = False
                     self._errors[r] = str(e)
@@ -284,7 +294,9 @@ class Engine:
         return slot
 
     def _prefetch(self, layer: int, x: jax.Array | None) -> None:
-        """Stage the predicted non-resident experts of `layer` into its staging region."""
+        """Start host-side fetches (disk read, verify, host dequant) of the predicted
+        non-resident experts of `layer` on the fetch threads; they are copied to its staging
+        region only if its routing confirms them."""
         kind = self.config.predictor
         if kind == "none" or layer >= self.cfg.num_layers:
             return
@@ -296,11 +308,10 @@ class Engine:
         wanted = combine(kind, gate, self._history.get(layer, set()))
         wanted = sorted(e for e in wanted if self.pool.slot_of(layer, e) is None)
         slots = self.pool.staging_slots(layer % 2)
-        staged = {}
-        for e, slot in zip(wanted, slots, strict=False):
-            if self._stage(layer, e, slot, None) == slot:
-                staged[e] = slot
-        self._prefetched[layer] = staged
+        self._prefetched[layer] = {
+            e: (slot, self._fetcher.submit(self._weights, layer, e))
+            for e, slot in zip(wanted, slots, strict=False)
+        }
 
     def _moe_layer(self, layer: int, lp, x):
         row = self._slot_row(layer, _route(self.cfg, lp, x))

@@ -31,6 +31,8 @@ class ExpertStore:
     def __init__(self, reader: CheckpointReader, tier1: Iterable[Key] = ()) -> None:
         self.reader = reader
         self.names = tuple(reader.expert_specs)
+        for name in self.names:  # open every array now: fetch threads share them read-only
+            reader.expert_store(name)
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._host: dict[Key, dict[str, np.ndarray]] = {k: self._read(*k) for k in tier1}
