@@ -196,6 +196,16 @@ class Engine:
             if self.timeline.enabled else None,
         }
 
+    def close(self) -> None:
+        """Stop the fetch threads (in-flight speculative fetches are abandoned)."""
+        self._fetcher.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def export_timeline(self, path: str | os.PathLike) -> None:
         """Chrome / Perfetto trace of copies vs compute (needs EngineConfig(timeline=True))."""
         if not self.timeline.enabled:
