@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from strata_runtime.host_dequant import HostDequantizer
 
 from benchmarks.common import hbm_bandwidth, machine, median_time
 from strata_jax import expert_kernels as ek
 from strata_jax.pool import ExpertPool
+from strata_runtime.host_dequant import HostDequantizer
 
 
 @dataclass(frozen=True)

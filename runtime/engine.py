@@ -16,6 +16,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from strata_jax import api
+from strata_jax import model as mdl
+from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
+from strata_jax.config import ModelConfig
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore
 from strata_runtime.host_dequant import HostDequantizer
@@ -23,11 +28,6 @@ from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
 from strata_runtime.timeline import Timeline
-
-from strata_jax import api
-from strata_jax import model as mdl
-from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
-from strata_jax.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from strata_runtime.ledger import BudgetError, ModelBytes, plan_ledger
-
     from strata_jax.checkpoint import CheckpointReader
+    from strata_runtime.ledger import BudgetError, ModelBytes, plan_ledger
 
     model = ModelBytes.from_reader(CheckpointReader(args.ckpt))
     try:

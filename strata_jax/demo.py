@@ -61,10 +61,9 @@ def main() -> None:
 
 def offloaded(path: Path, resident_outs: list[list[int]]) -> None:
     """The same prompts through the offload engine with a third of the experts in HBM."""
+    from strata_jax.checkpoint import CheckpointReader
     from strata_runtime.engine import Engine, EngineConfig
     from strata_runtime.ledger import ModelBytes
-
-    from strata_jax.checkpoint import CheckpointReader
 
     mb = ModelBytes.from_reader(CheckpointReader(path))
     kv = len(PROMPTS) * 128 * mb.kv_bytes_per_token

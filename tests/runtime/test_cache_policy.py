@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 
 

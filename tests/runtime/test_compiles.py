@@ -5,8 +5,8 @@ import logging
 import jax
 import numpy as np
 import pytest
-from strata_runtime.engine import Engine, EngineConfig
 
+from strata_runtime.engine import Engine, EngineConfig
 from tests.helpers import tiny_config, write_checkpoint
 
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from strata_runtime.engine import Engine, EngineConfig
 
 import strata_jax
+from strata_runtime.engine import Engine, EngineConfig
 from tests.helpers import tiny_config, write_checkpoint
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+
 from strata_runtime.host_dequant import HostDequantizer
 
 

@@ -4,6 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from strata_jax.checkpoint import CheckpointReader
+from strata_jax.config import ModelConfig
 from strata_runtime.ledger import (
     BudgetError,
     ModelBytes,
@@ -11,9 +14,6 @@ from strata_runtime.ledger import (
     plan_ledger,
     resident_budget,
 )
-
-from strata_jax.checkpoint import CheckpointReader
-from strata_jax.config import ModelConfig
 from tests.helpers import write_checkpoint
 
 INT4 = {"dense": "int8", "experts": "int4-g128"}

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
+
 from strata_runtime.numa import (
     NumaPlan,
     bind_current_thread,

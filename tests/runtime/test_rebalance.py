@@ -5,9 +5,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from strata_runtime.engine import Engine, EngineConfig
 
 from strata_jax.synth import synthesize
+from strata_runtime.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.scheduler import Scheduler
-
 from tests.helpers import tiny_config, write_checkpoint
 
 

@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from strata_runtime.slot_pool import SlotPool
 
 from strata_jax import api
 from strata_jax.checkpoint import expert_arrays
 from strata_jax.moe import apply_experts, route
+from strata_runtime.slot_pool import SlotPool
 from tests.helpers import random_arrays, tiny_config
 
 
