@@ -18,7 +18,7 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
-	$(BIN)/python -m strata_jax.demo
+	$(BIN)/python -m strata_runtime.demo
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .

@@ -37,7 +37,7 @@ def synth_model(dst: Path, shape: str, layers: int) -> dict[str, float]:
         [
             sys.executable,
             "-m",
-            "strata_jax.cli",
+            "strata_runtime.cli",
             "synth",
             "--shape",
             shape,

@@ -8,7 +8,7 @@ export PYTHONPATH="$PWD:/tmp/sp"
 df -h /tmp /dev/shm | tee "$OUT/disk.txt"
 python3 -m pytest -q tests/test_expert_kernels.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
 if [[ "${SKIP_DISK:-0}" != 1 ]]; then
-  python3 -m strata_jax.cli synth --shape mixtral-8x7b --layers 8 /tmp/disk8 2>&1 | tail -1 \
+  python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 /tmp/disk8 2>&1 | tail -1 \
     | tee "$OUT/synth_disk.txt"
   rm -rf /tmp/disk8
 fi

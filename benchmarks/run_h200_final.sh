@@ -6,10 +6,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
 export PYTHONPATH="$PWD:/tmp/sp"
 python3 -m pytest -q tests/test_expert_kernels.py 2>&1 | tail -2 | tee "$OUT/gpu_tests.txt"
-python3 -m strata_jax.cli synth --shape mixtral-8x7b --layers 8 /tmp/disk8 2>&1 | tail -1 \
+python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 /tmp/disk8 2>&1 | tail -1 \
   | tee "$OUT/synth_disk.txt"
 rm -rf /tmp/disk8
-python3 -m strata_jax.cli synth --shape mixtral-8x7b --layers 8 /dev/shm/m8 2>&1 | tail -1 \
+python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 /dev/shm/m8 2>&1 | tail -1 \
   | tee "$OUT/synth_shm.txt"
 rm -rf /dev/shm/m8
 python3 benchmarks/int4_experts.py --out "$OUT" 2>&1 | grep -v "^W0" | grep -E "^\||us/layer|total" | tail -30

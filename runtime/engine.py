@@ -85,6 +85,13 @@ def _attn_prefill(cfg, lp, x, positions):
     return mdl.causal_attention(cfg, lp, x, positions)
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _place_prefix(cache, new, rows):
+    """cache [B, max_len, ...] with positions [0, T) of the masked rows replaced by `new`."""
+    updated = jax.lax.dynamic_update_slice_in_dim(cache, new, 0, axis=1)
+    return jnp.where(rows[:, None, None, None], updated, cache)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _route(cfg, lp, x):
     return mdl.route_layer(cfg, lp, x)[1].experts
@@ -129,9 +136,7 @@ class Engine:
         self.timeline = Timeline(config.timeline)
         self.step_times: list[float] = []
         self.tokens_out = 0
-        layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
-        stacked = {k: [lp[k] for lp in layers] for k in layers[0]}
-        self.params = api.dense_params(cfg, reader.read_globals(), stacked)
+        self.params = api.read_dense_params(reader)
         self.staged = 0
         self.stalls = 0
         self.predictor_stats = PredictorStats()
@@ -216,6 +221,10 @@ class Engine:
     def from_checkpoint(cls, path: str | os.PathLike, config: EngineConfig) -> Engine:
         return cls(CheckpointReader(path), config)
 
+    def _token_rows(self, experts: np.ndarray) -> np.ndarray:
+        """The batch row of each routed token (prefill flattens rows x positions)."""
+        return np.arange(experts.shape[0]) // (experts.shape[0] // len(self._live))
+
     def _slot_row(self, layer: int, experts: jax.Array) -> jax.Array:
         """Slots for this layer's experts; live rows' non-resident experts are staged now
         unless the predictor already prefetched them (a miss staged now is a stall).
@@ -224,7 +233,7 @@ class Engine:
         dead and their expert reads slot 0 (finite weights; the rows' outputs are discarded).
         """
         experts = np.asarray(experts)
-        token_rows = np.arange(experts.shape[0]) // (experts.shape[0] // len(self._live))
+        token_rows = self._token_rows(experts)
         live = self._live[token_rows]
         needed = set(np.unique(experts[live]).tolist())
         missing = {e for e in needed if self.pool.slot_of(layer, e) is None}
@@ -313,8 +322,7 @@ class Engine:
         gate: set[int] = set()
         if x is not None and kind in ("next-gate", "both"):
             ids = np.asarray(_route(self.cfg, self.params["layers"][layer], x))
-            rows = np.arange(ids.shape[0]) // (ids.shape[0] // len(self._live))
-            gate = set(np.unique(ids[self._live[rows]]).tolist())
+            gate = set(np.unique(ids[self._live[self._token_rows(ids)]]).tolist())
         wanted = combine(kind, gate, self._history.get(layer, set()))
         wanted = sorted(e for e in wanted if self.pool.slot_of(layer, e) is None)
         slots = self.pool.staging_slots(layer % 2)
@@ -333,19 +341,19 @@ class Engine:
             self._cache_admit(layer, e, staged)
         return out
 
-    def _prefill(self, tokens: np.ndarray):
+    def _prefill(self, tokens: np.ndarray, ks: list, vs: list, rows: np.ndarray):
+        """Prefill every row of `tokens`; write the k, v of `rows` into the caches in place."""
         cfg = self.cfg
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.params["embed"][tokens]
-        cache = mdl.init_cache(cfg, b, self.config.max_len)
-        ks, vs = [], []
+        mask = jnp.asarray(rows)
         for layer, lp in enumerate(self.params["layers"]):
             x, k, v = _attn_prefill(cfg, lp, x, positions)
-            ks.append(jax.lax.dynamic_update_slice_in_dim(cache.k[layer], k, 0, axis=1))
-            vs.append(jax.lax.dynamic_update_slice_in_dim(cache.v[layer], v, 0, axis=1))
+            ks[layer] = _place_prefix(ks[layer], k, mask)
+            vs[layer] = _place_prefix(vs[layer], v, mask)
             x = self._moe_layer(layer, lp, x)
-        return _head(cfg, self.params, x), ks, vs
+        return _head(cfg, self.params, x)
 
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
         self._prefetch(0, None)  # layer 0: only the previous step's experts are known
@@ -387,7 +395,9 @@ class Engine:
             tokens[i, : len(p)] = p
         self._live = np.arange(cap) < len(prompts)  # padding rows fetch nothing
         self._errors: dict[int, str] = {}
-        logits, ks, vs = self._prefill(tokens)
+        cache = mdl.init_cache(self.cfg, cap, self.config.max_len)
+        ks, vs = list(cache.k), list(cache.v)
+        logits = self._prefill(tokens, ks, vs, np.ones(cap, bool))
         last = np.asarray(logits)[np.arange(cap), lengths - 1]
         out = [np.argmax(last, -1).astype(np.int32)]
         for i in range(max_new_tokens - 1):

@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,12 +32,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     error: str | None = None
     done: bool = False
-
-
-@jax.jit
-def _merge_rows(mask: jax.Array, new: tuple, old: tuple) -> tuple:
-    """Rows where `mask` is set come from `new`, the rest from `old` (per-layer caches)."""
-    return tuple(jnp.where(mask[:, None, None, None], n, o) for n, o in zip(new, old, strict=True))
 
 
 class Scheduler:
@@ -113,9 +106,9 @@ class Scheduler:
             mask[i] = True
         eng = self.engine
         eng._live, eng._errors = mask.copy(), {}
-        logits, ks, vs = eng._prefill(tokens)
-        self.ks = _merge_rows(jnp.asarray(mask), tuple(ks), self.ks)
-        self.vs = _merge_rows(jnp.asarray(mask), tuple(vs), self.vs)
+        ks, vs = list(self.ks), list(self.vs)
+        logits = eng._prefill(tokens, ks, vs, mask)
+        self.ks, self.vs = tuple(ks), tuple(vs)
         lengths = np.array([len(new[i].prompt) if i in new else 1 for i in range(self.capacity)])
         first = np.argmax(np.asarray(logits)[np.arange(self.capacity), lengths - 1], -1)
         for i, req in new.items():

@@ -36,27 +36,37 @@ def from_arrays(
 ) -> Model:
     """Build a resident Model from host arrays.
 
-    `layers` maps each dense param name to an array stacked over layers (or a list per layer);
-    experts are [L, E, in, out] per kind.
+    `layers` maps each dense param name to an array stacked over layers; experts are
+    [L, E, in, out] per kind.
     """
+    per_layer = [{k: v[i] for k, v in layers.items()} for i in range(config.num_layers)]
+    params = dense_params(config, globals_, per_layer)
+    return Model(config, params, resident_pool(config, experts), mdl.resident_slot_table(config))
+
+
+def resident_pool(config: ModelConfig, experts: dict[str, np.ndarray]) -> ExpertPool:
+    """Every expert in a slot, [layer * num_experts + expert], from [L, E, ...] arrays."""
     dtype = jnp.dtype(config.dtype)
-    params = dense_params(config, globals_, layers)
     flat = {k: _device_array(v, dtype).reshape(-1, *v.shape[2:]) for k, v in experts.items()}
-    pool = ExpertPool(**flat)
-    return Model(config, params, pool, mdl.resident_slot_table(config))
+    return ExpertPool(**flat)
 
 
 def dense_params(
-    config: ModelConfig, globals_: dict[str, np.ndarray], layers: dict[str, Any]
+    config: ModelConfig, globals_: dict[str, np.ndarray], layers: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Device params the model functions take: globals plus one dict per layer (qkv fused)."""
     dtype = jnp.dtype(config.dtype)
     params: dict[str, Any] = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
     params["layers"] = tuple(
-        fuse_qkv({k: _device_array(v[i], dtype) for k, v in layers.items()})
-        for i in range(config.num_layers)
+        fuse_qkv({k: _device_array(v, dtype) for k, v in lp.items()}) for lp in layers
     )
     return params
+
+
+def read_dense_params(reader: CheckpointReader) -> dict[str, Any]:
+    """A checkpoint's dense params on the device, as `dense_params` lays them out."""
+    layers = [reader.read_layer_dense(i) for i in range(reader.config.num_layers)]
+    return dense_params(reader.config, reader.read_globals(), layers)
 
 
 def _device_array(v: Any, dtype) -> jax.Array:
@@ -88,9 +98,8 @@ def load(path: str | os.PathLike) -> Model:
             kind: _stack_experts(ex, reader, kind, cfg.num_layers, cfg.num_experts)
             for kind in reader.expert_specs
         }
-    layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
-    stacked = {name: [lp[name] for lp in layers] for name in layers[0]}
-    return from_arrays(cfg, reader.read_globals(), stacked, experts)
+    pool = resident_pool(cfg, experts)
+    return Model(cfg, read_dense_params(reader), pool, mdl.resident_slot_table(cfg))
 
 
 def _stack_experts(ex, reader: CheckpointReader, kind: str, layers: int, experts: int):

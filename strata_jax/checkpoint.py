@@ -381,11 +381,6 @@ class CheckpointReader:
     def read_layer_dense(self, layer: int) -> dict[str, np.ndarray]:
         return self._dense(f"layer_{layer:04d}", _shapes(self.dense_specs))
 
-    def read_dense_stacked(self) -> dict[str, np.ndarray]:
-        """All layers' dense params stacked on a leading layer axis."""
-        layers = [self.read_layer_dense(i) for i in range(self.config.num_layers)]
-        return {name: np.stack([lp[name] for lp in layers]) for name in layers[0]}
-
     def expert_store(self, kind: str) -> ts.TensorStore:
         if kind not in self._experts:
             if kind not in self.expert_specs:

@@ -24,9 +24,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 import strata_jax  # noqa: E402
-from strata_jax import cli  # noqa: E402
 from strata_jax.checkpoint import CheckpointError  # noqa: E402
 from strata_jax.hf_convert import convert_hf, model_config_from_hf  # noqa: E402
+from strata_runtime import cli  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 BASE = dict(
@@ -331,7 +331,7 @@ def test_existing_destination_needs_overwrite(case, capsys):
 def test_killed_conversion_leaves_nothing_loadable(root):
     src, dst = root / "deep", root / "deep.strata"
     build_model("mixtral", num_hidden_layers=8).save_pretrained(src)
-    cmd = [sys.executable, "-m", "strata_jax.cli", "convert", "hf", str(src), str(dst)]
+    cmd = [sys.executable, "-m", "strata_runtime.cli", "convert", "hf", str(src), str(dst)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         partial = _wait_for_partial(proc, dst)

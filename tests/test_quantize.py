@@ -20,10 +20,11 @@ import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax import cli, quant
+from strata_jax import quant
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.quantize import REPORT_FILE, read_token_file
 from strata_jax.synth import synthesize
+from strata_runtime import cli
 
 QUANTIZED = {"dense": "int8", "experts": "int4-g128"}
 CALIB_SEQS, HELDOUT_SEQS = "64", "32"
