@@ -1,8 +1,9 @@
 """The offload engine: experts in a fixed slot pool, misses staged per layer from host or disk.
 
-This first version serves a miss synchronously after reading the layer's routing (the naive
-rung of the write-up's ladder). Every layer runs the same compiled functions whatever the
-budget, and experts are operands, so an offloaded run is bit-identical to an unlimited one.
+Per layer: route, copy the misses, issue the copies predicted for the next layer, then
+dispatch this layer's experts, so the next layer's copies run while it computes (copy-before-
+compute, DESIGN.md). Every layer runs the same compiled functions whatever the budget, and
+experts are operands, so an offloaded run is bit-identical to an unlimited one.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -25,9 +25,11 @@ from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy,
 from strata_runtime.expert_store import ExpertStore
 from strata_runtime.host_dequant import HostDequantizer
 from strata_runtime.ledger import ModelBytes, plan_ledger
+from strata_runtime.numa import gpu_pci_bus_id, plan_binding
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
 from strata_runtime.timeline import Timeline
+from strata_runtime.transfer import Transfer, TransferEngine, to_device
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,16 @@ def _moe(cfg, lp, x, pool, slot_row):
     return mdl.moe_block(cfg, lp, x, pool, slot_row)[0]
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
+def _moe_pass(cfg, lp, x, pool, slot_row, take, picks):
+    return mdl.moe_pass(cfg, lp, x, pool, slot_row, take, picks)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _moe_finish(cfg, lp, x, picks):
+    return mdl.moe_finish(cfg, lp, x, picks)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _head(cfg, params, x):
     return mdl.lm_head(cfg, params, x)
@@ -115,65 +127,87 @@ class Engine:
         check_policy(config.policy)
         self.cfg, self.config = reader.config, config
         cfg = self.cfg
-        resident, host = self._tier_sizes(reader)
+        self.device = jax.devices()[0]
+        self.timeline = Timeline(config.timeline)
+        self.numa = plan_binding(gpu_pci_bus_id(self.device))
+        self._dequant = _host_dequantizer(config.dequant, reader)
+        self.transfers = TransferEngine(self._host_fetch, self.device, config.fetch_threads,
+                                        self.numa, self.timeline)
+        resident, host, staging = self._tier_sizes(reader)
         cache_slots = 0 if config.policy == "static" else int(config.cache_fraction * resident)
         if resident == cfg.num_layers * cfg.num_experts:
-            cache_slots = 0
+            cache_slots = staging = 0
         tier0, tier1 = placement(cfg, resident - cache_slots, host)
-        self.store = ExpertStore(reader, tier1)
-        self._dequant = _host_dequantizer(config.dequant, reader)
+        # pinned host memory is allocated from the (NUMA-bound) fetch threads
+        self.store = ExpertStore(reader, tier1, self.device, pinned=self._dequant is None,
+                                 loader=self.transfers.executor)
         specs = reader.expert_specs
         if self._dequant is not None:  # slots hold what the host produces: bf16 matrices
             specs = expert_arrays(cfg.replace(dtype="bfloat16"))
+        self.staging = staging
         self.pool = SlotPool(specs, cfg.num_layers, cfg.num_experts,
-                             permanent=max(resident, 1), staging=cfg.num_experts)
-        for layer, e in tier0:
-            self.pool.admit(layer, e, self._weights(layer, e, count=False))
+                             permanent=max(resident, 1), staging=max(staging, 1),
+                             device=self.device)
+        self._place(tier0)
         self.pinned = set(tier0)
         self.cache = ExpertCache(config.policy, cache_slots)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         self.tier0_hits = self.tier0_needed = self.steps = self.swaps = 0
-        self.timeline = Timeline(config.timeline)
         self.step_times: list[float] = []
         self.tokens_out = 0
         self.params = api.read_dense_params(reader)
-        self.staged = 0
-        self.stalls = 0
+        self.staged = self.stalls = self.extra_passes = 0
         self.predictor_stats = PredictorStats()
         self._history: dict[int, set[int]] = {}
-        self._prefetched: dict[int, dict[int, int]] = {}
-        self._admit_after: dict[int, list[tuple[int, int]]] = {}
-        self._fetcher = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="fetch")
+        self._inflight: dict[int, dict[int, Transfer]] = {}
 
-    def _weights(self, layer: int, expert: int, count: bool = True) -> dict[str, object]:
-        """An expert's arrays as the slots hold them (dequantized on the host if asked)."""
+    def _place(self, keys: list[tuple[int, int]]) -> None:
+        """Install the initial tier-0 experts (read on the fetch threads, in parallel)."""
+        reads = self.transfers.executor.map(lambda k: self._host_weights(*k, count=False), keys)
+        for key, arrays in zip(keys, reads, strict=True):
+            self.pool.admit(*key, to_device(arrays, self.device))
+
+    def _host_weights(self, layer: int, expert: int, count: bool = True) -> dict[str, object]:
+        """An expert's host arrays as the slots hold them (dequantized on the host if asked)."""
         arrays = self.store.fetch(layer, expert, count=count)
         if self._dequant is None:
             return arrays
         return {k: self._dequant.get((layer, expert, k), arrays[k], arrays[f"{k}_scale"])
                 for k in EXPERT_KINDS}
 
-    def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int]:
-        """(tier-0, tier-1) expert counts: from the ledger, unless overridden."""
+    def _host_fetch(self, layer: int, expert: int) -> tuple[int, dict[str, object]]:
+        """(source tier, host arrays) of an expert: what a fetch thread does before its copy."""
+        return self.store.tier_of(layer, expert), self._host_weights(layer, expert)
+
+    def _start(self, layer: int, expert: int) -> Transfer:
+        """Begin moving an expert to the device: pinned tier-1 copies are issued right here."""
+        if self.store.pinned and self.store.tier_of(layer, expert) == 1:
+            return self.transfers.start(layer, expert, self.store.fetch(layer, expert))
+        return self.transfers.start(layer, expert, None)
+
+    def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int, int]:
+        """(tier-0, tier-1, staging) expert counts: from the ledger, unless overridden."""
         cfg, config = self.cfg, self.config
         total = cfg.num_layers * cfg.num_experts
         resident, host = total, 0
+        staging = min(cfg.num_experts, config.batch_capacity * cfg.top_k)
         if config.hbm_budget is not None:
             self.ledger = plan_ledger(
                 ModelBytes.from_reader(reader), config.hbm_budget, config.host_budget,
                 batch_capacity=config.batch_capacity, max_len=config.max_len,
-                staging_slots=cfg.num_experts, workspace_floor=config.workspace_floor,
+                workspace_floor=config.workspace_floor,
             )
             resident, host = self.ledger.tier0, self.ledger.tier1
+            staging = self.ledger.staging_slots or staging
         if config.resident_experts is not None:
             resident = config.resident_experts
         if config.host_experts is not None:
             host = config.host_experts
-        return resident, min(host, total - resident)
+        return resident, min(host, total - resident), staging
 
     def stats(self) -> dict[str, object]:
-        """Counters so far: experts staged per miss, fetches and bytes per tier."""
-        s = self.store.stats
+        """Counters so far: hit rate, latency, stalls, prediction, fetches and bytes per tier."""
+        s, t = self.store.stats, self.transfers.stats
         return {
             "tier0_experts": len(self.pool.resident()),
             "tier1_experts": self.store.host_experts,
@@ -182,28 +216,41 @@ class Engine:
             **self._latency(),
             "staged": self.staged,
             "stalls": self.stalls,
+            "extra_passes": self.extra_passes,
             "prediction": self.predictor_stats.summary(),
             "fetches": dict(s.hits),
             "bytes_moved": dict(s.bytes),
+            "h2d_copies": dict(t.copies),
+            "h2d_bytes": dict(t.bytes),
+            "wasted_copies": t.wasted_copies,
+            "wasted_bytes": t.wasted_bytes,
+            "numa": self.numa.reason,
         }
 
     def _latency(self) -> dict[str, float]:
-        """Decode tok/s and step latency percentiles (ms) over all steps so far."""
+        """Decode tok/s, step latency percentiles (ms) and, with a timeline, copy figures."""
         if not self.step_times:
             return {}
         t = np.array(self.step_times)
-        return {
+        out = {
             "decode_tok_s": self.tokens_out / t.sum(),
             "step_ms_p50": float(np.percentile(t, 50) * 1e3),
             "step_ms_p99": float(np.percentile(t, 99) * 1e3),
-            "stall_ms": self.timeline.total("copy") * 1e3 if self.timeline.enabled else None,
-            "overlap_fraction": self.timeline.overlap_fraction()
-            if self.timeline.enabled else None,
+            "stall_ms": None,
+            "overlap_fraction": None,
         }
+        if self.timeline.enabled:
+            self.transfers.drain()
+            out.update(
+                stall_ms=self.timeline.total("stall") * 1e3,
+                copy_ms=self.timeline.busy("copy") * 1e3,
+                overlap_fraction=self.timeline.overlap_fraction(),
+            )
+        return out
 
     def close(self) -> None:
-        """Stop the fetch threads (in-flight speculative fetches are abandoned)."""
-        self._fetcher.shutdown(wait=True, cancel_futures=True)
+        """Stop the fetch and watcher threads (in-flight speculative fetches are abandoned)."""
+        self.transfers.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -215,6 +262,7 @@ class Engine:
         """Chrome / Perfetto trace of copies vs compute (needs EngineConfig(timeline=True))."""
         if not self.timeline.enabled:
             raise ValueError("the timeline is off; construct with EngineConfig(timeline=True)")
+        self.transfers.drain()
         self.timeline.export(path)
 
     @classmethod
@@ -225,54 +273,120 @@ class Engine:
         """The batch row of each routed token (prefill flattens rows x positions)."""
         return np.arange(experts.shape[0]) // (experts.shape[0] // len(self._live))
 
-    def _slot_row(self, layer: int, experts: jax.Array) -> jax.Array:
-        """Slots for this layer's experts; live rows' non-resident experts are staged now
-        unless the predictor already prefetched them (a miss staged now is a stall).
+    def _fail_rows(self, rows: np.ndarray, error: Exception) -> None:
+        for r in np.unique(rows).tolist():
+            if self._live[r]:
+                self._live[r] = False
+                self._errors[r] = str(error)
 
-        A chunk that cannot be read fails only the rows that routed to it: they are marked
-        dead and their expert reads slot 0 (finite weights; the rows' outputs are discarded).
+    def _moe_layer(self, layer: int, lp, x, decode: bool):
+        """Route layer `layer`, move its missing experts, prefetch layer+1's, run its experts.
+
+        Misses are copied first, then the prefetch for the next layer is issued, and only then
+        are this layer's expert programs dispatched, so the copies for layer+1 run while they
+        compute. A chunk that cannot be read fails only the rows that routed to it.
         """
-        experts = np.asarray(experts)
+        cfg = self.cfg
+        ids = _route(cfg, lp, x)
+        gate = None
+        if self.config.predictor in ("next-gate", "both") and layer + 1 < cfg.num_layers:
+            gate = _route(cfg, self.params["layers"][layer + 1], x)
+        experts = np.asarray(ids)
         token_rows = self._token_rows(experts)
-        live = self._live[token_rows]
-        needed = set(np.unique(experts[live]).tolist())
-        missing = {e for e in needed if self.pool.slot_of(layer, e) is None}
-        self.heat.observe(layer, experts[live])
+        needed = set(np.unique(experts[self._live[token_rows]]).tolist())
+        missing = sorted(e for e in needed if self.pool.slot_of(layer, e) is None)
+        self._observe(layer, experts[self._live[token_rows]], needed, missing)
+        inflight = self._inflight.pop(layer, {})
+        self.predictor_stats.record(layer, set(inflight), set(missing))
+        transfers = {}
+        for e in missing:
+            if e not in inflight:
+                self.stalls += 1
+            transfers[e] = inflight.pop(e, None) or self._start(layer, e)
+        for t in inflight.values():
+            self.transfers.wasted(t)
+        self._prefetch(layer + 1, None if gate is None else np.asarray(gate))
+        users = {e: token_rows[(experts == e).any(1)] for e in missing}
+        if decode and len(missing) <= self.staging:
+            return self._moe_once(layer, lp, x, transfers, users)
+        return self._moe_passes(layer, lp, x, transfers, users)
+
+    def _observe(self, layer: int, live_experts: np.ndarray, needed: set[int],
+                 missing: list[int]) -> None:
+        """Heat, hit counts, cache recency and history for one layer's routing."""
+        self.heat.observe(layer, live_experts)
         self.tier0_needed += len(needed)
         self.tier0_hits += len(needed) - len(missing)
-        for e in needed - missing:
+        for e in needed.difference(missing):
             if (layer, e) in self.cache:
                 self.cache.touch((layer, e))
-        prefetched = self._prefetched.pop(layer, {})
-        self.predictor_stats.record(layer, set(prefetched), missing)
         self._history[layer] = needed
-        taken = {slot for slot, _ in prefetched.values()}
-        free = iter(s for s in self.pool.staging_slots(layer % 2) if s not in taken)
+
+    def _install(self, layer: int, chunk: list[int], transfers: dict[int, Transfer],
+                 users: dict[int, np.ndarray]) -> np.ndarray:
+        """Install `chunk`'s copies into the staging slots; the layer's slot row [E]."""
         row = np.zeros(self.cfg.num_experts, np.int32)
-        for e in sorted(missing):
-            rows = token_rows[(experts == e).any(1)]
-            if e in prefetched:  # mispredicted experts are never copied to the device
-                row[e] = self._install_fetched(layer, e, *prefetched[e], rows)
-            else:
-                self.stalls += 1
-                row[e] = self._stage(layer, e, next(free), rows)
+        for e, slot in zip(chunk, self.pool.staging_slots(), strict=False):
+            try:
+                self.pool.install(slot, transfers[e].result())
+                row[e] = slot
+                self.staged += 1
+            except CheckpointError as err:  # its rows are failed; the expert reads slot 0
+                self._fail_rows(users[e], err)
         for e in range(self.cfg.num_experts):
             slot = self.pool.slot_of(layer, e)
             if slot is not None:
                 row[e] = slot
-        self._admit_after[layer] = [(e, int(row[e])) for e in sorted(missing) if row[e] != 0]
-        return jnp.asarray(row)
+        return row
 
-    def _cache_admit(self, layer: int, expert: int, staged_slot: int) -> None:
-        """Keep a staged expert in a cache slot (device copy), evicting by the policy."""
+    def _moe_once(self, layer, lp, x, transfers, users):
+        """Decode: every missing expert fits the staging slots, one fused expert program."""
+        chunk = sorted(transfers)
+        row = self._install(layer, chunk, transfers, users)
+        out = _moe(self.cfg, lp, x, self.pool.arrays, jnp.asarray(row))
+        self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
+        self._cache_admit(layer, chunk, row)
+        return out
+
+    def _moe_passes(self, layer, lp, x, transfers, users):
+        """Prefill (or more misses than staging slots): the experts in passes of at most
+        `staging` fetched experts each, merged exactly; every budget runs this same code."""
+        cfg = self.cfg
+        missing = sorted(transfers)
+        size = max(self.staging, 1)
+        chunks = [missing[i : i + size] for i in range(0, len(missing), size)] or [[]]
+        self.extra_passes += len(chunks) - 1
+        n = x.shape[0] * x.shape[1]
+        picks = jnp.zeros((n, cfg.top_k, cfg.hidden_size), jnp.float32)
+        for i, chunk in enumerate(chunks):
+            row = self._install(layer, chunk, transfers, users)
+            take = np.zeros(cfg.num_experts, bool)
+            take[chunk] = True
+            if i == 0:
+                take |= self.pool.page_table[layer] >= 0
+            picks = _moe_pass(cfg, lp, x, self.pool.arrays, jnp.asarray(row),
+                              jnp.asarray(take), picks)
+            self.transfers.computed(f"experts L{layer} pass {i}", picks,
+                                    tuple(transfers[e] for e in chunk))
+            self._cache_admit(layer, chunk, row)
+        return _moe_finish(cfg, lp, x, picks)
+
+    def _cache_admit(self, layer: int, chunk: list[int], row: np.ndarray) -> None:
+        """Keep staged experts in cache slots (device copies), evicting by the policy.
+
+        Runs after the layer's expert program was dispatched, so evicting cannot change the
+        operands it reads (device programs run in order)."""
         if self.cache.capacity == 0:
             return
-        if len(self.cache) >= self.cache.capacity:
-            victim = self.cache.victim()
-            self.cache.remove(victim)
-            self.pool.evict(*victim)
-        self.pool.admit_from(layer, expert, staged_slot)
-        self.cache.add((layer, expert))
+        for e in chunk:
+            if row[e] == 0 or self.pool.slot_of(layer, e) is not None:
+                continue
+            if len(self.cache) >= self.cache.capacity:
+                victim = self.cache.victim()
+                self.cache.remove(victim)
+                self.pool.evict(*victim)
+            self.pool.admit_from(layer, e, int(row[e]))
+            self.cache.add((layer, e))
 
     def _end_step(self) -> None:
         """Advance the heat estimate; every `rebalance_every` steps re-rank the pinned set."""
@@ -287,59 +401,22 @@ class Engine:
             if new in self.cache:  # already in HBM: promote the cached copy
                 self.cache.remove(new)
             else:
-                self.pool.admit(*new, self._weights(*new))
+                self.pool.admit(*new, self._start(*new).result())
             self.pinned.add(new)
             self.swaps += 1
 
-    def _stage(self, layer: int, expert: int, slot: int, rows: np.ndarray) -> int:
-        """Fetch and install one expert into a staging slot now (a stall)."""
-        future = self._fetcher.submit(self._weights, layer, expert)
-        return self._install_fetched(layer, expert, slot, future, rows)
-
-    def _install_fetched(self, layer: int, expert: int, slot: int, future: Future,
-                         rows: np.ndarray) -> int:
-        """Install a fetched expert; a bad chunk fails only `rows` (they read slot 0)."""
-        try:
-            tier = self.store.tier_of(layer, expert)
-            with self.timeline.span(f"copy L{layer} E{expert}", "copy", tier=tier):
-                self.pool.install(slot, future.result())
-        except CheckpointError as e:
-            for r in np.unique(rows).tolist():
-                if self._live[r]:
-                    self._live[r] = False
-                    self._errors[r] = str(e)
-            return 0
-        self.staged += 1
-        return slot
-
-    def _prefetch(self, layer: int, x: jax.Array | None) -> None:
-        """Start host-side fetches (disk read, verify, host dequant) of the predicted
-        non-resident experts of `layer` on the fetch threads; they are copied to its staging
-        region only if its routing confirms them."""
+    def _prefetch(self, layer: int, gate: np.ndarray | None) -> None:
+        """Start copying the predicted non-resident experts of `layer` (at most `staging`):
+        the routing of `layer` later takes those it needs; the rest count as wasted bytes."""
         kind = self.config.predictor
         if kind == "none" or layer >= self.cfg.num_layers:
             return
-        gate: set[int] = set()
-        if x is not None and kind in ("next-gate", "both"):
-            ids = np.asarray(_route(self.cfg, self.params["layers"][layer], x))
-            gate = set(np.unique(ids[self._live[self._token_rows(ids)]]).tolist())
-        wanted = combine(kind, gate, self._history.get(layer, set()))
+        predicted: set[int] = set()
+        if gate is not None:
+            predicted = set(np.unique(gate[self._live[self._token_rows(gate)]]).tolist())
+        wanted = combine(kind, predicted, self._history.get(layer, set()))
         wanted = sorted(e for e in wanted if self.pool.slot_of(layer, e) is None)
-        slots = self.pool.staging_slots(layer % 2)
-        self._prefetched[layer] = {
-            e: (slot, self._fetcher.submit(self._weights, layer, e))
-            for e, slot in zip(wanted, slots, strict=False)
-        }
-
-    def _moe_layer(self, layer: int, lp, x):
-        row = self._slot_row(layer, _route(self.cfg, lp, x))
-        self._prefetch(layer + 1, x)  # copies for layer L+1 before layer L's experts run
-        with self.timeline.span(f"experts L{layer}", "compute"):
-            out = _moe(self.cfg, lp, x, self.pool.arrays, row)
-        # only now may cache admission evict: this layer's experts are already operands
-        for e, staged in self._admit_after.pop(layer, []):
-            self._cache_admit(layer, e, staged)
-        return out
+        self._inflight[layer] = {e: self._start(layer, e) for e in wanted[: self.staging]}
 
     def _prefill(self, tokens: np.ndarray, ks: list, vs: list, rows: np.ndarray):
         """Prefill every row of `tokens`; write the k, v of `rows` into the caches in place."""
@@ -352,7 +429,7 @@ class Engine:
             x, k, v = _attn_prefill(cfg, lp, x, positions)
             ks[layer] = _place_prefix(ks[layer], k, mask)
             vs[layer] = _place_prefix(vs[layer], v, mask)
-            x = self._moe_layer(layer, lp, x)
+            x = self._moe_layer(layer, lp, x, decode=False)
         return _head(cfg, self.params, x)
 
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
@@ -361,7 +438,8 @@ class Engine:
         for layer, lp in enumerate(self.params["layers"]):
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],
                                                    vs[layer])
-            x = self._moe_layer(layer, lp, x)
+            self.transfers.computed(f"attention L{layer}", x, ())
+            x = self._moe_layer(layer, lp, x, decode=True)
         self._last_ks, self._last_vs = ks, vs
         return _head(self.cfg, self.params, x[:, 0])
 

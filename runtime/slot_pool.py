@@ -1,7 +1,8 @@
 """Tier 0: fixed device arrays holding expert weights in slots, and the page table.
 
 All device memory for experts is allocated once, at construction: `permanent` slots for the hot
-set plus two staging regions (A and B) that the transfer engine fills alternately per layer.
+set plus one staging region for the layer being computed. (The second staging buffer of the
+double buffer is the set of copies in flight for the next layer: `transfer.py`.)
 Installing an expert is a donated, jitted in-place update, so nothing is allocated after
 warm-up. The page table maps (layer, expert) -> permanent slot (-1 = not resident).
 """
@@ -42,7 +43,7 @@ def _copy(pool: ExpertPool, src: jax.Array, dst: jax.Array) -> ExpertPool:
 
 
 class SlotPool:
-    """Expert slots on one device: [0, permanent) hot set, then staging A and B."""
+    """Expert slots on one device: [0, permanent) hot set, then `staging` staging slots."""
 
     def __init__(
         self,
@@ -54,7 +55,7 @@ class SlotPool:
         device: jax.Device | None = None,
     ) -> None:
         self.permanent, self.staging = permanent, staging
-        self.num_slots = permanent + 2 * staging
+        self.num_slots = permanent + staging
         self.device = device or jax.devices()[0]
         fields = {
             name: jax.device_put(
@@ -71,10 +72,8 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays if a is not None)
 
-    def staging_slots(self, region: int) -> range:
-        """Slot ids of staging region 0 (A) or 1 (B)."""
-        start = self.permanent + region * self.staging
-        return range(start, start + self.staging)
+    def staging_slots(self) -> range:
+        return range(self.permanent, self.num_slots)
 
     def slot_of(self, layer: int, expert: int) -> int | None:
         slot = int(self.page_table[layer, expert])

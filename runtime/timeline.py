@@ -44,6 +44,13 @@ class Timeline:
             with self._lock:
                 self.spans.append(s)
 
+    def add(self, name: str, kind: str, start: float, end: float, **args: object) -> None:
+        """Record a span measured elsewhere (perf_counter times)."""
+        if self.enabled:
+            s = Span(name, kind, start, end, threading.get_ident(), tuple(args.items()))
+            with self._lock:
+                self.spans.append(s)
+
     def total(self, kind: str) -> float:
         return sum(s.end - s.start for s in self.spans if s.kind == kind)
 
@@ -59,6 +66,16 @@ class Timeline:
             for a, b in computes:
                 covered += max(0.0, min(b, c.end) - max(a, c.start))
         return min(1.0, covered / total)
+
+    def busy(self, kind: str) -> float:
+        """Seconds during which at least one span of `kind` was open (their union)."""
+        spans = sorted((s.start, s.end) for s in self.spans if s.kind == kind)
+        busy, reach = 0.0, float("-inf")
+        for a, b in spans:
+            if b > reach:
+                busy += b - max(a, reach)
+                reach = b
+        return busy
 
     def export(self, path: str | os.PathLike) -> None:
         """Write the spans as Chrome trace events (open in chrome://tracing or Perfetto)."""

@@ -17,7 +17,14 @@ import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
 from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
-from strata_jax.moe import ExpertPool, Routing, apply_experts, route
+from strata_jax.moe import (
+    ExpertPool,
+    Routing,
+    apply_experts,
+    combine_routed,
+    route,
+    routed_outputs,
+)
 
 Params = dict[str, Any]
 
@@ -89,16 +96,38 @@ def moe_block(
     cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Residual MoE FFN (routed + optional gated shared expert); also the selected experts."""
-    shape = x.shape
     h, routing = route_layer(cfg, lp, x)
     out = apply_experts(h, routing, pool, slot_row)
-    if cfg.has_shared_expert:
-        gate, up = linear(h, lp, "shared_w1"), linear(h, lp, "shared_w3")
-        shared = linear(jax.nn.silu(gate) * up, lp, "shared_w2")
-        if cfg.shared_gate:
-            shared = jax.nn.sigmoid(h @ lp["shared_gate"][:, None]) * shared
-        out = out + shared
-    return x + out.reshape(shape), routing.experts
+    return x + _with_shared(cfg, lp, h, out).reshape(x.shape), routing.experts
+
+
+def moe_pass(
+    cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array,
+    take: jax.Array, picks: jax.Array,
+) -> jax.Array:
+    """`picks` [N, K, D] float32 with the outputs of the experts marked in `take` filled in:
+    moe_block in several passes when one layer's experts do not fit the pool at once."""
+    h, routing = route_layer(cfg, lp, x)
+    out = routed_outputs(h, routing, pool, slot_row, take)
+    return jnp.where(take[routing.experts][..., None], out, picks)
+
+
+def moe_finish(cfg: ModelConfig, lp: Params, x: jax.Array, picks: jax.Array) -> jax.Array:
+    """The residual MoE output from the picks that the passes filled."""
+    h, routing = route_layer(cfg, lp, x)
+    out = combine_routed(routing, picks).astype(h.dtype)
+    return x + _with_shared(cfg, lp, h, out).reshape(x.shape)
+
+
+def _with_shared(cfg: ModelConfig, lp: Params, h: jax.Array, out: jax.Array) -> jax.Array:
+    """Add the (optionally gated) shared expert's output to the routed experts' `out`."""
+    if not cfg.has_shared_expert:
+        return out
+    gate, up = linear(h, lp, "shared_w1"), linear(h, lp, "shared_w3")
+    shared = linear(jax.nn.silu(gate) * up, lp, "shared_w2")
+    if cfg.shared_gate:
+        shared = jax.nn.sigmoid(h @ lp["shared_gate"][:, None]) * shared
+    return out + shared
 
 
 def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:

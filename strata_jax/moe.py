@@ -88,3 +88,34 @@ def apply_experts(
     # multiply + reduce (not a dot) so XLA fuses the split-K sum and the combine into one pass
     weighted = partial * coef.T[:, None, :, None]
     return jnp.sum(weighted, axis=(0, 1)).astype(x.dtype)
+
+
+def routed_outputs(
+    x: jax.Array,
+    routing: Routing,
+    pool: ExpertPool,
+    slot_of_expert: jax.Array,
+    take: jax.Array,
+) -> jax.Array:
+    """Each pick's expert output [N, K, D] float32, for the experts marked in `take` [E] (bool);
+    other picks are zero.
+
+    One layer's experts may then be computed in several passes over different pool contents
+    and merged exactly (each pick is filled by exactly one pass): every expert's output comes
+    from the same compiled code whatever else shares its pass.
+    """
+    n, num_experts = x.shape[0], slot_of_expert.shape[0]
+    capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
+    present = jnp.zeros((num_experts,), jnp.bool_).at[routing.experts.reshape(-1)].set(True)
+    present = present & take
+    ids = jnp.argsort(~present, stable=True)[:capacity].astype(jnp.int32)
+    per_expert = jnp.sum(expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool), axis=1)
+    position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
+    picked = per_expert[position, jnp.arange(n)[:, None]]
+    return jnp.where(take[routing.experts][..., None], picked, 0.0)
+
+
+def combine_routed(routing: Routing, outputs: jax.Array) -> jax.Array:
+    """The routing-weighted sum over picks of `routed_outputs` [N, K, D] -> [N, D] float32."""
+    weights = routing.weights.astype(jnp.float32)[..., None]
+    return jnp.sum(outputs * weights, axis=1)

@@ -121,7 +121,11 @@ def test_stats_and_timeline_export(ckpt, tmp_path):
     engine.generate(PROMPTS, 6)
     stats = engine.stats()
     assert stats["decode_tok_s"] > 0 and stats["step_ms_p99"] >= stats["step_ms_p50"] > 0
-    assert 0.0 <= stats["overlap_fraction"] <= 1.0 and stats["stall_ms"] > 0
+    assert 0.0 <= stats["overlap_fraction"] <= 1.0 and stats["stall_ms"] >= 0
+    assert stats["copy_ms"] > 0 and stats["stalls"] > 0
+    moved = stats["h2d_copies"][1] + stats["h2d_copies"][2]
+    assert moved == stats["fetches"][1] + stats["fetches"][2] > 0
+    assert stats["h2d_bytes"][1] + stats["h2d_bytes"][2] >= stats["wasted_bytes"]
     engine.export_timeline(tmp_path / "trace.json")
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     kinds = {e["cat"] for e in events}

@@ -46,11 +46,11 @@ def test_installs_do_not_grow_device_memory():
     pool = _pool_for(cfg)
     before = pool.nbytes
     for i in range(20):
-        pool.install(pool.staging_slots(i % 2)[0], {k: v[0, i % 6] for k, v in experts.items()})
+        pool.install(pool.staging_slots()[0], {k: v[0, i % 6] for k, v in experts.items()})
     assert pool.nbytes == before
     live = sum(a.nbytes for a in jax.live_arrays())
     for i in range(20):
-        pool.install(pool.staging_slots(i % 2)[1], {k: v[1, i % 6] for k, v in experts.items()})
+        pool.install(pool.staging_slots()[1], {k: v[1, i % 6] for k, v in experts.items()})
     assert sum(a.nbytes for a in jax.live_arrays()) <= live
 
 
@@ -61,12 +61,12 @@ def test_mixed_permanent_and_staged_slots_match_resident_bit_for_bit():
     pool = _pool_for(cfg, permanent=3, staging=4)
     layer = 1
     row = np.zeros(cfg.num_experts, np.int32)
-    for e in range(cfg.num_experts):  # experts 0-2 permanent, 3-5 staged in region B
+    for e in range(cfg.num_experts):  # experts 0-2 permanent, 3-5 staged
         arrays = {k: v[layer, e] for k, v in experts.items()}
         if e < 3:
             row[e] = pool.admit(layer, e, arrays)
         else:
-            row[e] = pool.staging_slots(1)[e - 3]
+            row[e] = pool.staging_slots()[e - 3]
             pool.install(int(row[e]), arrays)
     x = np.random.default_rng(0).normal(size=(5, cfg.hidden_size)).astype(np.float32)
     lp = resident.params["layers"][layer]
