@@ -40,3 +40,16 @@ def machine() -> dict[str, str]:
         "device": str(jax.devices()[0].device_kind),
         "host": platform.node(),
     }
+
+
+def pinned_bandwidth(array_bytes: list[int], experts: int = 8) -> float:
+    """Host->device GB/s from `pinned_host` memory, moving `experts` experts whose arrays have
+    the given sizes, back to back (the engine's transfer pattern)."""
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    target = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    rng = np.random.default_rng(0)
+    arrays = [jax.device_put(rng.integers(0, 255, n, np.uint8), host)
+              for _ in range(experts) for n in array_bytes]
+    t = median_time(lambda: jax.block_until_ready(jax.device_put(arrays, target)), reps=5)
+    return experts * sum(array_bytes) / t / 1e9

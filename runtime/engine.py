@@ -22,14 +22,14 @@ from strata_jax import model as mdl
 from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
-from strata_runtime.expert_store import ExpertStore
+from strata_runtime.expert_store import ExpertStore, StoreStats
 from strata_runtime.host_dequant import HostDequantizer
 from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.numa import gpu_pci_bus_id, plan_binding
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
 from strata_runtime.timeline import Timeline
-from strata_runtime.transfer import Transfer, TransferEngine, to_device
+from strata_runtime.transfer import Transfer, TransferEngine, TransferStats, to_device
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ class Engine:
             self.ledger = plan_ledger(
                 ModelBytes.from_reader(reader), config.hbm_budget, config.host_budget,
                 batch_capacity=config.batch_capacity, max_len=config.max_len,
-                workspace_floor=config.workspace_floor,
+                workspace_floor=config.workspace_floor, min_pool_slots=1,
             )
             resident, host = self.ledger.tier0, self.ledger.tier1
             staging = self.ledger.staging_slots or staging
@@ -212,6 +212,7 @@ class Engine:
             "tier0_experts": len(self.pool.resident()),
             "tier1_experts": self.store.host_experts,
             "tier0_hit_rate": self.tier0_hits / max(1, self.tier0_needed),
+            "tier0_needed_experts": self.tier0_needed,
             "rebalance_swaps": self.swaps,
             **self._latency(),
             "staged": self.staged,
@@ -226,6 +227,17 @@ class Engine:
             "wasted_bytes": t.wasted_bytes,
             "numa": self.numa.reason,
         }
+
+    def reset_stats(self) -> None:
+        """Zero every counter (e.g. after warm-up); placement, cache and heat are kept."""
+        self.transfers.drain()
+        self.tier0_hits = self.tier0_needed = self.swaps = 0
+        self.staged = self.stalls = self.extra_passes = self.tokens_out = 0
+        self.step_times = []
+        self.predictor_stats = PredictorStats()
+        self.store.stats = StoreStats()
+        self.transfers.stats = TransferStats()
+        self.timeline.clear()
 
     def _latency(self) -> dict[str, float]:
         """Decode tok/s, step latency percentiles (ms) and, with a timeline, copy figures."""
@@ -432,6 +444,17 @@ class Engine:
             x = self._moe_layer(layer, lp, x, decode=False)
         return _head(cfg, self.params, x)
 
+    def decode_step(self, tokens: np.ndarray, positions: np.ndarray, ks: list, vs: list
+                    ) -> np.ndarray:
+        """One timed decode step of every row (live rows in `self._live`): logits [B, vocab].
+        `ks`, `vs` (per-layer caches) are updated in place."""
+        t0 = time.perf_counter()
+        logits = np.asarray(self._decode(jnp.asarray(tokens), jnp.asarray(positions), ks, vs))
+        self.step_times.append(time.perf_counter() - t0)
+        self.tokens_out += int(self._live.sum())
+        self._end_step()
+        return logits
+
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
         self._prefetch(0, None)  # layer 0: only the previous step's experts are known
         x = self.params["embed"][tokens][:, None, :]
@@ -440,7 +463,6 @@ class Engine:
                                                    vs[layer])
             self.transfers.computed(f"attention L{layer}", x, ())
             x = self._moe_layer(layer, lp, x, decode=True)
-        self._last_ks, self._last_vs = ks, vs
         return _head(self.cfg, self.params, x[:, 0])
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -479,12 +501,8 @@ class Engine:
         last = np.asarray(logits)[np.arange(cap), lengths - 1]
         out = [np.argmax(last, -1).astype(np.int32)]
         for i in range(max_new_tokens - 1):
-            t0 = time.perf_counter()
-            last = np.asarray(self._decode(jnp.asarray(out[-1]), jnp.asarray(lengths + i), ks, vs))
+            last = self.decode_step(out[-1], lengths + i, ks, vs)
             out.append(np.argmax(last, -1).astype(np.int32))
-            self.step_times.append(time.perf_counter() - t0)
-            self.tokens_out += int(self._live.sum())
-            self._end_step()
         tokens_out = np.stack(out, axis=1).tolist()
         results = [
             RequestResult([], self._errors[i]) if i in self._errors

@@ -14,7 +14,6 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import api
@@ -84,12 +83,11 @@ class Scheduler:
         eng = self.engine
         eng._live, eng._errors = running.copy(), {}
         last = np.array([r.tokens[-1] if r else 0 for r in self.rows], np.int32)
-        logits = eng._decode(jnp.asarray(last), jnp.asarray(self.lengths),
-                             list(self.ks), list(self.vs))
-        self.ks, self.vs = tuple(eng._last_ks), tuple(eng._last_vs)
+        ks, vs = list(self.ks), list(self.vs)
+        logits = eng.decode_step(last, self.lengths, ks, vs)
+        self.ks, self.vs = tuple(ks), tuple(vs)
         self.lengths += running
-        self._emit(np.argmax(np.asarray(logits), -1), running)
-        eng._end_step()
+        self._emit(np.argmax(logits, -1), running)
 
     def _admit(self) -> None:
         free = [i for i, r in enumerate(self.rows) if r is None]

@@ -44,6 +44,10 @@ class Timeline:
             with self._lock:
                 self.spans.append(s)
 
+    def clear(self) -> None:
+        with self._lock:
+            self.spans = []
+
     def add(self, name: str, kind: str, start: float, end: float, **args: object) -> None:
         """Record a span measured elsewhere (perf_counter times)."""
         if self.enabled:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: the issue-4 offload benchmark. Synthetic Mixtral-8x7B shape, 8 layers, in
+# /dev/shm (tier 2 is not read during decode: the host budget holds every expert), 8 GiB HBM,
+# B=1 / B=16, bf16 and int4 (RTN) experts, uniform and 80/20 routing.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
+export PYTHONPATH="$PWD:/tmp/sp"
+ROWS=${ROWS:-"bf16 int4"}
+bench() {  # ckpt label batch
+  timeout 240 python3 -m benchmarks.offload_decode --ckpt "$1" --label "$2" --batch "$3" \
+    --steps "$([[ $3 == 1 ]] && echo 32 || echo 10)" --warmup 12 --out "$OUT" 2>&1 \
+    | grep -v "^W0" | tail -3
+}
+synth() {  # dst [--skew x]
+  [[ -d $1 ]] || python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 "${@:2}" "$1" \
+    2>&1 | tail -1
+}
+for kind in $ROWS; do
+  for routing in uniform skew; do
+    src=/dev/shm/$routing; ck=$src
+    synth "$src" $([[ $routing == skew ]] && echo --skew 0.8)
+    if [[ $kind == int4 ]]; then
+      ck=/dev/shm/$routing-int4
+      [[ -d $ck ]] || { /usr/bin/time -f "quantize %e s" python3 -m strata_runtime.cli quantize \
+        "$src" "$ck" --experts int4-rtn --dense int8 2>&1 | tail -2; }
+    fi
+    for b in 1 16; do bench "$ck" "$kind-$routing" "$b"; done
+  done
+done
+python3 -m benchmarks.offload_decode --report --out "$OUT" 2>&1 | grep -v "^W0"
