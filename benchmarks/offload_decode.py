@@ -74,9 +74,10 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         f"{bw['hbm_read']:.0f} GB/s. Bound = B / max(H2D bytes / pinned BW, HBM bytes / HBM BW) "
         "from the bytes the engine counted per step.",
         "",
-        "| experts | routing | B | tok/s | target | peers (tok/s) | bound tok/s | achieved/bound |"
-        " binds | H2D GB/step | wasted | tier-0 hit | overlap | stalls/step | p50 ms | p99 ms |",
-        "|" + "---|" * 16,
+        "| experts | routing | B | predictor | tok/s | target | peers (tok/s) | bound tok/s |"
+        " achieved/bound | binds | H2D GB/step | wasted | tier-0 hit | overlap | stalls/step |"
+        " p50 ms | p99 ms |",
+        "|" + "---|" * 17,
     ]
     for row in rows:
         s, b = row["stats"], bound(row, bw)
@@ -87,7 +88,8 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         wasted = s["wasted_bytes"] / moved if moved else 0.0
         verdict = "met" if tok >= target else f"missed ({b['binds']} binds)"
         lines.append(
-            f"| {quant} | {routing} | {row['batch']} | {tok:.1f} | ≥{target:.0f} {verdict} | "
+            f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | {tok:.1f} | "
+            f"≥{target:.0f} {verdict} | "
             f"{peers} | {b['bound_tok_s']:.1f} | {tok / b['bound_tok_s']:.2f} | {b['binds']} | "
             f"{b['h2d_GB']:.2f} | {wasted:.0%} | {s['tier0_hit_rate']:.2f} | "
             f"{s['overlap_fraction']:.2f} | {s['stalls'] / row['steps']:.1f} | "
@@ -108,6 +110,8 @@ def main() -> None:
     ap.add_argument("--policy", default="lfru")
     ap.add_argument("--rebalance-every", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure pinned and HBM bandwidth on this machine into --out")
     ap.add_argument("--report", action="store_true", help="render the rows in --out")
     ap.add_argument("--expert-bytes", type=int, nargs="*", default=[117440512] * 3,
                     help="array sizes of one expert, for the pinned bandwidth measurement")
@@ -116,10 +120,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "offload_decode.json"
     doc = json.loads(results.read_text()) if results.exists() else {"rows": []}
-    if args.report:
+    if args.measure:
         doc["bandwidth"] = {"pinned": pinned_bandwidth(args.expert_bytes),
                             "hbm_read": hbm_bandwidth()["read"]}
         doc["machine"] = machine()
+        print(doc["bandwidth"])
+    elif args.report:
         (out / "offload_decode.md").write_text(render(doc["rows"], doc["bandwidth"],
                                                       doc["machine"]))
         print((out / "offload_decode.md").read_text())

@@ -7,26 +7,29 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
 export PYTHONPATH="$PWD:/tmp/sp"
-ROWS=${ROWS:-"bf16 int4"}
+ROUTINGS=${ROUTINGS:-"uniform skew"}
+KINDS=${KINDS:-"bf16 int4"}
 bench() {  # ckpt label batch
-  timeout 240 python3 -m benchmarks.offload_decode --ckpt "$1" --label "$2" --batch "$3" \
+  timeout 200 python3 -m benchmarks.offload_decode --ckpt "$1" --label "$2" --batch "$3" ${4:-} \
     --steps "$([[ $3 == 1 ]] && echo 32 || echo 10)" --warmup 12 --out "$OUT" 2>&1 \
     | grep -v "^W0" | tail -3
 }
-synth() {  # dst [--skew x]
-  [[ -d $1 ]] || python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 "${@:2}" "$1" \
-    2>&1 | tail -1
-}
-for kind in $ROWS; do
-  for routing in uniform skew; do
-    src=/dev/shm/$routing; ck=$src
-    synth "$src" $([[ $routing == skew ]] && echo --skew 0.8)
+exec > >(tee -a "$OUT/log.txt") 2>&1
+python3 -m benchmarks.offload_decode --measure --out "$OUT" 2>&1 | grep -v "^W0" | tail -1
+for routing in $ROUTINGS; do
+  src=/dev/shm/$routing
+  [[ -d $src ]] || python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 \
+    $([[ $routing == skew ]] && echo --skew 0.8) "$src" 2>&1 | tail -1
+  for kind in $KINDS; do
+    ck=$src
     if [[ $kind == int4 ]]; then
-      ck=/dev/shm/$routing-int4
-      [[ -d $ck ]] || { /usr/bin/time -f "quantize %e s" python3 -m strata_runtime.cli quantize \
-        "$src" "$ck" --experts int4-rtn --dense int8 2>&1 | tail -2; }
+      ck=/dev/shm/$routing-int4; t0=$SECONDS
+      [[ -d $ck ]] || python3 -m strata_runtime.cli quantize "$src" "$ck" --experts int4-rtn \
+        --dense int8 2>&1 | tail -1
+      echo "quantize $((SECONDS - t0)) s"
     fi
     for b in 1 16; do bench "$ck" "$kind-$routing" "$b"; done
+    [[ $kind == bf16 ]] && bench "$ck" "$kind-$routing" 1 "--predictor none"
   done
 done
 python3 -m benchmarks.offload_decode --report --out "$OUT" 2>&1 | grep -v "^W0"

@@ -59,10 +59,11 @@ class EngineConfig:
     host_experts: int | None = None
 
 
-def placement(cfg: ModelConfig, resident: int, host: int) -> tuple[list, list]:
-    """Uniform heat: spread the resident set evenly over layers, then the host set."""
+def placement(cfg: ModelConfig, pinned: int, host: int) -> tuple[list, list]:
+    """Uniform heat: spread the pinned set evenly over layers; the next `host` experts go to
+    host memory (those the HBM cache will hold come and go, so they need a host copy too)."""
     order = [(layer, e) for e in range(cfg.num_experts) for layer in range(cfg.num_layers)]
-    return order[:resident], order[resident : resident + host]
+    return order[:pinned], order[pinned : pinned + host]
 
 
 DEQUANT = ("device", "host")
@@ -137,7 +138,9 @@ class Engine:
         cache_slots = 0 if config.policy == "static" else int(config.cache_fraction * resident)
         if resident == cfg.num_layers * cfg.num_experts:
             cache_slots = staging = 0
-        tier0, tier1 = placement(cfg, resident - cache_slots, host)
+        total = cfg.num_layers * cfg.num_experts
+        tier0, tier1 = placement(cfg, resident - cache_slots, min(host, total - resident
+                                                                   + cache_slots))
         # pinned host memory is allocated from the (NUMA-bound) fetch threads
         self.store = ExpertStore(reader, tier1, self.device, pinned=self._dequant is None,
                                  loader=self.transfers.executor)
@@ -203,7 +206,7 @@ class Engine:
             resident = config.resident_experts
         if config.host_experts is not None:
             host = config.host_experts
-        return resident, min(host, total - resident), staging
+        return resident, host, staging
 
     def stats(self) -> dict[str, object]:
         """Counters so far: hit rate, latency, stalls, prediction, fetches and bytes per tier."""

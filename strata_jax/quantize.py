@@ -40,6 +40,7 @@ import functools
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -516,9 +517,7 @@ def _quantize_experts(
     if opts.experts == "none":
         records = [ExpertQuant(layer, e, len(rows[e]), ("none",) * 3) for e in range(num)]
         return experts, records
-    out: dict[str, list[np.ndarray]] = {k: [] for k in expert_arrays(cfg, opts.storage)}
-    records = []
-    for e in range(num):
+    def one(e: int) -> tuple[tuple[quant.Int4Weight, ...], ExpertQuant]:
         xe = h2[rows[e]] if h2 is not None else None
         use_x = xe is not None and len(xe) > 0 and opts.experts == "int4-gptq"
         acc_in = _accumulate(xe) if use_x else None
@@ -530,11 +529,18 @@ def _quantize_experts(
             mid = swiglu_hidden(xe, quant.dequantize_int4(w1), quant.dequantize_int4(w3))
             acc_mid = _accumulate(mid)
         w2, m2 = _int4(experts["w2"][e], acc_mid, opts, f"{where} w2")
-        for kind, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-            out[kind].append(w.packed)
-            out[f"{kind}_scale"].append(w.scales)
-        records.append(ExpertQuant(layer, e, len(rows[e]), (m1, m3, m2)))
-    return {k: np.stack(v) for k, v in out.items()}, records
+        return (w1, w3, w2), ExpertQuant(layer, e, len(rows[e]), (m1, m3, m2))
+
+    # round-to-nearest is independent per expert and numpy releases the GIL: use the cores
+    workers = min(8, os.cpu_count() or 1) if opts.experts == "int4-rtn" else 1
+    with ThreadPoolExecutor(workers) as pool:
+        done = list(pool.map(one, range(num)))
+    out = {
+        k: np.stack([getattr(ws[i], attr) for ws, _ in done])
+        for i, kind in enumerate(("w1", "w3", "w2"))
+        for k, attr in ((kind, "packed"), (f"{kind}_scale", "scales"))
+    }
+    return out, [r for _, r in done]
 
 
 def _pool(experts: dict[str, np.ndarray]) -> ExpertPool:
