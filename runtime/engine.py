@@ -60,10 +60,10 @@ class EngineConfig:
 
 
 def placement(cfg: ModelConfig, pinned: int, host: int) -> tuple[list, list]:
-    """Uniform heat: spread the pinned set evenly over layers; the next `host` experts go to
-    host memory (those the HBM cache will hold come and go, so they need a host copy too)."""
+    """Uniform heat: spread the pinned set evenly over layers. Host memory takes the others
+    first (cache slots come and go), then the pinned ones, which rebalancing may demote."""
     order = [(layer, e) for e in range(cfg.num_experts) for layer in range(cfg.num_layers)]
-    return order[:pinned], order[pinned : pinned + host]
+    return order[:pinned], (order[pinned:] + order[:pinned])[:host]
 
 
 DEQUANT = ("device", "host")
@@ -137,10 +137,8 @@ class Engine:
         resident, host, staging = self._tier_sizes(reader)
         cache_slots = 0 if config.policy == "static" else int(config.cache_fraction * resident)
         if resident == cfg.num_layers * cfg.num_experts:
-            cache_slots = staging = 0
-        total = cfg.num_layers * cfg.num_experts
-        tier0, tier1 = placement(cfg, resident - cache_slots, min(host, total - resident
-                                                                   + cache_slots))
+            cache_slots = staging = host = 0  # nothing is ever fetched
+        tier0, tier1 = placement(cfg, resident - cache_slots, host)
         # pinned host memory is allocated from the (NUMA-bound) fetch threads
         self.store = ExpertStore(reader, tier1, self.device, pinned=self._dequant is None,
                                  loader=self.transfers.executor)
@@ -163,6 +161,7 @@ class Engine:
         self.predictor_stats = PredictorStats()
         self._history: dict[int, set[int]] = {}
         self._inflight: dict[int, dict[int, Transfer]] = {}
+        self._deferred: list[tuple[int, jax.Array]] = []
 
     def _place(self, keys: list[tuple[int, int]]) -> None:
         """Install the initial tier-0 experts (read on the fetch threads, in parallel)."""
@@ -200,7 +199,7 @@ class Engine:
                 batch_capacity=config.batch_capacity, max_len=config.max_len,
                 workspace_floor=config.workspace_floor, min_pool_slots=1,
             )
-            resident, host = self.ledger.tier0, self.ledger.tier1
+            resident, host = self.ledger.tier0, self.ledger.host_slots
             staging = self.ledger.staging_slots or staging
         if config.resident_experts is not None:
             resident = config.resident_experts
@@ -303,6 +302,8 @@ class Engine:
         """
         cfg = self.cfg
         ids = _route(cfg, lp, x)
+        if not self.staging:
+            return self._moe_resident(layer, lp, x, ids, decode)
         gate = None
         if self.config.predictor in ("next-gate", "both") and layer + 1 < cfg.num_layers:
             gate = _route(cfg, self.params["layers"][layer + 1], x)
@@ -325,6 +326,26 @@ class Engine:
         if decode and len(missing) <= self.staging:
             return self._moe_once(layer, lp, x, transfers, users)
         return self._moe_passes(layer, lp, x, transfers, users)
+
+    def _moe_resident(self, layer, lp, x, ids, decode: bool):
+        """Every expert has a slot: no routing sync, nothing to move; the routing is read after
+        the step (`_observe_deferred`), for the statistics only."""
+        self._deferred.append((layer, ids))
+        row = jnp.asarray(self.pool.page_table[layer])
+        if decode:
+            return _moe(self.cfg, lp, x, self.pool.arrays, row)
+        n = x.shape[0] * x.shape[1]
+        picks = jnp.zeros((n, self.cfg.top_k, self.cfg.hidden_size), jnp.float32)
+        take = jnp.ones((self.cfg.num_experts,), jnp.bool_)
+        return _moe_finish(self.cfg, lp, x, _moe_pass(self.cfg, lp, x, self.pool.arrays, row,
+                                                      take, picks))
+
+    def _observe_deferred(self) -> None:
+        for layer, ids in self._deferred:
+            experts = np.asarray(ids)
+            live = experts[self._live[self._token_rows(experts)]]
+            self._observe(layer, live, set(np.unique(live).tolist()), [])
+        self._deferred = []
 
     def _observe(self, layer: int, live_experts: np.ndarray, needed: set[int],
                  missing: list[int]) -> None:
@@ -445,7 +466,9 @@ class Engine:
             ks[layer] = _place_prefix(ks[layer], k, mask)
             vs[layer] = _place_prefix(vs[layer], v, mask)
             x = self._moe_layer(layer, lp, x, decode=False)
-        return _head(cfg, self.params, x)
+        logits = _head(cfg, self.params, x)
+        self._observe_deferred()
+        return logits
 
     def decode_step(self, tokens: np.ndarray, positions: np.ndarray, ks: list, vs: list
                     ) -> np.ndarray:
@@ -454,6 +477,7 @@ class Engine:
         t0 = time.perf_counter()
         logits = np.asarray(self._decode(jnp.asarray(tokens), jnp.asarray(positions), ks, vs))
         self.step_times.append(time.perf_counter() - t0)
+        self._observe_deferred()
         self.tokens_out += int(self._live.sum())
         self._end_step()
         return logits

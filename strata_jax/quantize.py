@@ -532,7 +532,7 @@ def _quantize_experts(
         return (w1, w3, w2), ExpertQuant(layer, e, len(rows[e]), (m1, m3, m2))
 
     # round-to-nearest is independent per expert and numpy releases the GIL: use the cores
-    workers = min(8, os.cpu_count() or 1) if opts.experts == "int4-rtn" else 1
+    workers = min(16, os.cpu_count() or 1) if opts.experts == "int4-rtn" else 1
     with ThreadPoolExecutor(workers) as pool:
         done = list(pool.map(one, range(num)))
     out = {
