@@ -9,6 +9,7 @@ mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
 export PYTHONPATH="$PWD:/tmp/sp"
 ROUTINGS=${ROUTINGS:-"uniform skew"}
 KINDS=${KINDS:-"bf16 int4"}
+SKEW_KINDS=${SKEW_KINDS:-$KINDS}  # int4 fits the budget whole: its skew rows can be skipped
 bench() {  # ckpt label batch
   timeout 200 python3 -m benchmarks.offload_decode --ckpt "$1" --label "$2" --batch "$3" ${4:-} \
     --steps "$([[ $3 == 1 ]] && echo 32 || echo 10)" --warmup 12 --out "$OUT" 2>&1 \
@@ -20,7 +21,8 @@ for routing in $ROUTINGS; do
   src=/dev/shm/$routing
   [[ -d $src ]] || python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 \
     $([[ $routing == skew ]] && echo --skew 0.8) "$src" 2>&1 | tail -1
-  for kind in $KINDS; do
+  kinds=$KINDS; [[ $routing == skew ]] && kinds=$SKEW_KINDS
+  for kind in $kinds; do
     ck=$src
     if [[ $kind == int4 ]]; then
       ck=/dev/shm/$routing-int4; t0=$SECONDS
@@ -29,7 +31,8 @@ for routing in $ROUTINGS; do
       echo "quantize $((SECONDS - t0)) s"
     fi
     for b in 1 16; do bench "$ck" "$kind-$routing" "$b"; done
-    [[ $kind == bf16 ]] && bench "$ck" "$kind-$routing" 1 "--predictor none"
   done
 done
+# ablation: no prediction (misses copied when the routing is known)
+bench /dev/shm/uniform bf16-uniform 1 "--predictor none"
 python3 -m benchmarks.offload_decode --report --out "$OUT" 2>&1 | grep -v "^W0"
