@@ -65,9 +65,12 @@ class HeatEstimate:
         self.decay = decay
         self.heat = np.zeros((num_layers, num_experts), np.float64)
         self._step = np.zeros_like(self.heat)
+        self.counts = np.zeros_like(self.heat)  # every routing assignment seen
 
     def observe(self, layer: int, experts: np.ndarray) -> None:
-        self._step[layer] += np.bincount(experts.ravel(), minlength=self.heat.shape[1])
+        seen = np.bincount(experts.ravel(), minlength=self.heat.shape[1])
+        self._step[layer] += seen
+        self.counts[layer] += seen
 
     def end_step(self) -> None:
         self.heat = self.decay * self.heat + (1 - self.decay) * self._step

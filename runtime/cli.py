@@ -46,11 +46,13 @@ def _generate(args: argparse.Namespace) -> int:
 
         config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
                               batch_capacity=max(len(prompts), 1),
-                              max_len=args.max_len)
-        engine = Engine.from_checkpoint(args.ckpt, config)
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, args.max_new_tokens)
-        stats = engine.stats()
+                              max_len=args.max_len, heat_file=args.heat)
+        with Engine.from_checkpoint(args.ckpt, config) as engine:
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, args.max_new_tokens)
+            stats = engine.stats()
+            if args.record_heat:
+                engine.save_heat(args.record_heat)
     dt = time.perf_counter() - t0
     for p, o in zip(prompts, out, strict=True):
         print(f"{p} -> {o}")
@@ -189,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HBM budget (e.g. 8GB): run through the offload engine")
     gen.add_argument("--host", default=None, help="host budget for tier-1 experts")
     gen.add_argument("--max-len", type=int, default=256)
+    gen.add_argument("--heat", default=None, metavar="FILE",
+                     help="routing statistics ranking the experts into tiers (with --hbm)")
+    gen.add_argument("--record-heat", default=None, metavar="FILE",
+                     help="write this run's routing statistics (with --hbm)")
     gen.set_defaults(func=_generate)
     plan = sub.add_parser("plan", help="print how an HBM budget splits (the ledger) and tiers")
     plan.add_argument("ckpt")

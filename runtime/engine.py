@@ -23,6 +23,7 @@ from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReade
 from strata_jax.config import ModelConfig
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore, StoreStats
+from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.host_dequant import HostDequantizer
 from strata_runtime.ledger import ModelBytes, plan_ledger
 from strata_runtime.numa import gpu_pci_bus_id, plan_binding
@@ -57,12 +58,15 @@ class EngineConfig:
     fetch_threads: int = 4  # host-side fetches (disk reads, verification, host dequant)
     resident_experts: int | None = None
     host_experts: int | None = None
+    heat_file: str | None = None  # routing statistics (`Engine.save_heat`) ranking the tiers
 
 
-def placement(cfg: ModelConfig, pinned: int, host: int) -> tuple[list, list]:
-    """Uniform heat: spread the pinned set evenly over layers. Host memory takes the others
-    first (cache slots come and go), then the pinned ones, which rebalancing may demote."""
-    order = [(layer, e) for e in range(cfg.num_experts) for layer in range(cfg.num_layers)]
+def placement(cfg: ModelConfig, pinned: int, host: int,
+              heat: np.ndarray | None = None) -> tuple[list, list]:
+    """The `pinned` hottest experts (uniform heat: spread evenly over layers) and the `host`
+    experts kept in host memory: the others first (cache slots come and go), then the pinned
+    ones, which rebalancing may demote."""
+    order = ranked(cfg, heat)
     return order[:pinned], (order[pinned:] + order[:pinned])[:host]
 
 
@@ -138,7 +142,8 @@ class Engine:
         cache_slots = 0 if config.policy == "static" else int(config.cache_fraction * resident)
         if resident == cfg.num_layers * cfg.num_experts:
             cache_slots = staging = host = 0  # nothing is ever fetched
-        tier0, tier1 = placement(cfg, resident - cache_slots, host)
+        heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
+        tier0, tier1 = placement(cfg, resident - cache_slots, host, heat)
         # pinned host memory is allocated from the (NUMA-bound) fetch threads
         self.store = ExpertStore(reader, tier1, self.device, pinned=self._dequant is None,
                                  loader=self.transfers.executor)
@@ -229,6 +234,10 @@ class Engine:
             "wasted_bytes": t.wasted_bytes,
             "numa": self.numa.reason,
         }
+
+    def save_heat(self, path: str | os.PathLike) -> None:
+        """Write the routing counts seen so far, for `EngineConfig(heat_file=...)` placement."""
+        save_heat(path, self.heat.counts, source=str(self.store.reader.path))
 
     def reset_stats(self) -> None:
         """Zero every counter (e.g. after warm-up); placement, cache and heat are kept."""
