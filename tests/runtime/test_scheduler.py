@@ -52,3 +52,46 @@ def test_bad_requests_are_refused(engine_factory):
         sched.submit([], 3)
     with pytest.raises(ValueError, match="max_len"):
         sched.submit([1] * 30, 20)
+
+
+def test_kept_request_resumes_from_its_kv(engine_factory):
+    sched = Scheduler(engine_factory())
+    chat = sched.submit([4, 8, 15], 5, keep=True)
+    sched.run()
+    first = list(chat.tokens)
+    assert chat.done and sched.rows.count(chat) == 1  # idle, still holding its row and KV
+    sched.resume(chat, [16, 23], 6)
+    assert list(sched.stream(chat)) == chat.tokens[5:] and len(chat.tokens) == 11
+    history = [4, 8, 15] + first + [16, 23]
+    assert chat.tokens[5:] == engine_factory().generate([history], 6)[0]
+    assert sched.evictions == 0
+
+
+def test_oldest_idle_request_is_evicted_and_resumed_by_prefill(engine_factory):
+    sched = Scheduler(engine_factory())  # 3 rows
+    kept = [sched.submit([3 + i, 9, 1], 4, keep=True) for i in range(3)]
+    sched.run()
+    sched.resume(kept[1], [7], 2)  # kept[1] becomes the most recently active
+    sched.run()
+    newcomer = sched.submit([5, 5, 5], 3)
+    sched.run()
+    assert sched.evictions == 1 and kept[0].evicted and not kept[2].evicted
+    assert newcomer.tokens == engine_factory().generate([[5, 5, 5]], 3)[0]
+    history = list(kept[0].sequence)
+    sched.resume(kept[0], [2, 6], 4)
+    sched.run()
+    assert kept[0].tokens[4:] == engine_factory().generate([history + [2, 6]], 4)[0]
+
+
+def test_only_idle_kept_requests_resume(engine_factory):
+    sched = Scheduler(engine_factory())
+    plain = sched.submit([1, 2], 2)
+    with pytest.raises(ValueError, match="not an idle kept request"):
+        sched.resume(plain, [3], 2)
+    sched.run()
+    with pytest.raises(ValueError, match="not an idle kept request"):
+        sched.resume(plain, [3], 2)
+    kept = sched.submit([1, 2], 2, keep=True)
+    sched.run()
+    with pytest.raises(ValueError, match="max_len"):
+        sched.resume(kept, [1] * 30, 20)
