@@ -39,6 +39,9 @@ class Shape:
 
 SWEEP = (
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False),
+    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, magic=True),
+    ek.Tiles(bf=256, bd=128, split_k=4, num_warps=8, num_stages=3, magic=True),
+    ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4, magic=True),
     ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4),
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3),
     ek.Tiles(bf=128, bd=64, split_k=4, num_warps=4, num_stages=4),

@@ -83,7 +83,7 @@ def main() -> None:
     # 3. overlap: transfer 6x117 MiB issued before vs after a ~60 ms compute
     a = jnp.ones((4096, 4096), jnp.bfloat16) * 0.01
     iters = 1
-    while timed(lambda: jax.block_until_ready(spin(a, iters)), 2) < 0.06:
+    while timed(lambda n=iters: jax.block_until_ready(spin(a, n)), 2) < 0.06:
         iters *= 2
     t_spin = timed(lambda: jax.block_until_ready(spin(a, iters)), 3)
     t_put = timed(lambda: jax.block_until_ready(to_device(hs[:6], dev)), 3)

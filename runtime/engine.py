@@ -167,6 +167,7 @@ class Engine:
         self._history: dict[int, set[int]] = {}
         self._inflight: dict[int, dict[int, Transfer]] = {}
         self._deferred: list[tuple[int, jax.Array]] = []
+        self._resident_rows: dict[int, jax.Array] = {}
 
     def _place(self, keys: list[tuple[int, int]]) -> None:
         """Install the initial tier-0 experts (read on the fetch threads, in parallel)."""
@@ -340,7 +341,9 @@ class Engine:
         """Every expert has a slot: no routing sync, nothing to move; the routing is read after
         the step (`_observe_deferred`), for the statistics only."""
         self._deferred.append((layer, ids))
-        row = jnp.asarray(self.pool.page_table[layer])
+        if layer not in self._resident_rows:  # the page table never changes when resident
+            self._resident_rows[layer] = jnp.asarray(self.pool.page_table[layer])
+        row = self._resident_rows[layer]
         if decode:
             return _moe(self.cfg, lp, x, self.pool.arrays, row)
         n = x.shape[0] * x.shape[1]

@@ -32,6 +32,7 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 4
     fold_offset: bool = True  # int4: fold the -8 nibble offset into a row-sum correction
+    magic: bool = False  # int4: nibbles to floats by bit tricks, not int->float conversions
 
 
 def _compiler_params(tiles: Tiles):
@@ -43,7 +44,21 @@ def _compiler_params(tiles: Tiles):
         return None
 
 
-def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True):
+# float bits whose mantissa's low bits take a nibble n: bf16 0x4300 = 128, f32 0x4B000000 = 2^23
+_MAGIC = {jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
+          jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 2.0**23)}
+
+
+def _magic_nibbles(nibbles, dtype):
+    """uint8 nibbles n (0..15) -> n - 8 in `dtype`, exactly: OR n into the mantissa of a
+    power of two (no int->float conversion, which is slow on GPUs), then subtract base + 8."""
+    uint, bits, base = _MAGIC[jnp.dtype(dtype)]
+    value = jax.lax.bitcast_convert_type(nibbles.astype(uint) | uint(bits), dtype)
+    return value - jnp.asarray(base + 8.0, dtype)
+
+
+def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True,
+               magic: bool = False):
     """x[:, K block k] @ W[slot][K block k, cols] in float32.
 
     `w` is (weights,) for a float pool or (packed, scales) for int4: then block k is one
@@ -56,7 +71,10 @@ def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True):
     half = bk // 2
     p = packed_ref[slot, pl.ds(k * half, half), cols]
     x_lo, x_hi = xblock(k * bk, half), xblock(k * bk + half, half)
-    if fold_offset:  # nibbles straight to bf16 (0..15); -8 applied as -8 * row sum of x
+    if magic:
+        lo, hi = _magic_nibbles(p & 0xF, x_lo.dtype), _magic_nibbles(p >> 4, x_lo.dtype)
+        fold_offset = False
+    elif fold_offset:  # nibbles straight to bf16 (0..15); -8 applied as -8 * row sum of x
         lo, hi = (p & 0xF).astype(x_lo.dtype), (p >> 4).astype(x_lo.dtype)
     else:
         p = p.astype(jnp.int32)
@@ -81,8 +99,10 @@ def _gate_up_kernel(slots_ref, x_ref, *refs, tiles: Tiles, nw: int):
 
     def body(k, accs):
         a1, a3 = accs
-        a1 += _block_dot(xblock, w1, slot, k, cols, tiles.bk, tiles.fold_offset)
-        a3 += _block_dot(xblock, w3, slot, k, cols, tiles.bk, tiles.fold_offset)
+        a1 += _block_dot(xblock, w1, slot, k, cols, tiles.bk, tiles.fold_offset,
+                          tiles.magic)
+        a3 += _block_dot(xblock, w3, slot, k, cols, tiles.bk, tiles.fold_offset,
+                          tiles.magic)
         return a1, a3
 
     zero = jnp.zeros((n, tiles.bf), jnp.float32)
@@ -103,7 +123,7 @@ def _down_kernel(slots_ref, h_ref, *refs, tiles: Tiles, nw: int):
 
     def body(k, acc):
         return acc + _block_dot(xblock, w2, slot, s * steps + k, cols, tiles.bk,
-                                tiles.fold_offset)
+                                tiles.fold_offset, tiles.magic)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((n, tiles.bd), jnp.float32))
     y_ref[...] = acc[None, None]

@@ -1,6 +1,9 @@
 """Expert kernels against a float64 numpy reference on fresh random inputs."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -62,14 +65,14 @@ def _int4_pool(seed, slots=6, d=256, f=256):
     return ExpertPool(p1, p3, p2, s1, s3, s2), (d1, d3, d2)
 
 
-@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize(("fold", "magic"), [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("n", [1, 7])
-def test_int4_pallas_kernel_matches_float64(n, fold):
+def test_int4_pallas_kernel_matches_float64(n, fold, magic):
     pool, (d1, d3, d2) = _int4_pool(n)
     x = np.random.default_rng(n + 100).normal(size=(n, 256)).astype(np.float32)
     slots = np.array([5, 1], np.int32)
     ref = _reference(x, slots, d1, d3, d2)
-    tiles = ek.Tiles(bd=64, split_k=2, fold_offset=fold)
+    tiles = ek.Tiles(bd=64, split_k=2, fold_offset=fold, magic=magic)
     y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
     y_xla = ek.grouped_swiglu_xla(x, slots, pool).sum(1)
@@ -82,10 +85,11 @@ def test_int4_pallas_kernel_on_gpu_matches_float64():
     x = np.random.default_rng(7).normal(size=(4, 512)).astype(ml_dtypes.bfloat16)
     slots = np.array([0, 4, 2], np.int32)
     ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    tiles = ek.tiles_for(512, 1024, quantized=True)
-    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles).sum(1)
-    # bf16 activations and a bf16 intermediate h: bf16-level error
-    assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
+    for magic in (False, True):
+        tiles = dataclasses.replace(ek.tiles_for(512, 1024, quantized=True), magic=magic)
+        y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles).sum(1)
+        # bf16 activations and a bf16 intermediate h: bf16-level error
+        assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
 
 
 def test_tiles_that_do_not_divide_are_rejected():
@@ -130,3 +134,10 @@ def test_tiles_for_shrinks_split_k_to_fit():
     assert ek.tiles_for(2048, 768, ek.Tiles(split_k=4)).split_k == 3
     assert ek.tiles_for(4096, 14336, ek.Tiles(split_k=4)).split_k == 4
     assert ek.tiles_for(100, 768) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_magic_nibbles_are_exact(dtype):
+    nibbles = jnp.arange(16, dtype=jnp.uint8)
+    got = np.asarray(ek._magic_nibbles(nibbles, dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(got, np.arange(16) - 8.0)
