@@ -124,6 +124,17 @@ def _head(cfg, params, x):
     return mdl.lm_head(cfg, params, x)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _head_last(cfg, params, x):
+    """Decode: the logits of x [B, 1, D]'s only position."""
+    return mdl.lm_head(cfg, params, x[:, 0])
+
+
+@jax.jit
+def _embed(table, tokens):
+    return table[tokens]
+
+
 class Engine:
     """Greedy generation over an expert pool smaller than the model."""
 
@@ -197,7 +208,7 @@ class Engine:
         """(tier-0, tier-1, staging) expert counts: from the ledger, unless overridden."""
         cfg, config = self.cfg, self.config
         total = cfg.num_layers * cfg.num_experts
-        resident, host = total, 0
+        resident, host = total, total  # no host budget: host memory is unlimited
         staging = min(cfg.num_experts, config.batch_capacity * cfg.top_k)
         if config.hbm_budget is not None:
             self.ledger = plan_ledger(
@@ -391,7 +402,7 @@ class Engine:
         """Decode: every missing expert fits the staging slots, one fused expert program."""
         chunk = sorted(transfers)
         row = self._install(layer, chunk, transfers, users)
-        out = _moe(self.cfg, lp, x, self.pool.arrays, jnp.asarray(row))
+        out = _moe(self.cfg, lp, x, self.pool.arrays, row)
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
         self._cache_admit(layer, chunk, row)
         return out
@@ -412,8 +423,7 @@ class Engine:
             take[chunk] = True
             if i == 0:
                 take |= self.pool.page_table[layer] >= 0
-            picks = _moe_pass(cfg, lp, x, self.pool.arrays, jnp.asarray(row),
-                              jnp.asarray(take), picks)
+            picks = _moe_pass(cfg, lp, x, self.pool.arrays, row, take, picks)
             self.transfers.computed(f"experts L{layer} pass {i}", picks,
                                     tuple(transfers[e] for e in chunk))
             self._cache_admit(layer, chunk, row)
@@ -470,9 +480,9 @@ class Engine:
         """Prefill every row of `tokens`; write the k, v of `rows` into the caches in place."""
         cfg = self.cfg
         b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.params["embed"][tokens]
-        mask = jnp.asarray(rows)
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+        x = _embed(self.params["embed"], tokens)
+        mask = np.asarray(rows)
         for layer, lp in enumerate(self.params["layers"]):
             x, k, v = _attn_prefill(cfg, lp, x, positions)
             ks[layer] = _place_prefix(ks[layer], k, mask)
@@ -487,7 +497,7 @@ class Engine:
         """One timed decode step of every row (live rows in `self._live`): logits [B, vocab].
         `ks`, `vs` (per-layer caches) are updated in place."""
         t0 = time.perf_counter()
-        logits = np.asarray(self._decode(jnp.asarray(tokens), jnp.asarray(positions), ks, vs))
+        logits = np.asarray(self._decode(np.asarray(tokens), np.asarray(positions), ks, vs))
         self.step_times.append(time.perf_counter() - t0)
         self._observe_deferred()
         self.tokens_out += int(self._live.sum())
@@ -496,13 +506,13 @@ class Engine:
 
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
         self._prefetch(0, None)  # layer 0: only the previous step's experts are known
-        x = self.params["embed"][tokens][:, None, :]
+        x = _embed(self.params["embed"], tokens[:, None])
         for layer, lp in enumerate(self.params["layers"]):
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],
                                                    vs[layer])
             self.transfers.computed(f"attention L{layer}", x, ())
             x = self._moe_layer(layer, lp, x, decode=True)
-        return _head(self.cfg, self.params, x[:, 0])
+        return _head_last(self.cfg, self.params, x)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy; new tokens only. Raises RequestFailed if any request failed."""

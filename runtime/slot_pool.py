@@ -13,7 +13,6 @@ import functools
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.checkpoint import numpy_dtype
@@ -84,7 +83,7 @@ class SlotPool:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
         values = ExpertPool(**{k: arrays.get(k) for k in ExpertPool._fields if k in arrays})
-        self.arrays = _install(self.arrays, jnp.int32(slot), values)
+        self.arrays = _install(self.arrays, np.int32(slot), values)
 
     def admit(self, layer: int, expert: int, arrays: Mapping[str, object]) -> int:
         """Give (layer, expert) a free permanent slot, install it, update the page table."""
@@ -105,7 +104,7 @@ class SlotPool:
         if not self._free:
             raise RuntimeError("no free permanent slot; evict first")
         slot = self._free.pop()
-        self.arrays = _copy(self.arrays, jnp.int32(src), jnp.int32(slot))
+        self.arrays = _copy(self.arrays, np.int32(src), np.int32(slot))
         self.page_table[layer, expert] = slot
         self._owner[slot] = (layer, expert)
         return slot
