@@ -1,7 +1,7 @@
 """Probe host->device transfer behaviour on the GPU: bandwidth by size and layout, whether a
 transfer issued while compute is queued overlaps it, and the cost of a donated slot install.
 
-Run on the device: `python3 benchmarks/transfer_probe.py --out $OUT`. Writes transfer_probe.json.
+Run on the device: `python3 -m benchmarks.transfer_probe --out $OUT`. Writes transfer_probe.json.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from benchmarks.common import median_time
 
 
 def pinned(x: np.ndarray, dev) -> jax.Array:
@@ -27,13 +28,7 @@ def to_device(x, dev):
 
 
 def timed(fn, reps: int = 5) -> float:
-    fn()
-    best = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best.append(time.perf_counter() - t)
-    return float(np.median(best))
+    return median_time(fn, reps=reps)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
