@@ -32,7 +32,8 @@ def run_row(args) -> dict:
     reader = CheckpointReader(args.ckpt)
     config = EngineConfig(hbm_budget=args.hbm, batch_capacity=args.batch, max_len=128,
                           predictor=args.predictor, policy=args.policy,
-                          rebalance_every=args.rebalance_every, timeline=True)
+                          rebalance_every=args.rebalance_every, dequant=args.dequant,
+                          timeline=True)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, reader.config.vocab_size, (args.batch, 16)).tolist()
     with Engine(reader, config) as engine:
@@ -47,7 +48,7 @@ def run_row(args) -> dict:
         stats = engine.stats()
         ledger = engine.ledger
     return {"label": args.label, "batch": args.batch, "hbm": args.hbm, "steps": args.steps,
-            "predictor": args.predictor, "policy": args.policy,
+            "predictor": args.predictor, "policy": args.policy, "dequant": args.dequant,
             "bytes_per_expert": ledger.bytes_per_expert, "tier0": ledger.tier0,
             "dense": ModelBytes.from_reader(reader).dense, "stats": stats}
 
@@ -80,10 +81,10 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         f"{bw['hbm_read']:.0f} GB/s. Bound = B / max(H2D bytes / pinned BW, HBM bytes / HBM BW) "
         "from the bytes the engine counted per step.",
         "",
-        "| experts | routing | B | predictor | tok/s | target | peers (tok/s) | bound tok/s |"
-        " achieved/bound | binds | H2D GB/step | wasted | tier-0 hit | overlap | stalls/step |"
-        " p50 ms | p99 ms |",
-        "|" + "---|" * 17,
+        "| experts | routing | B | predictor | dequant | tok/s | target | peers (tok/s) |"
+        " bound tok/s | achieved/bound | binds | H2D GB/step | wasted | tier-0 hit | overlap |"
+        " stalls/step | p50 ms | p99 ms |",
+        "|" + "---|" * 18,
     ]
     for row in rows:
         s, b = row["stats"], bound(row, bw)
@@ -94,7 +95,8 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         wasted = s["wasted_bytes"] / moved if moved else 0.0
         verdict = "met" if tok >= target else f"missed ({binding(tok, b)} binds)"
         lines.append(
-            f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | {tok:.1f} | "
+            f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | "
+            f"{row.get('dequant', 'device')} | {tok:.1f} | "
             f"≥{target:g} {verdict} | "
             f"{peers} | {b['bound_tok_s']:.1f} | {tok / b['bound_tok_s']:.2f} | "
             f"{binding(tok, b)} | "
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=24)
     ap.add_argument("--predictor", default="next-gate")
     ap.add_argument("--policy", default="lfru")
+    ap.add_argument("--dequant", default="device", choices=("device", "host"))
     ap.add_argument("--rebalance-every", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--measure", action="store_true",

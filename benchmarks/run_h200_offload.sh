@@ -35,6 +35,10 @@ for routing in $ROUTINGS; do
     for b in 1 16; do bench "$ck" "$kind-$routing" "$b"; done
   done
 done
-# ablation: no prediction (misses copied when the routing is known)
-bench /dev/shm/uniform bf16-uniform 1 "--predictor none"
+# ablations: no prediction (misses copied when the routing is known); int4 dequantized on the
+# host (the write-up's path: bf16 slots, so the model no longer fits and experts move as bf16)
+[[ ${ABLATIONS:-1} == 1 ]] && {
+  bench /dev/shm/uniform bf16-uniform 1 "--predictor none"
+  [[ -d /dev/shm/uniform-int4 ]] && bench /dev/shm/uniform-int4 int4-uniform 1 "--dequant host"
+}
 python3 -m benchmarks.offload_decode --report --out "$OUT" 2>&1 | grep -v "^W0"
