@@ -424,10 +424,10 @@ class Engine:
             if i == 0:
                 take |= self.pool.page_table[layer] >= 0
             picks = _moe_pass(cfg, lp, x, self.pool.arrays, row, take, picks)
-            self.transfers.computed(f"experts L{layer} pass {i}", picks,
-                                    tuple(transfers[e] for e in chunk))
             self._cache_admit(layer, chunk, row)
-        return _moe_finish(cfg, lp, x, picks)
+        out = _moe_finish(cfg, lp, x, picks)  # (the passes donate `picks`: watch the result)
+        self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
+        return out
 
     def _cache_admit(self, layer: int, chunk: list[int], row: np.ndarray) -> None:
         """Keep staged experts in cache slots (device copies), evicting by the policy.
