@@ -174,6 +174,7 @@ class Engine:
         self.tokens_out = 0
         self.params = api.read_dense_params(reader)
         self.staged = self.stalls = self.extra_passes = 0
+        self._flying = self.max_in_flight = 0  # copies started and not yet installed / dropped
         self.predictor_stats = PredictorStats()
         self._history: dict[int, set[int]] = {}
         self._inflight: dict[int, dict[int, Transfer]] = {}
@@ -199,10 +200,16 @@ class Engine:
         return self.store.tier_of(layer, expert), self._host_weights(layer, expert)
 
     def _start(self, layer: int, expert: int) -> Transfer:
-        """Begin moving an expert to the device: pinned tier-1 copies are issued right here."""
+        """Begin moving an expert to the device: pinned tier-1 copies are issued right here.
+        Every transfer ends in `_landed` (installed or dropped)."""
+        self._flying += 1
+        self.max_in_flight = max(self.max_in_flight, self._flying)
         if self.store.pinned and self.store.tier_of(layer, expert) == 1:
             return self.transfers.start(layer, expert, self.store.fetch(layer, expert))
         return self.transfers.start(layer, expert, None)
+
+    def _landed(self, count: int = 1) -> None:
+        self._flying -= count
 
     def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int, int]:
         """(tier-0, tier-1, staging) expert counts: from the ledger, unless overridden."""
@@ -237,6 +244,7 @@ class Engine:
             "staged": self.staged,
             "stalls": self.stalls,
             "extra_passes": self.extra_passes,
+            "max_in_flight": self.max_in_flight,
             "prediction": self.predictor_stats.summary(),
             "fetches": dict(s.hits),
             "bytes_moved": dict(s.bytes),
@@ -256,6 +264,7 @@ class Engine:
         self.transfers.drain()
         self.tier0_hits = self.tier0_needed = self.swaps = 0
         self.staged = self.stalls = self.extra_passes = self.tokens_out = 0
+        self.max_in_flight = self._flying
         self.step_times = []
         self.predictor_stats = PredictorStats()
         self.store.stats = StoreStats()
@@ -335,18 +344,23 @@ class Engine:
         self._observe(layer, experts[self._live[token_rows]], needed, missing)
         inflight = self._inflight.pop(layer, {})
         self.predictor_stats.record(layer, set(inflight), set(missing))
-        transfers = {}
-        for e in missing:
-            if e not in inflight:
-                self.stalls += 1
-            transfers[e] = inflight.pop(e, None) or self._start(layer, e)
-        for t in inflight.values():
+        # at most `staging` copies in flight (the ledger's second staging buffer): prefetched
+        # experts go in the first pass, the rest of the misses follow pass by pass
+        size = max(self.staging, 1)
+        order = [e for e in missing if e in inflight] + [e for e in missing if e not in inflight]
+        chunks = [order[i : i + size] for i in range(0, len(order), size)] or [[]]
+        self.stalls += sum(e not in inflight for e in missing)
+        wasted = [t for e, t in inflight.items() if e not in missing]
+        for t in wasted:
             self.transfers.wasted(t)
-        self._prefetch(layer + 1, None if gate is None else np.asarray(gate))
+        self._landed(len(wasted))
+        transfers = {e: inflight.get(e) or self._start(layer, e) for e in chunks[0]}
+        gate_ids = None if gate is None else np.asarray(gate)
+        self._prefetch(layer + 1, gate_ids, size - len(transfers) - len(wasted))
         users = {e: token_rows[(experts == e).any(1)] for e in missing}
-        if decode and len(missing) <= self.staging:
+        if decode and len(chunks) == 1:
             return self._moe_once(layer, lp, x, transfers, users)
-        return self._moe_passes(layer, lp, x, transfers, users)
+        return self._moe_passes(layer, lp, x, chunks, transfers, users)
 
     def _moe_resident(self, layer, lp, x, ids, decode: bool):
         """Every expert has a slot: no routing sync, nothing to move; the routing is read after
@@ -392,6 +406,7 @@ class Engine:
                 self.staged += 1
             except CheckpointError as err:  # its rows are failed; the expert reads slot 0
                 self._fail_rows(users[e], err)
+            self._landed()
         for e in range(self.cfg.num_experts):
             slot = self.pool.slot_of(layer, e)
             if slot is not None:
@@ -407,17 +422,18 @@ class Engine:
         self._cache_admit(layer, chunk, row)
         return out
 
-    def _moe_passes(self, layer, lp, x, transfers, users):
+    def _moe_passes(self, layer, lp, x, chunks, transfers, users):
         """Prefill (or more misses than staging slots): the experts in passes of at most
-        `staging` fetched experts each, merged exactly; every budget runs this same code."""
+        `staging` fetched experts each, merged exactly; every budget runs this same code.
+        Copies for a pass start once the previous pass's copies are installed."""
         cfg = self.cfg
-        missing = sorted(transfers)
-        size = max(self.staging, 1)
-        chunks = [missing[i : i + size] for i in range(0, len(missing), size)] or [[]]
         self.extra_passes += len(chunks) - 1
         n = x.shape[0] * x.shape[1]
         picks = jnp.zeros((n, cfg.top_k, cfg.hidden_size), jnp.float32)
         for i, chunk in enumerate(chunks):
+            if i:
+                jax.block_until_ready(self.pool.arrays)  # the last pass's copies are freed
+                transfers.update((e, self._start(layer, e)) for e in chunk)
             row = self._install(layer, chunk, transfers, users)
             take = np.zeros(cfg.num_experts, bool)
             take[chunk] = True
@@ -460,21 +476,22 @@ class Engine:
                 self.cache.remove(new)
             else:
                 self.pool.admit(*new, self._start(*new).result())
+                self._landed()
             self.pinned.add(new)
             self.swaps += 1
 
-    def _prefetch(self, layer: int, gate: np.ndarray | None) -> None:
-        """Start copying the predicted non-resident experts of `layer` (at most `staging`):
-        the routing of `layer` later takes those it needs; the rest count as wasted bytes."""
+    def _prefetch(self, layer: int, gate: np.ndarray | None, budget: int) -> None:
+        """Start copying up to `budget` predicted non-resident experts of `layer`: its routing
+        later takes those it needs; the rest count as wasted bytes."""
         kind = self.config.predictor
-        if kind == "none" or layer >= self.cfg.num_layers:
+        if kind == "none" or layer >= self.cfg.num_layers or budget <= 0:
             return
         predicted: set[int] = set()
         if gate is not None:
             predicted = set(np.unique(gate[self._live[self._token_rows(gate)]]).tolist())
         wanted = combine(kind, predicted, self._history.get(layer, set()))
         wanted = sorted(e for e in wanted if self.pool.slot_of(layer, e) is None)
-        self._inflight[layer] = {e: self._start(layer, e) for e in wanted[: self.staging]}
+        self._inflight[layer] = {e: self._start(layer, e) for e in wanted[:budget]}
 
     def _prefill(self, tokens: np.ndarray, ks: list, vs: list, rows: np.ndarray):
         """Prefill every row of `tokens`; write the k, v of `rows` into the caches in place."""
@@ -505,7 +522,7 @@ class Engine:
         return logits
 
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
-        self._prefetch(0, None)  # layer 0: only the previous step's experts are known
+        self._prefetch(0, None, self.staging)  # layer 0: only the last step's experts known
         x = _embed(self.params["embed"], tokens[:, None])
         for layer, lp in enumerate(self.params["layers"]):
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],

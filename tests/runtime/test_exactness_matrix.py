@@ -67,6 +67,8 @@ def test_every_setting_is_bit_identical_to_unlimited(checkpoints, model):
                 assert tokens == ref_tokens, where
                 np.testing.assert_array_equal(logits, ref_logits, err_msg=where)
                 assert engine.staged > 0, where
+                # the ledger's second staging buffer bounds the copies in flight
+                assert 0 < engine.max_in_flight <= engine.staging, where
                 passes += engine.extra_passes
     assert passes > 0  # some layers' misses did not fit the staging slots at once
 
