@@ -110,12 +110,17 @@ class TransferEngine:
         return to_device(arrays, self.device)
 
     def wasted(self, t: Transfer) -> None:
-        """A prefetched expert that its layer did not route to: count the bytes it cost."""
-        if t.future.done() and t.future.exception() is None:
-            nbytes = sum(a.nbytes for a in t.result().values())
-            with self._lock:
-                self.stats.wasted_copies += 1
-                self.stats.wasted_bytes += nbytes
+        """A prefetched expert that its layer did not route to: count the bytes it cost (once
+        its fetch is done, if it was still reading from disk)."""
+
+        def count(future: Future) -> None:
+            if future.exception() is None:
+                nbytes = sum(a.nbytes for a in future.result().values())
+                with self._lock:
+                    self.stats.wasted_copies += 1
+                    self.stats.wasted_bytes += nbytes
+
+        t.future.add_done_callback(count)
 
     def computed(self, label: str, outputs: object, waits_for: tuple[Transfer, ...]) -> None:
         """Record a dispatched compute (timeline only): its span and the copies it waited on."""
@@ -157,25 +162,30 @@ class _Watcher:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            label, transfer, future, waits_for, issued = item
             try:
-                jax.block_until_ready(future.result())
-            except Exception:  # a failed fetch: its error reaches the engine, not the timeline
-                pass
-            end = time.perf_counter()
-            start = max(issued, self._last_end)
-            if transfer is not None:
-                transfer.done = end
-                transfer.recorded.set()
-            for t in waits_for:
-                t.recorded.wait()
-            ready = max((t.done or 0.0 for t in waits_for), default=0.0)
-            if ready > start:
-                self.timeline.add(f"wait {label}", "stall", start, ready)
-                start = ready
-            self.timeline.add(label, self.kind, start, max(start, end))
-            self._last_end = end
-            self._queue.task_done()
+                self._record(*item)
+            finally:
+                self._queue.task_done()
+
+    def _record(self, label: str, transfer: Transfer | None, future: Future,
+                waits_for: tuple[Transfer, ...], issued: float) -> None:
+        try:
+            jax.block_until_ready(future.result())
+        except Exception:  # a failed fetch: its error reaches the engine, not the timeline
+            pass
+        end = time.perf_counter()
+        start = max(issued, self._last_end)
+        if transfer is not None:
+            transfer.done = end
+            transfer.recorded.set()
+        for t in waits_for:
+            t.recorded.wait()
+        ready = max((t.done or 0.0 for t in waits_for), default=0.0)
+        if ready > start:
+            self.timeline.add(f"wait {label}", "stall", start, ready)
+            start = ready
+        self.timeline.add(label, self.kind, start, max(start, end))
+        self._last_end = end
 
     def drain(self) -> None:
         self._queue.join()
