@@ -106,7 +106,8 @@ def _route(cfg, lp, x):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _moe(cfg, lp, x, pool, slot_row):
-    return mdl.moe_block(cfg, lp, x, pool, slot_row)[0]
+    """The layer's MoE output and its routed experts (one program for every budget)."""
+    return mdl.moe_block(cfg, lp, x, pool, slot_row)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
@@ -331,9 +332,9 @@ class Engine:
         compute. A chunk that cannot be read fails only the rows that routed to it.
         """
         cfg = self.cfg
-        ids = _route(cfg, lp, x)
         if not self.staging:
-            return self._moe_resident(layer, lp, x, ids, decode)
+            return self._moe_resident(layer, lp, x, decode)
+        ids = _route(cfg, lp, x)
         gate = None
         if self.config.predictor in ("next-gate", "both") and layer + 1 < cfg.num_layers:
             gate = _route(cfg, self.params["layers"][layer + 1], x)
@@ -362,15 +363,17 @@ class Engine:
             return self._moe_once(layer, lp, x, transfers, users)
         return self._moe_passes(layer, lp, x, chunks, transfers, users)
 
-    def _moe_resident(self, layer, lp, x, ids, decode: bool):
+    def _moe_resident(self, layer, lp, x, decode: bool):
         """Every expert has a slot: no routing sync, nothing to move; the routing is read after
         the step (`_observe_deferred`), for the statistics only."""
-        self._deferred.append((layer, ids))
         if layer not in self._resident_rows:  # the page table never changes when resident
             self._resident_rows[layer] = jnp.asarray(self.pool.page_table[layer])
         row = self._resident_rows[layer]
-        if decode:
-            return _moe(self.cfg, lp, x, self.pool.arrays, row)
+        if decode:  # the expert program also returns the routing: one dispatch, not two
+            out, ids = _moe(self.cfg, lp, x, self.pool.arrays, row)
+            self._deferred.append((layer, ids))
+            return out
+        self._deferred.append((layer, _route(self.cfg, lp, x)))
         n = x.shape[0] * x.shape[1]
         picks = jnp.zeros((n, self.cfg.top_k, self.cfg.hidden_size), jnp.float32)
         take = jnp.ones((self.cfg.num_experts,), jnp.bool_)
@@ -417,7 +420,7 @@ class Engine:
         """Decode: every missing expert fits the staging slots, one fused expert program."""
         chunk = sorted(transfers)
         row = self._install(layer, chunk, transfers, users)
-        out = _moe(self.cfg, lp, x, self.pool.arrays, row)
+        out = _moe(self.cfg, lp, x, self.pool.arrays, row)[0]
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
         self._cache_admit(layer, chunk, row)
         return out
