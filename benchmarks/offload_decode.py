@@ -107,6 +107,38 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], bw: dict, path: Path) -> bool:
+    """Bar chart of tok/s beside the bound and the target, per row (log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    labels = [f"{r['label']}\nB={r['batch']} {r['predictor']}"
+              + ("" if r.get("dequant", "device") == "device" else "\nhost dequant")
+              for r in rows]
+    got = [r["stats"]["decode_tok_s"] for r in rows]
+    bounds = [bound(r, bw)["bound_tok_s"] for r in rows]
+    targets = [PEERS[r["label"].split("-")[0]][r["batch"]][1] for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    ax.bar(x - 0.2, got, 0.4, label="measured tok/s")
+    ax.bar(x + 0.2, bounds, 0.4, label="bound (counted bytes)", alpha=0.5)
+    ax.scatter(x, targets, marker="_", s=600, color="red", label="target", zorder=3)
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tok/s")
+    ax.legend(fontsize=8)
+    ax.set_title("offloaded decode, 8 GiB HBM")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt")
@@ -138,6 +170,7 @@ def main() -> None:
     elif args.report:
         (out / "offload_decode.md").write_text(render(doc["rows"], doc["bandwidth"],
                                                       doc["machine"]))
+        plot(doc["rows"], doc["bandwidth"], out / "offload_decode.png")
         print((out / "offload_decode.md").read_text())
     else:
         row = run_row(args)
