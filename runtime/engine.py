@@ -343,10 +343,19 @@ class Engine:
         needed = set(np.unique(experts[self._live[token_rows]]).tolist())
         missing = sorted(e for e in needed if self.pool.slot_of(layer, e) is None)
         self._observe(layer, experts[self._live[token_rows]], needed, missing)
+        chunks, transfers, left = self._first_copies(layer, missing)
+        self._prefetch(layer + 1, None if gate is None else np.asarray(gate), left)
+        users = {e: token_rows[(experts == e).any(1)] for e in missing}
+        if decode and len(chunks) == 1:
+            return self._moe_once(layer, lp, x, transfers, users)
+        return self._moe_passes(layer, lp, x, chunks, transfers, users)
+
+    def _first_copies(self, layer: int, missing: list[int]):
+        """Split the misses into passes of at most `staging` experts (prefetched ones first)
+        and start the first pass's copies. At most `staging` copies are ever in flight (the
+        ledger's second staging buffer): returns (passes, transfers, copies still allowed)."""
         inflight = self._inflight.pop(layer, {})
         self.predictor_stats.record(layer, set(inflight), set(missing))
-        # at most `staging` copies in flight (the ledger's second staging buffer): prefetched
-        # experts go in the first pass, the rest of the misses follow pass by pass
         size = max(self.staging, 1)
         order = [e for e in missing if e in inflight] + [e for e in missing if e not in inflight]
         chunks = [order[i : i + size] for i in range(0, len(order), size)] or [[]]
@@ -356,12 +365,7 @@ class Engine:
             self.transfers.wasted(t)
         self._landed(len(wasted))
         transfers = {e: inflight.get(e) or self._start(layer, e) for e in chunks[0]}
-        gate_ids = None if gate is None else np.asarray(gate)
-        self._prefetch(layer + 1, gate_ids, size - len(transfers) - len(wasted))
-        users = {e: token_rows[(experts == e).any(1)] for e in missing}
-        if decode and len(chunks) == 1:
-            return self._moe_once(layer, lp, x, transfers, users)
-        return self._moe_passes(layer, lp, x, chunks, transfers, users)
+        return chunks, transfers, size - len(transfers) - len(wasted)
 
     def _moe_resident(self, layer, lp, x, decode: bool):
         """Every expert has a slot: no routing sync, nothing to move; the routing is read after
