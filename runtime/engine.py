@@ -378,11 +378,7 @@ class Engine:
             self._deferred.append((layer, ids))
             return out
         self._deferred.append((layer, _route(self.cfg, lp, x)))
-        n = x.shape[0] * x.shape[1]
-        picks = jnp.zeros((n, self.cfg.top_k, self.cfg.hidden_size), jnp.float32)
-        take = jnp.ones((self.cfg.num_experts,), jnp.bool_)
-        return _moe_finish(self.cfg, lp, x, _moe_pass(self.cfg, lp, x, self.pool.arrays, row,
-                                                      take, picks))
+        return self._moe_passes(layer, lp, x, [[]], {}, {})
 
     def _observe_deferred(self) -> None:
         for layer, ids in self._deferred:
@@ -476,7 +472,10 @@ class Engine:
         every = self.config.rebalance_every
         if not every or self.steps % every:
             return
-        for out, new in rebalance(self.heat.heat, self.pinned, self.config.hysteresis):
+        for i, (out, new) in enumerate(rebalance(self.heat.heat, self.pinned,
+                                                 self.config.hysteresis)):
+            if i and i % max(self.staging, 1) == 0:  # at most `staging` copies in flight
+                jax.block_until_ready(self.pool.arrays)
             self.pool.evict(*out)
             self.pinned.discard(out)
             if new in self.cache:  # already in HBM: promote the cached copy

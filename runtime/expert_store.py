@@ -81,7 +81,7 @@ class ExpertStore:
             return arrays
         with self._lock:
             self.stats.hits[tier] += 1
-            self.stats.bytes[tier] += sum(_nbytes(a) for a in arrays.values())
+            self.stats.bytes[tier] += sum(a.nbytes for a in arrays.values())
         return arrays
 
     @property
@@ -90,8 +90,4 @@ class ExpertStore:
 
     @property
     def host_bytes(self) -> int:
-        return sum(_nbytes(a) for arrays in self._host.values() for a in arrays.values())
-
-
-def _nbytes(a) -> int:
-    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        return sum(a.nbytes for arrays in self._host.values() for a in arrays.values())

@@ -130,13 +130,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Prefill queued requests into free rows, evicting the oldest idle ones if needed."""
-        new = {}
-        while self.queue:
-            free = [i for i, r in enumerate(self.rows) if r is None and i not in new]
-            if not free and not self._evict_idle():
-                break
-            free = free or [i for i, r in enumerate(self.rows) if r is None and i not in new]
-            new[free[0]] = self.queue.popleft()
+        new: dict[int, Request] = {}
+        while self.queue and (row := self._free_row(new)) is not None:
+            new[row] = self.queue.popleft()
         if not new:
             return
         t = api.bucket(max(len(r.sequence) for r in new.values()))
@@ -159,16 +155,20 @@ class Scheduler:
             req.pending = []
         self._emit(first, mask, mask)
 
-    def _evict_idle(self) -> bool:
-        """Free the row of the least recently active idle request; False if there is none."""
+    def _free_row(self, taken: dict[int, Request]) -> int | None:
+        """A free row not in `taken`, freeing the least recently active idle request's row if
+        needed; None if every row is busy."""
+        free = [i for i, r in enumerate(self.rows) if r is None and i not in taken]
+        if free:
+            return free[0]
         idle = [(r.last_active, i) for i, r in enumerate(self.rows) if r is not None and r.done]
         if not idle:
-            return False
+            return None
         _, i = min(idle)
         self.rows[i].evicted = True
         self.rows[i], self.lengths[i] = None, 0
         self.evictions += 1
-        return True
+        return i
 
     def _emit(self, tokens: np.ndarray, ready: np.ndarray, active: np.ndarray) -> None:
         """Append each ready row's token; finish rows on error, stop id or token limit."""

@@ -23,7 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import jax
-import numpy as np
 
 from strata_runtime.numa import NumaPlan, bind_current_thread
 from strata_runtime.timeline import Timeline
@@ -103,7 +102,7 @@ class TransferEngine:
         return self._issue(layer, expert, tier, arrays)
 
     def _issue(self, layer: int, expert: int, tier: int, arrays: Arrays) -> dict[str, jax.Array]:
-        nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays.values())
+        nbytes = sum(a.nbytes for a in arrays.values())
         with self._lock:
             self.stats.copies[tier] += 1
             self.stats.bytes[tier] += nbytes
