@@ -33,7 +33,7 @@ def run_row(args) -> dict:
     config = EngineConfig(hbm_budget=args.hbm, batch_capacity=args.batch, max_len=128,
                           predictor=args.predictor, policy=args.policy,
                           rebalance_every=args.rebalance_every, dequant=args.dequant,
-                          timeline=True)
+                          staging_slots=args.staging, timeline=True)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, reader.config.vocab_size, (args.batch, 16)).tolist()
     with Engine(reader, config) as engine:
@@ -49,6 +49,7 @@ def run_row(args) -> dict:
         ledger = engine.ledger
     return {"label": args.label, "batch": args.batch, "hbm": args.hbm, "steps": args.steps,
             "predictor": args.predictor, "policy": args.policy, "dequant": args.dequant,
+            "staging": engine.staging,
             "bytes_per_expert": ledger.bytes_per_expert, "tier0": ledger.tier0,
             "dense": ModelBytes.from_reader(reader).dense, "stats": stats}
 
@@ -81,10 +82,10 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         f"{bw['hbm_read']:.0f} GB/s. Bound = B / max(H2D bytes / pinned BW, HBM bytes / HBM BW) "
         "from the bytes the engine counted per step.",
         "",
-        "| experts | routing | B | predictor | dequant | tok/s | target | peers (tok/s) |"
+        "| experts | routing | B | predictor | dequant | staging | tok/s | target | peers (tok/s) |"
         " bound tok/s | achieved/bound | binds | H2D GB/step | wasted | tier-0 hit | overlap |"
         " stalls/step | p50 ms | p99 ms |",
-        "|" + "---|" * 18,
+        "|" + "---|" * 19,
     ]
     for row in rows:
         s, b = row["stats"], bound(row, bw)
@@ -96,7 +97,7 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         verdict = "met" if tok >= target else f"missed ({binding(tok, b)} binds)"
         lines.append(
             f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | "
-            f"{row.get('dequant', 'device')} | {tok:.1f} | "
+            f"{row.get('dequant', 'device')} | {row.get('staging', '-')} | {tok:.1f} | "
             f"≥{target:g} {verdict} | "
             f"{peers} | {b['bound_tok_s']:.1f} | {tok / b['bound_tok_s']:.2f} | "
             f"{binding(tok, b)} | "
@@ -151,6 +152,8 @@ def main() -> None:
     ap.add_argument("--policy", default="lfru")
     ap.add_argument("--dequant", default="device", choices=("device", "host"))
     ap.add_argument("--rebalance-every", type=int, default=4)
+    ap.add_argument("--staging", type=int, default=None,
+                    help="experts per staging buffer (default: what one layer can need)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--measure", action="store_true",
                     help="measure pinned and HBM bandwidth on this machine into --out")

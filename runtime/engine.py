@@ -59,6 +59,10 @@ class EngineConfig:
     resident_experts: int | None = None
     host_experts: int | None = None
     heat_file: str | None = None  # routing statistics (`Engine.save_heat`) ranking the tiers
+    # experts per staging buffer; None = what one layer can need in a decode step,
+    # min(experts, batch_capacity * top_k). Fewer frees HBM for pinned experts (a PCIe-bound
+    # step moves less) at the price of more expert passes per layer.
+    staging_slots: int | None = None
 
 
 def placement(cfg: ModelConfig, pinned: int, host: int,
@@ -217,12 +221,14 @@ class Engine:
         cfg, config = self.cfg, self.config
         total = cfg.num_layers * cfg.num_experts
         resident, host = total, total  # no host budget: host memory is unlimited
-        staging = min(cfg.num_experts, config.batch_capacity * cfg.top_k)
+        staging = config.staging_slots or min(cfg.num_experts,
+                                              config.batch_capacity * cfg.top_k)
         if config.hbm_budget is not None:
             self.ledger = plan_ledger(
                 ModelBytes.from_reader(reader), config.hbm_budget, config.host_budget,
                 batch_capacity=config.batch_capacity, max_len=config.max_len,
-                workspace_floor=config.workspace_floor, min_pool_slots=1,
+                staging_slots=config.staging_slots, workspace_floor=config.workspace_floor,
+                min_pool_slots=1,
             )
             resident, host = self.ledger.tier0, self.ledger.host_slots
             staging = self.ledger.staging_slots or staging
@@ -343,17 +349,16 @@ class Engine:
         needed = set(np.unique(experts[self._live[token_rows]]).tolist())
         missing = sorted(e for e in needed if self.pool.slot_of(layer, e) is None)
         self._observe(layer, experts[self._live[token_rows]], needed, missing)
-        chunks, transfers, left = self._first_copies(layer, missing)
-        self._prefetch(layer + 1, None if gate is None else np.asarray(gate), left)
+        chunks, transfers = self._first_copies(layer, missing)
         users = {e: token_rows[(experts == e).any(1)] for e in missing}
+        gate = None if gate is None else np.asarray(gate)
         if decode and len(chunks) == 1:
-            return self._moe_once(layer, lp, x, transfers, users)
-        return self._moe_passes(layer, lp, x, chunks, transfers, users)
+            return self._moe_once(layer, lp, x, transfers, users, gate)
+        return self._moe_passes(layer, lp, x, chunks, transfers, users, gate)
 
     def _first_copies(self, layer: int, missing: list[int]):
         """Split the misses into passes of at most `staging` experts (prefetched ones first)
-        and start the first pass's copies. At most `staging` copies are ever in flight (the
-        ledger's second staging buffer): returns (passes, transfers, copies still allowed)."""
+        and start the first pass's copies: returns (passes, transfers)."""
         inflight = self._inflight.pop(layer, {})
         self.predictor_stats.record(layer, set(inflight), set(missing))
         size = max(self.staging, 1)
@@ -365,7 +370,7 @@ class Engine:
             self.transfers.wasted(t)
         self._landed(len(wasted))
         transfers = {e: inflight.get(e) or self._start(layer, e) for e in chunks[0]}
-        return chunks, transfers, size - len(transfers) - len(wasted)
+        return chunks, transfers
 
     def _moe_resident(self, layer, lp, x, decode: bool):
         """Every expert has a slot: no routing sync, nothing to move; the routing is read after
@@ -416,19 +421,21 @@ class Engine:
                 row[e] = slot
         return row
 
-    def _moe_once(self, layer, lp, x, transfers, users):
+    def _moe_once(self, layer, lp, x, transfers, users, gate):
         """Decode: every missing expert fits the staging slots, one fused expert program."""
         chunk = sorted(transfers)
         row = self._install(layer, chunk, transfers, users)
+        self._prefetch(layer + 1, gate)
         out = _moe(self.cfg, lp, x, self.pool.arrays, row)[0]
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
         self._cache_admit(layer, chunk, row)
         return out
 
-    def _moe_passes(self, layer, lp, x, chunks, transfers, users):
+    def _moe_passes(self, layer, lp, x, chunks, transfers, users, gate=None):
         """Prefill (or more misses than staging slots): the experts in passes of at most
         `staging` fetched experts each, merged exactly; every budget runs this same code.
-        Copies for a pass start once the previous pass's copies are installed."""
+        Copies for a pass start once the previous pass's copies are installed; the next
+        layer's prefetch starts once the last pass's are."""
         cfg = self.cfg
         self.extra_passes += len(chunks) - 1
         n = x.shape[0] * x.shape[1]
@@ -438,6 +445,8 @@ class Engine:
                 jax.block_until_ready(self.pool.arrays)  # the last pass's copies are freed
                 transfers.update((e, self._start(layer, e)) for e in chunk)
             row = self._install(layer, chunk, transfers, users)
+            if i == len(chunks) - 1:
+                self._prefetch(layer + 1, gate)
             take = np.zeros(cfg.num_experts, bool)
             take[chunk] = True
             if i == 0:
@@ -486,11 +495,15 @@ class Engine:
             self.pinned.add(new)
             self.swaps += 1
 
-    def _prefetch(self, layer: int, gate: np.ndarray | None, budget: int) -> None:
-        """Start copying up to `budget` predicted non-resident experts of `layer`: its routing
-        later takes those it needs; the rest count as wasted bytes."""
+    def _prefetch(self, layer: int, gate: np.ndarray | None) -> None:
+        """Start copying predicted non-resident experts of `layer`, as many as keep at most
+        `staging` copies in flight (the ledger's second staging buffer): its routing later
+        takes those it needs; the rest count as wasted bytes. Called once this layer's copies
+        are installed and before its experts are dispatched (copy-before-compute)."""
         kind = self.config.predictor
-        if kind == "none" or layer >= self.cfg.num_layers or budget <= 0:
+        budget = self.staging - self._flying
+        layer %= self.cfg.num_layers  # after the last layer: the next step's first (history)
+        if kind == "none" or budget <= 0 or layer in self._inflight:
             return
         predicted: set[int] = set()
         if gate is not None:
@@ -528,7 +541,7 @@ class Engine:
         return logits
 
     def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
-        self._prefetch(0, None, self.staging)  # layer 0: only the last step's experts known
+        self._prefetch(0, None)  # layer 0: only the last step's experts known
         x = _embed(self.params["embed"], tokens[:, None])
         for layer, lp in enumerate(self.params["layers"]):
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],

@@ -53,4 +53,6 @@ def test_no_compiles_and_stable_memory_over_200_steps(tmp_path, compiles):
         assert len(out) == n and all(len(o) == 11 for o in out)
         steps += 10
     assert compiles.count == 0
-    assert sum(a.nbytes for a in jax.live_arrays()) <= live
+    # copies in flight (the ledger's second staging buffer) may be full or empty at either point
+    in_flight = engine.staging * engine.pool.nbytes // engine.pool.num_slots
+    assert sum(a.nbytes for a in jax.live_arrays()) <= live + in_flight
