@@ -37,18 +37,16 @@ class Shape:
     layers: int  # distinct layers rotated through so the weights do not sit in L2
 
 
-SWEEP = (
+SWEEP = (  # magic=True folds the 136 offset (bf16) unless fold_offset=False
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False),
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, magic=True),
+    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False, magic=True),
     ek.Tiles(bf=256, bd=128, split_k=4, num_warps=8, num_stages=3, magic=True),
     ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4, magic=True),
+    ek.Tiles(bf=128, bd=256, split_k=8, num_warps=4, num_stages=4, magic=True),
+    ek.Tiles(bf=256, bd=256, split_k=8, num_warps=8, num_stages=4, magic=True),
     ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4),
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3),
-    ek.Tiles(bf=128, bd=64, split_k=4, num_warps=4, num_stages=4),
-    ek.Tiles(bf=256, bd=128, split_k=2, num_warps=4, num_stages=3),
-    ek.Tiles(bf=256, bd=256, split_k=4, num_warps=8, num_stages=3),
-    ek.Tiles(bf=256, bd=256, split_k=8, num_warps=8, num_stages=4),
-    ek.Tiles(bf=512, bd=256, split_k=4, num_warps=8, num_stages=2),
 )
 
 SHAPES = (

@@ -43,8 +43,11 @@ for routing in $ROUTINGS; do
 done
 # ablations: no prediction (misses copied when the routing is known); int4 dequantized on the
 # host (the write-up's path: bf16 slots, so the model no longer fits and experts move as bf16)
-[[ ${ABLATIONS:-1} == 1 ]] && {
-  bench /dev/shm/uniform bf16-uniform 1 "--predictor none"
-  [[ -d /dev/shm/uniform-int4 ]] && bench /dev/shm/uniform-int4 int4-uniform 1 "--dequant host"
-}
+for a in ${ABLATIONS:-predictor-none host-dequant}; do
+  case $a in
+    predictor-none) bench /dev/shm/uniform bf16-uniform 1 "--predictor none" ;;
+    host-dequant) [[ -d /dev/shm/uniform-int4 ]] && bench /dev/shm/uniform-int4 int4-uniform 1 \
+      "--dequant host" ;;
+  esac
+done
 python3 -m benchmarks.offload_decode --report --out "$OUT" 2>&1 | grep -v "^W0"

@@ -25,6 +25,7 @@ def _synth(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         overwrite=args.overwrite,
+        train_steps=args.train_steps,
     )
     print(stats)
     return 0
@@ -179,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     syn.add_argument("--overwrite", action="store_true")
+    syn.add_argument("--train-steps", type=int, default=0, metavar="N",
+                     help="then train it N Adam steps on a Markov language (tiny models only)")
     syn.add_argument("dst")
     syn.set_defaults(func=_synth)
 

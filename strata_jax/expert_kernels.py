@@ -49,12 +49,29 @@ _MAGIC = {jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x4300, 128.0),
           jnp.dtype(jnp.float32): (jnp.uint32, 0x4B000000, 2.0**23)}
 
 
-def _magic_nibbles(nibbles, dtype):
+def _magic_nibbles(nibbles, dtype, offset: bool = True):
     """uint8 nibbles n (0..15) -> n - 8 in `dtype`, exactly: OR n into the mantissa of a
-    power of two (no int->float conversion, which is slow on GPUs), then subtract base + 8."""
+    power of two (no int->float conversion, which is slow on GPUs), then subtract base + 8.
+    `offset=False` skips the subtraction: base + n, for the caller to fold base + 8 in."""
     uint, bits, base = _MAGIC[jnp.dtype(dtype)]
     value = jax.lax.bitcast_convert_type(nibbles.astype(uint) | uint(bits), dtype)
-    return value - jnp.asarray(base + 8.0, dtype)
+    return value - jnp.asarray(base + 8.0, dtype) if offset else value
+
+
+def _nibble_values(p, dtype, fold_offset: bool, magic: bool):
+    """(low, high) nibble planes of packed bytes p as `dtype`, and the offset still to be
+    subtracted as offset * row sum of x (0 when the planes already hold n - 8).
+
+    Folding the offset spares a per-element subtraction; with magic bf16 planes the offset is
+    128 + 8 (products stay exact in the float32 accumulator; 2^23 for float32 would not)."""
+    if magic:
+        fold = fold_offset and jnp.dtype(dtype) == jnp.bfloat16
+        lo, hi = (_magic_nibbles(q, dtype, offset=not fold) for q in (p & 0xF, p >> 4))
+        return lo, hi, _MAGIC[jnp.dtype(dtype)][2] + 8.0 if fold else 0.0
+    if fold_offset:  # nibbles straight to floats (0..15)
+        return (p & 0xF).astype(dtype), (p >> 4).astype(dtype), 8.0
+    p = p.astype(jnp.int32)
+    return ((p & 0xF) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype), 0.0
 
 
 def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True,
@@ -71,19 +88,12 @@ def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True,
     half = bk // 2
     p = packed_ref[slot, pl.ds(k * half, half), cols]
     x_lo, x_hi = xblock(k * bk, half), xblock(k * bk + half, half)
-    if magic:
-        lo, hi = _magic_nibbles(p & 0xF, x_lo.dtype), _magic_nibbles(p >> 4, x_lo.dtype)
-        fold_offset = False
-    elif fold_offset:  # nibbles straight to bf16 (0..15); -8 applied as -8 * row sum of x
-        lo, hi = (p & 0xF).astype(x_lo.dtype), (p >> 4).astype(x_lo.dtype)
-    else:
-        p = p.astype(jnp.int32)
-        lo, hi = ((p & 0xF) - 8).astype(x_lo.dtype), ((p >> 4) - 8).astype(x_lo.dtype)
+    lo, hi, offset = _nibble_values(p, x_lo.dtype, fold_offset, magic)
     acc = jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
     acc += jnp.dot(x_hi, hi, preferred_element_type=jnp.float32)
-    if fold_offset:
+    if offset:
         rows = jnp.sum(x_lo.astype(jnp.float32), 1) + jnp.sum(x_hi.astype(jnp.float32), 1)
-        acc -= 8.0 * rows[:, None]
+        acc -= offset * rows[:, None]
     return acc * scale_ref[slot, pl.ds(k, 1), cols].astype(jnp.float32)
 
 

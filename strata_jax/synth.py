@@ -14,6 +14,9 @@ bits, for short runs): no table lookup, no intermediate arrays.
 each layer (see `top_share`); it is reached by a per-expert router bias
 `-alpha * log(1 + rank)`, with ranks from a per-layer random permutation and `alpha` found by
 bisection on a Monte-Carlo model of the router logits. See docs/synthetic_models.md.
+
+`train_steps` then trains a small model in place on a Markov language (synth_train.py), so its
+predictions are confident like a real LM's (what quantization accuracy tests need).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from strata_jax.checkpoint import (
 )
 from strata_jax.config import ModelConfig
 from strata_jax.model import forward_with_routing
+from strata_jax.synth_train import check_trainable, train_synthetic
 
 SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -85,7 +89,8 @@ _MC_SEED, _MC_REPLICAS = 12345, 4
 
 @dataclass(frozen=True)
 class SynthStats:
-    """What `synthesize` wrote and how fast; `top20_share` is measured on small models only."""
+    """What `synthesize` wrote and how fast; `top20_share` is measured on small models only,
+    `trained` holds `train_synthetic`'s figures if the model was trained."""
 
     path: str
     shape: str
@@ -95,6 +100,7 @@ class SynthStats:
     skew: float | None
     alpha: float
     top20_share: float | None
+    trained: dict | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -109,6 +115,12 @@ class SynthStats:
             line += f"; skew target {self.skew:.2f}, alpha {self.alpha:.3f}"
         if self.top20_share is not None:
             line += f"; measured top-20% share {self.top20_share:.3f}"
+        if self.trained is not None:
+            t = self.trained
+            line += (
+                f"; trained {t['steps']} steps, loss {t['initial_loss']:.3f} -> "
+                f"{t['final_loss']:.3f} (language entropy {t['language_entropy']:.3f})"
+            )
         return line
 
 
@@ -547,14 +559,19 @@ def synthesize(
     overwrite: bool = False,
     workers: int | None = None,
     progress: bool | None = None,
+    train_steps: int = 0,
 ) -> SynthStats:
     """Write a random-weight checkpoint of architecture `shape` to `dst`; see module doc.
 
-    `progress=None` shows the byte progress bar only on a terminal.
+    `train_steps` > 0 then trains it in place on a Markov language (`synth_train`; tiny models
+    only): in float32, stored back in `dtype`. `progress=None` shows progress bars only on a
+    terminal.
     """
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     cfg = synth_config(shape, layers, skew, dtype)
+    if train_steps:
+        check_trainable(cfg, train_steps)
     alpha = 0.0 if skew is None else calibrate_alpha(cfg.num_experts, cfg.top_k, skew)
     workers = workers or os.cpu_count() or 1
     t0 = time.perf_counter()
@@ -569,12 +586,15 @@ def synthesize(
         _write_all(writer, seed, alpha, pool, bar.update)
         path = writer.commit()
     seconds = time.perf_counter() - t0
+    trained = None
+    if train_steps:
+        trained = train_synthetic(path, train_steps, seed=seed, progress=progress)
     share = None
     if cfg.param_counts()["total"] <= MEASURE_MAX_PARAMS:
         share = measure_top20_share(load(path))
     params = cfg.param_counts()["total"]
     written = checkpoint_bytes(cfg)
-    return SynthStats(str(Path(path)), shape, params, written, seconds, skew, alpha, share)
+    return SynthStats(str(Path(path)), shape, params, written, seconds, skew, alpha, share, trained)
 
 
 def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0) -> Model:

@@ -1,13 +1,14 @@
 """Acceptance tests for `strata quantize` and `strata eval quant`, run through the real CLI on
-(i) a tiny synthetic model and (ii) a tiny transformers Mixtral, converted with `strata convert
-hf`, that was first trained for a few seconds on a small Markov language.
+tiny models: (i) a synthetic one with random weights, (ii) the same synthetic model trained for
+a few seconds on a small Markov language (`strata synth --train-steps`), and (iii) a tiny
+transformers Mixtral, converted with `strata convert hf`, trained the same way.
 
-Why train (ii): a random-weight model's next-token distribution is nearly flat (its top-1 and
-top-2 logits are a small fraction of the logit spread apart), so *any* weight perturbation flips
-many argmaxes: on the synthetic model, int4 experts alone (RTN) keep ~80 % top-1 agreement and
-even int8 dense weights alone only ~98 %. A trained model is confident where its data is, like real
-LMs, and its held-out tokens are then realistic ones: sequences sampled from the model. The
-95 % top-1 bound is asserted there; on the synthetic model GPTQ must beat RTN instead.
+Why train: a random-weight model's next-token distribution is nearly flat (its top-1 and top-2
+logits are a small fraction of the logit spread apart), so *any* weight perturbation flips many
+argmaxes: on the random synthetic model, int4 experts alone (RTN) keep ~80 % top-1 agreement and
+even int8 dense weights alone only ~98 %. A trained model is confident where its data is, like
+real LMs, and its held-out tokens are then realistic ones: sequences sampled from the model. The
+95 % top-1 bound is asserted on (ii) and (iii); on (i) GPTQ must beat RTN instead.
 """
 
 from __future__ import annotations
@@ -24,26 +25,17 @@ from strata_jax import quant
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.quantize import REPORT_FILE, read_token_file
 from strata_jax.synth import synthesize
+from strata_jax.synth_train import language_entropy, markov_batch, markov_successors
 from strata_runtime import cli
 
 QUANTIZED = {"dense": "int8", "experts": "int4-g128"}
 CALIB_SEQS, HELDOUT_SEQS = "64", "32"
 MIN_HELDOUT = 32  # held-out tokens an expert needs to take part in the GPTQ-vs-RTN comparison
-VOCAB, SUCCESSORS = 256, np.array([0.55, 0.25, 0.12, 0.08])  # Markov language of model (ii)
+VOCAB = 256  # the Markov language (synth_train) of model (ii)
 TRAIN_STEPS, TRAIN_BATCH = 40, (32, 32)
 
 
 # --------------------------------------------------------------------------------- models
-
-
-def markov_batch(succ: np.ndarray, rng: np.random.Generator, shape: tuple[int, int]):
-    """Sequences of a Markov chain: each token is followed by one of its 4 successors."""
-    n, t = shape
-    x = np.empty((n, t), np.int64)
-    x[:, 0] = rng.integers(0, VOCAB, n)
-    for i in range(1, t):
-        x[:, i] = succ[x[:, i - 1], rng.choice(len(SUCCESSORS), size=n, p=SUCCESSORS)]
-    return x
 
 
 def trained_mixtral(path: Path, seed: int = 0) -> None:
@@ -65,15 +57,14 @@ def trained_mixtral(path: Path, seed: int = 0) -> None:
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(0.0, 0.02)
-    rng = np.random.default_rng(seed)
-    succ = np.stack([rng.choice(VOCAB, len(SUCCESSORS), replace=False) for _ in range(VOCAB)])
+    succ, rng = markov_successors(VOCAB, seed), np.random.default_rng([seed, 1])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: threads only contend
     try:
         model.train()
         for _ in range(TRAIN_STEPS):
-            x = torch.from_numpy(markov_batch(succ, rng, TRAIN_BATCH))
+            x = torch.from_numpy(markov_batch(succ, rng, TRAIN_BATCH)).long()
             loss = model(x, labels=x).loss
             opt.zero_grad()
             loss.backward()
@@ -81,7 +72,7 @@ def trained_mixtral(path: Path, seed: int = 0) -> None:
     finally:
         torch.set_num_threads(threads)
     print(f"trained mixtral: final loss {loss.item():.3f} "
-          f"(language entropy {-(SUCCESSORS * np.log(SUCCESSORS)).sum():.3f})")  # fmt: skip
+          f"(language entropy {language_entropy():.3f})")  # fmt: skip
     model.eval().save_pretrained(path)
 
 
@@ -126,6 +117,14 @@ def synth_case(root) -> Case:
 
 
 @pytest.fixture(scope="module")
+def trained_synth_case(root) -> Case:
+    src = root / "synth_trained"
+    synthesize("tiny", src, layers=2, seed=0, dtype="float32", progress=False,
+               train_steps=TRAIN_STEPS)  # fmt: skip
+    return quantize_and_eval("synth_trained", src, root)
+
+
+@pytest.fixture(scope="module")
 def hf_case(root) -> Case:
     hf, src = root / "mixtral_hf", root / "mixtral"
     trained_mixtral(hf)
@@ -153,9 +152,11 @@ def test_gptq_beats_rtn_on_held_out_routed_tokens(case):
     assert case.report["expert_methods"].get("gptq", 0) >= 0.9 * ex["total"]
 
 
-def test_top1_agreement_of_trained_model(hf_case):
-    ev = hf_case.eval
-    print(f"mixtral: top-1 agreement {100 * ev['top1_agreement']:.2f} %, "
+@pytest.mark.parametrize("trained_case", ["trained_synth_case", "hf_case"])
+def test_top1_agreement_of_trained_model(trained_case, request):
+    case = request.getfixturevalue(trained_case)
+    ev = case.eval
+    print(f"{case.name}: top-1 agreement {100 * ev['top1_agreement']:.2f} %, "
           f"KL {ev['kl_mean']:.3g} over {ev['positions']} positions")  # fmt: skip
     assert ev["top1_agreement"] >= 0.95
 
