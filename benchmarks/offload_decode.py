@@ -82,10 +82,10 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         f"{bw['hbm_read']:.0f} GB/s. Bound = B / max(H2D bytes / pinned BW, HBM bytes / HBM BW) "
         "from the bytes the engine counted per step.",
         "",
-        "| experts | routing | B | predictor | dequant | staging | tok/s | target | peers (tok/s) |"
-        " bound tok/s | achieved/bound | binds | H2D GB/step | wasted | tier-0 hit | overlap |"
-        " stalls/step | p50 ms | p99 ms |",
-        "|" + "---|" * 19,
+        "| experts | routing | B | predictor | policy | dequant | staging | tok/s | target |"
+        " peers (tok/s) | bound tok/s | achieved/bound | binds | H2D GB/step | wasted |"
+        " tier-0 hit | overlap | stalls/step | p50 ms | p99 ms |",
+        "|" + "---|" * 20,
     ]
     for row in rows:
         s, b = row["stats"], bound(row, bw)
@@ -96,7 +96,7 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         wasted = s["wasted_bytes"] / moved if moved else 0.0
         verdict = "met" if tok >= target else f"missed ({binding(tok, b)} binds)"
         lines.append(
-            f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | "
+            f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | {row['policy']} | "
             f"{row.get('dequant', 'device')} | {row.get('staging', '-')} | {tok:.1f} | "
             f"≥{target:g} {verdict} | "
             f"{peers} | {b['bound_tok_s']:.1f} | {tok / b['bound_tok_s']:.2f} | "

@@ -12,7 +12,7 @@ KINDS=${KINDS:-"bf16 int4"}
 SKEW_KINDS=${SKEW_KINDS:-$KINDS}  # int4 fits the budget whole: its skew rows can be skipped
 # 80/20 is not reachable with 8 experts top-2 (top 20 % = 1.6 experts); 0.75 is near the cap
 SKEW=${SKEW:-0.75}
-STAGINGS=${STAGINGS:-"0 2"}
+STAGINGS=${STAGINGS:-"0 2 2/static"}
 bench() {  # ckpt label batch [extra args]
   echo "== $2 B=$3 ${4:-} (t=$SECONDS s)"
   timeout 200 python3 -m benchmarks.offload_decode --ckpt "$1" --label "$2" --batch "$3" ${4:-} \
@@ -34,14 +34,16 @@ for routing in $ROUTINGS; do
         --dense int8 2>&1 | tail -1
       echo "quantize $((SECONDS - t0)) s"
     fi
-    bench "$ck" "$kind-$routing" 1
-    # B=16 bf16 is PCIe-bound: fewer staging slots leave HBM to pinned experts (0 = default)
+    [[ ${B1:-1} == 1 ]] && bench "$ck" "$kind-$routing" 1
+    # B=16 bf16 is PCIe-bound: fewer staging slots leave HBM to pinned experts. Entries are
+    # STAGING[/POLICY]; staging 0 = the default (what one layer can need)
     for s in $([[ $kind == bf16 ]] && echo "$STAGINGS" || echo 0); do
-      bench "$ck" "$kind-$routing" 16 "$([[ $s == 0 ]] || echo "--staging $s")"
+      n=${s%%/*}; policy=$([[ $s == */* ]] && echo "--policy ${s#*/}")
+      bench "$ck" "$kind-$routing" 16 "$([[ $n == 0 ]] || echo "--staging $n") $policy"
     done
   done
 done
-# ablations: no prediction (misses copied when the routing is known); int4 dequantized on the
+# ablations (ABLATIONS=none for none): no prediction (misses copied when the routing is known); int4 dequantized on the
 # host (the write-up's path: bf16 slots, so the model no longer fits and experts move as bf16)
 for a in ${ABLATIONS:-predictor-none host-dequant}; do
   case $a in
