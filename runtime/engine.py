@@ -179,7 +179,9 @@ class Engine:
         self.tokens_out = 0
         self.params = api.read_dense_params(reader)
         self.staged = self.stalls = self.extra_passes = 0
-        self._flying = self.max_in_flight = 0  # copies started and not yet installed / dropped
+        # copies started whose device buffers may still be live: until the device is known to
+        # have finished installing (or dropping) them, i.e. until the next sync
+        self._flying = self.max_in_flight = self._unsettled = 0
         self.predictor_stats = PredictorStats()
         self._history: dict[int, set[int]] = {}
         self._inflight: dict[int, dict[int, Transfer]] = {}
@@ -206,7 +208,7 @@ class Engine:
 
     def _start(self, layer: int, expert: int) -> Transfer:
         """Begin moving an expert to the device: pinned tier-1 copies are issued right here.
-        Every transfer ends in `_landed` (installed or dropped)."""
+        Every transfer ends in `_landed` (installed or dropped), then `_settle`."""
         self._flying += 1
         self.max_in_flight = max(self.max_in_flight, self._flying)
         if self.store.pinned and self.store.tier_of(layer, expert) == 1:
@@ -214,7 +216,13 @@ class Engine:
         return self.transfers.start(layer, expert, None)
 
     def _landed(self, count: int = 1) -> None:
-        self._flying -= count
+        """Copies installed or dropped: queued on the device, their buffers live until it ran."""
+        self._unsettled += count
+
+    def _settle(self) -> None:
+        """The host just synced with the device: every landed copy's buffer is free."""
+        self._flying -= self._unsettled
+        self._unsettled = 0
 
     def _tier_sizes(self, reader: CheckpointReader) -> tuple[int, int, int]:
         """(tier-0, tier-1, staging) expert counts: from the ledger, unless overridden."""
@@ -345,6 +353,7 @@ class Engine:
         if self.config.predictor in ("next-gate", "both") and layer + 1 < cfg.num_layers:
             gate = _route(cfg, self.params["layers"][layer + 1], x)
         experts = np.asarray(ids)
+        self._settle()
         token_rows = self._token_rows(experts)
         needed = set(np.unique(experts[self._live[token_rows]]).tolist())
         missing = sorted(e for e in needed if self.pool.slot_of(layer, e) is None)
@@ -365,12 +374,18 @@ class Engine:
         order = [e for e in missing if e in inflight] + [e for e in missing if e not in inflight]
         chunks = [order[i : i + size] for i in range(0, len(order), size)] or [[]]
         self.stalls += sum(e not in inflight for e in missing)
-        wasted = [t for e, t in inflight.items() if e not in missing]
-        for t in wasted:
-            self.transfers.wasted(t)
-        self._landed(len(wasted))
+        self._drop([t for e, t in inflight.items() if e not in missing])
         transfers = {e: inflight.get(e) or self._start(layer, e) for e in chunks[0]}
         return chunks, transfers
+
+    def _drop(self, wasted: list[Transfer]) -> None:
+        """Mispredicted copies: counted as wasted, and waited for so their buffers are free
+        before new copies start (the copy engine runs them first anyway)."""
+        for t in wasted:
+            self.transfers.wasted(t)
+            if t.future.exception() is None:
+                jax.block_until_ready(t.result())
+        self._flying -= len(wasted)
 
     def _moe_resident(self, layer, lp, x, decode: bool):
         """Every expert has a slot: no routing sync, nothing to move; the routing is read after
@@ -443,6 +458,7 @@ class Engine:
         for i, chunk in enumerate(chunks):
             if i:
                 jax.block_until_ready(self.pool.arrays)  # the last pass's copies are freed
+                self._settle()
                 transfers.update((e, self._start(layer, e)) for e in chunk)
             row = self._install(layer, chunk, transfers, users)
             if i == len(chunks) - 1:
@@ -474,6 +490,11 @@ class Engine:
             self.pool.admit_from(layer, e, int(row[e]))
             self.cache.add((layer, e))
 
+    def _rebalance_due(self) -> bool:
+        """Whether this step ends with a re-ranking of the pinned set."""
+        every = self.config.rebalance_every
+        return bool(every) and (self.steps + 1) % every == 0
+
     def _end_step(self) -> None:
         """Advance the heat estimate; every `rebalance_every` steps re-rank the pinned set."""
         self.heat.end_step()
@@ -485,6 +506,7 @@ class Engine:
                                                  self.config.hysteresis)):
             if i and i % max(self.staging, 1) == 0:  # at most `staging` copies in flight
                 jax.block_until_ready(self.pool.arrays)
+                self._settle()
             self.pool.evict(*out)
             self.pinned.discard(out)
             if new in self.cache:  # already in HBM: promote the cached copy
@@ -502,7 +524,10 @@ class Engine:
         are installed and before its experts are dispatched (copy-before-compute)."""
         kind = self.config.predictor
         budget = self.staging - self._flying
-        layer %= self.cfg.num_layers  # after the last layer: the next step's first (history)
+        if layer == self.cfg.num_layers:  # after the last layer: the next step's first
+            layer = 0
+            if self._rebalance_due():  # its copies take the staging budget at the step's end
+                return
         if kind == "none" or budget <= 0 or layer in self._inflight:
             return
         predicted: set[int] = set()
@@ -534,6 +559,7 @@ class Engine:
         `ks`, `vs` (per-layer caches) are updated in place."""
         t0 = time.perf_counter()
         logits = np.asarray(self._decode(np.asarray(tokens), np.asarray(positions), ks, vs))
+        self._settle()
         self.step_times.append(time.perf_counter() - t0)
         self._observe_deferred()
         self.tokens_out += int(self._live.sum())
