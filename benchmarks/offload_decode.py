@@ -8,6 +8,7 @@ One row per call (`--ckpt --label --batch`), appended to offload_decode.json und
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from benchmarks.common import hbm_bandwidth, machine, pinned_bandwidth
 from strata_jax.checkpoint import CheckpointReader
-from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.engine import Engine, EngineConfig, plan_for
 from strata_runtime.ledger import ModelBytes
 from strata_runtime.scheduler import Scheduler
 
@@ -33,7 +34,9 @@ def run_row(args) -> dict:
     config = EngineConfig(hbm_budget=args.hbm, batch_capacity=args.batch, max_len=128,
                           predictor=args.predictor, policy=args.policy,
                           rebalance_every=args.rebalance_every, dequant=args.dequant,
-                          staging_slots=args.staging, timeline=True)
+                          staging_slots=args.staging)
+    # the timeline's watcher threads cost a resident engine host time and have nothing to show
+    config = dataclasses.replace(config, timeline=not plan_for(reader, config).resident)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, reader.config.vocab_size, (args.batch, 16)).tolist()
     with Engine(reader, config) as engine:
@@ -73,6 +76,11 @@ def binding(tok: float, b: dict) -> str:
     return b["binds"] if tok >= 0.5 * b["bound_tok_s"] else "host dispatch"
 
 
+def _fmt(value: float | None) -> str:
+    """Overlap fraction: '-' when no timeline was recorded (resident: nothing to overlap)."""
+    return "-" if value is None else f"{value:.2f}"
+
+
 def render(rows: list[dict], bw: dict, env: dict) -> str:
     lines = [
         f"# Offloaded decode, synthetic Mixtral-8x7B shape, 8 layers ({env['device']}, "
@@ -102,7 +110,7 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
             f"{peers} | {b['bound_tok_s']:.1f} | {tok / b['bound_tok_s']:.2f} | "
             f"{binding(tok, b)} | "
             f"{b['h2d_GB']:.2f} | {wasted:.0%} | {s['tier0_hit_rate']:.2f} | "
-            f"{s['overlap_fraction']:.2f} | {s['stalls'] / row['steps']:.1f} | "
+            f"{_fmt(s['overlap_fraction'])} | {s['stalls'] / row['steps']:.1f} | "
             f"{s['step_ms_p50']:.1f} | {s['step_ms_p99']:.1f} |"
         )
     return "\n".join(lines) + "\n"

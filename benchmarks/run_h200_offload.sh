@@ -34,7 +34,7 @@ for routing in $ROUTINGS; do
         --dense int8 2>&1 | tail -1
       echo "quantize $((SECONDS - t0)) s"
     fi
-    [[ ${B1:-1} == 1 ]] && bench "$ck" "$kind-$routing" 1
+    [[ " ${B1_KINDS-$KINDS} " == *" $kind "* ]] && bench "$ck" "$kind-$routing" 1
     # B=16 bf16 is PCIe-bound: fewer staging slots leave HBM to pinned experts. Entries are
     # STAGING[/POLICY]; staging 0 = the default (what one layer can need)
     for s in $([[ $kind == bf16 ]] && echo "$STAGINGS" || echo 0); do

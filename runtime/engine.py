@@ -8,6 +8,7 @@ experts are operands, so an offloaded run is bit-identical to an unlimited one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -25,7 +26,7 @@ from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy,
 from strata_runtime.expert_store import ExpertStore, StoreStats
 from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.host_dequant import HostDequantizer
-from strata_runtime.ledger import ModelBytes, plan_ledger
+from strata_runtime.ledger import Ledger, ModelBytes, parse_bytes, plan_ledger
 from strata_runtime.numa import gpu_pci_bus_id, plan_binding
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
@@ -77,13 +78,36 @@ def placement(cfg: ModelConfig, pinned: int, host: int,
 DEQUANT = ("device", "host")
 
 
-def _host_dequantizer(kind: str, reader: CheckpointReader) -> HostDequantizer | None:
-    """A host dequantizer when int4 experts are to be expanded to bf16 before the copy."""
+def _dequantizes_on_host(kind: str, reader: CheckpointReader) -> bool:
+    """Whether int4 experts are expanded to bf16 on the host before the copy."""
     if kind not in DEQUANT:
         raise ValueError(f"dequant must be one of {DEQUANT}, got {kind!r}")
-    if kind == "device" or reader.quantization["experts"] == "none":
-        return None
-    return HostDequantizer(cache_bytes=0)
+    return kind == "host" and reader.quantization["experts"] != "none"
+
+
+def slot_specs(reader: CheckpointReader, dequant: str) -> dict:
+    """What one expert slot holds: the stored arrays, or bf16 matrices when dequantized on the
+    host (so is the HBM side of the ledger sized)."""
+    if _dequantizes_on_host(dequant, reader):
+        return expert_arrays(reader.config.replace(dtype="bfloat16"))
+    return reader.expert_specs
+
+
+def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
+    """The ledger of `config` (which needs an `hbm_budget`) on `reader`'s checkpoint."""
+    model = ModelBytes.from_specs(reader.config, slot_specs(reader, config.dequant),
+                                  reader.dense_specs)
+    ledger = plan_ledger(
+        model, config.hbm_budget, config.host_budget,
+        batch_capacity=config.batch_capacity, max_len=config.max_len,
+        staging_slots=config.staging_slots, workspace_floor=config.workspace_floor,
+        min_pool_slots=1,
+    )
+    if config.host_budget is None or model == ModelBytes.from_reader(reader):
+        return ledger
+    stored = ModelBytes.from_reader(reader).bytes_per_expert  # the host keeps packed experts
+    host = min(parse_bytes(config.host_budget) // stored, ledger.num_experts)
+    return dataclasses.replace(ledger, host_slots=host)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(4, 5))
@@ -151,7 +175,8 @@ class Engine:
         self.device = jax.devices()[0]
         self.timeline = Timeline(config.timeline)
         self.numa = plan_binding(gpu_pci_bus_id(self.device))
-        self._dequant = _host_dequantizer(config.dequant, reader)
+        host_dq = _dequantizes_on_host(config.dequant, reader)
+        self._dequant = HostDequantizer(cache_bytes=0) if host_dq else None
         self.transfers = TransferEngine(self._host_fetch, self.device, config.fetch_threads,
                                         self.numa, self.timeline)
         resident, host, staging = self._tier_sizes(reader)
@@ -163,11 +188,8 @@ class Engine:
         # pinned host memory is allocated from the (NUMA-bound) fetch threads
         self.store = ExpertStore(reader, tier1, self.device, pinned=self._dequant is None,
                                  loader=self.transfers.executor)
-        specs = reader.expert_specs
-        if self._dequant is not None:  # slots hold what the host produces: bf16 matrices
-            specs = expert_arrays(cfg.replace(dtype="bfloat16"))
         self.staging = staging
-        self.pool = SlotPool(specs, cfg.num_layers, cfg.num_experts,
+        self.pool = SlotPool(slot_specs(reader, config.dequant), cfg.num_layers, cfg.num_experts,
                              permanent=max(resident, 1), staging=max(staging, 1),
                              device=self.device)
         self._place(tier0)
@@ -232,12 +254,7 @@ class Engine:
         staging = config.staging_slots or min(cfg.num_experts,
                                               config.batch_capacity * cfg.top_k)
         if config.hbm_budget is not None:
-            self.ledger = plan_ledger(
-                ModelBytes.from_reader(reader), config.hbm_budget, config.host_budget,
-                batch_capacity=config.batch_capacity, max_len=config.max_len,
-                staging_slots=config.staging_slots, workspace_floor=config.workspace_floor,
-                min_pool_slots=1,
-            )
+            self.ledger = plan_for(reader, config)
             resident, host = self.ledger.tier0, self.ledger.host_slots
             staging = self.ledger.staging_slots or staging
         if config.resident_experts is not None:
@@ -401,8 +418,8 @@ class Engine:
         return self._moe_passes(layer, lp, x, [[]], {}, {})
 
     def _observe_deferred(self) -> None:
-        for layer, ids in self._deferred:
-            experts = np.asarray(ids)
+        routes = jax.device_get([ids for _, ids in self._deferred])  # one transfer
+        for (layer, _), experts in zip(self._deferred, routes, strict=True):
             live = experts[self._live[self._token_rows(experts)]]
             self._observe(layer, live, set(np.unique(live).tolist()), [])
         self._deferred = []
@@ -566,9 +583,11 @@ class Engine:
         self._end_step()
         return logits
 
-    def _decode(self, tokens: jax.Array, positions: jax.Array, ks: list, vs: list):
+    def _decode(self, tokens: np.ndarray, positions: np.ndarray, ks: list, vs: list):
         self._prefetch(0, None)  # layer 0: only the last step's experts known
-        x = _embed(self.params["embed"], tokens[:, None])
+        # one host->device copy each per step, not one per layer program
+        tokens, positions = jax.device_put((tokens[:, None], positions), self.device)
+        x = _embed(self.params["embed"], tokens)
         for layer, lp in enumerate(self.params["layers"]):
             x, ks[layer], vs[layer] = _attn_decode(self.cfg, lp, x, positions, ks[layer],
                                                    vs[layer])

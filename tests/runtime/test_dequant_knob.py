@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
+from strata_jax.checkpoint import CheckpointReader
 from strata_jax.quantize import quantize_checkpoint
-from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.engine import Engine, EngineConfig, plan_for
+from strata_runtime.ledger import ModelBytes
 from tests.helpers import tiny_config, write_checkpoint
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
@@ -41,3 +43,25 @@ def test_dequant_settings_are_exact_across_budgets(quantized, dequant):
 def test_unknown_dequant_is_refused(quantized):
     with pytest.raises(ValueError, match="dequant must be one of"):
         Engine.from_checkpoint(quantized, EngineConfig(dequant="gpu"))
+
+
+def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
+    """Slots of a host-dequantizing engine hold bf16 experts: a budget that holds every packed
+    expert is then too small to be resident, and the host keeps the packed bytes."""
+    reader = CheckpointReader(quantized)
+    bf16 = 3 * 128 * 128 * 2
+    packed = ModelBytes.from_reader(reader).bytes_per_expert
+    device = plan_for(reader, EngineConfig(hbm_budget="1GiB", dequant="device",
+                                           workspace_floor=0, max_len=24, batch_capacity=2))
+    # every packed expert, or 2 staging + 2 pool slots of bf16 experts; + the 5 % workspace
+    budget = device.dense + device.kv_cache + max(device.num_experts * packed, 4 * bf16)
+    budget += budget // 10
+    knobs = dict(hbm_budget=budget, host_budget=packed * 5, workspace_floor=0, max_len=24,
+                 batch_capacity=2, staging_slots=1)
+    assert plan_for(reader, EngineConfig(dequant="device", **knobs)).resident
+    host = plan_for(reader, EngineConfig(dequant="host", **knobs))
+    assert host.bytes_per_expert == bf16 > packed and not host.resident
+    assert host.host_slots == 5
+    with Engine(reader, EngineConfig(dequant="host", **knobs)) as engine:
+        assert engine.pool.nbytes == engine.pool.num_slots * bf16
+        assert engine.staging > 0
