@@ -383,17 +383,30 @@ class Engine:
         return self._moe_passes(layer, lp, x, chunks, transfers, users, gate)
 
     def _first_copies(self, layer: int, missing: list[int]):
-        """Split the misses into passes of at most `staging` experts (prefetched ones first)
-        and start the first pass's copies: returns (passes, transfers)."""
+        """Split the misses into passes (prefetched experts first) and start the first pass's
+        copies: returns (passes, transfers). Misses that fit the staging slots make one pass;
+        more make passes of half the slots, so one pass's copies can be in flight while the
+        previous one installs and computes (`_moe_passes`)."""
         inflight = self._inflight.pop(layer, {})
         self.predictor_stats.record(layer, set(inflight), set(missing))
-        size = max(self.staging, 1)
+        staging = max(self.staging, 1)
+        size = staging if len(missing) <= staging else max(1, staging // 2)
         order = [e for e in missing if e in inflight] + [e for e in missing if e not in inflight]
         chunks = [order[i : i + size] for i in range(0, len(order), size)] or [[]]
         self.stalls += sum(e not in inflight for e in missing)
         self._drop([t for e, t in inflight.items() if e not in missing])
-        transfers = {e: inflight.get(e) or self._start(layer, e) for e in chunks[0]}
+        transfers = {e: t for e, t in inflight.items() if e in missing}
+        self._start_pass(layer, chunks[0], transfers)
         return chunks, transfers
+
+    def _start_pass(self, layer: int, chunk: list[int], transfers: dict[int, Transfer],
+                    wait: bool = False) -> None:
+        """Start the copies of `chunk` not started yet; with `wait`, only if they fit the
+        in-flight bound (else they start once the pass before them has run)."""
+        new = [e for e in chunk if e not in transfers]
+        if wait and self._flying + len(new) > max(self.staging, 1):
+            return
+        transfers.update((e, self._start(layer, e)) for e in new)
 
     def _drop(self, wasted: list[Transfer]) -> None:
         """Mispredicted copies: counted as wasted, and waited for so their buffers are free
@@ -436,10 +449,12 @@ class Engine:
         self._history[layer] = needed
 
     def _install(self, layer: int, chunk: list[int], transfers: dict[int, Transfer],
-                 users: dict[int, np.ndarray]) -> np.ndarray:
-        """Install `chunk`'s copies into the staging slots; the layer's slot row [E]."""
+                 users: dict[int, np.ndarray], half: int = 0) -> np.ndarray:
+        """Install `chunk`'s copies into the staging slots (from half `half` of the region on,
+        so consecutive passes alternate); the layer's slot row [E]."""
         row = np.zeros(self.cfg.num_experts, np.int32)
-        for e, slot in zip(chunk, self.pool.staging_slots(), strict=False):
+        slots = self.pool.staging_slots()[half * (self.staging // 2):]
+        for e, slot in zip(chunk, slots, strict=False):
             try:
                 self.pool.install(slot, transfers[e].result())
                 row[e] = slot
@@ -464,20 +479,23 @@ class Engine:
         return out
 
     def _moe_passes(self, layer, lp, x, chunks, transfers, users, gate=None):
-        """Prefill (or more misses than staging slots): the experts in passes of at most
-        `staging` fetched experts each, merged exactly; every budget runs this same code.
-        Copies for a pass start once the previous pass's copies are installed; the next
-        layer's prefetch starts once the last pass's are."""
+        """Prefill (or more misses than staging slots): the experts in passes, merged exactly;
+        every budget runs this same code. Passes alternate between the two halves of the
+        staging region: once pass i-1 has run (its copies are installed and their buffers
+        free), pass i+1's copies start, so the link stays busy while pass i installs and
+        computes; after the last pass the next layer's prefetch starts."""
         cfg = self.cfg
         self.extra_passes += len(chunks) - 1
         n = x.shape[0] * x.shape[1]
         picks = jnp.zeros((n, cfg.top_k, cfg.hidden_size), jnp.float32)
         for i, chunk in enumerate(chunks):
             if i:
-                jax.block_until_ready(self.pool.arrays)  # the last pass's copies are freed
+                jax.block_until_ready(picks)  # pass i-1 ran: its copies were installed
                 self._settle()
-                transfers.update((e, self._start(layer, e)) for e in chunk)
-            row = self._install(layer, chunk, transfers, users)
+                self._start_pass(layer, chunk, transfers)
+            if i + 1 < len(chunks):
+                self._start_pass(layer, chunks[i + 1], transfers, wait=True)
+            row = self._install(layer, chunk, transfers, users, half=i % 2)
             if i == len(chunks) - 1:
                 self._prefetch(layer + 1, gate)
             take = np.zeros(cfg.num_experts, bool)

@@ -194,7 +194,9 @@ def grouped_swiglu_xla(x, slots, pool: ExpertPool):
 
 
 TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
-TILES_INT4 = Tiles()
+# int4: the best of the sweep in benchmarks/results/int4_experts.md (Mixtral experts, 64 rows)
+TILES_INT4 = Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False,
+                   magic=True)
 
 
 def tiles_for(d: int, f: int, base: Tiles | None = None, quantized: bool = False) -> Tiles | None:

@@ -47,16 +47,16 @@ def route(
 
 
 def active_experts(
-    experts: jax.Array, num_experts: int, capacity: int
+    experts: jax.Array, num_experts: int, capacity: int, take: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """The distinct experts named in `experts`, in id order, padded to `capacity`.
+    """The distinct experts named in `experts` (those marked in `take` [E], if given), in id
+    order, padded to `capacity`.
 
     Returns (ids [C], valid [C]); padding entries name absent experts and are marked invalid.
     """
-    if experts.shape[0] == 1 and capacity == experts.shape[1]:
-        # one token's top-k ids are already distinct: skip the scatter + sort (decode at B=1)
-        return experts[0].astype(jnp.int32), jnp.ones((capacity,), jnp.bool_)
     present = jnp.zeros((num_experts,), jnp.bool_).at[experts.reshape(-1)].set(True)
+    if take is not None:
+        present = present & take
     order = jnp.argsort(~present, stable=True)[:capacity].astype(jnp.int32)
     return order, present[order]
 
@@ -74,20 +74,13 @@ def apply_experts(
 ) -> jax.Array:
     """Weighted sum of the selected experts' SwiGLU outputs, reading each active expert once.
 
-    x [N, D]; slot_of_expert [E] int32 maps this layer's expert ids to pool slots.
+    x [N, D]; slot_of_expert [E] int32 maps this layer's expert ids to pool slots. The same
+    arithmetic as `routed_outputs` + `combine_routed` in one pass, so a layer computed in
+    several passes (the offload runtime's staging) gives the same bits.
     """
-    n = x.shape[0]
-    num_experts = slot_of_expert.shape[0]
-    top_k = routing.experts.shape[-1]
-    ids, valid = active_experts(
-        routing.experts, num_experts, expert_capacity(n, top_k, num_experts)
-    )
-    partial = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool)
-    hit = (routing.experts[:, :, None] == ids[None, None, :]) & valid[None, None, :]
-    coef = jnp.sum(jnp.where(hit, routing.weights[:, :, None].astype(jnp.float32), 0), axis=1)
-    # multiply + reduce (not a dot) so XLA fuses the split-K sum and the combine into one pass
-    weighted = partial * coef.T[:, None, :, None]
-    return jnp.sum(weighted, axis=(0, 1)).astype(x.dtype)
+    take = jnp.ones(slot_of_expert.shape, jnp.bool_)
+    picks = routed_outputs(x, routing, pool, slot_of_expert, take)
+    return combine_routed(routing, picks).astype(x.dtype)
 
 
 def routed_outputs(
@@ -106,9 +99,7 @@ def routed_outputs(
     """
     n, num_experts = x.shape[0], slot_of_expert.shape[0]
     capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
-    present = jnp.zeros((num_experts,), jnp.bool_).at[routing.experts.reshape(-1)].set(True)
-    present = present & take
-    ids = jnp.argsort(~present, stable=True)[:capacity].astype(jnp.int32)
+    ids, _ = active_experts(routing.experts, num_experts, capacity, take)
     per_expert = jnp.sum(expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool), axis=1)
     position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
     picked = per_expert[position, jnp.arange(n)[:, None]]

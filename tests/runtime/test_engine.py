@@ -51,6 +51,21 @@ def test_budgets_are_bit_identical_to_unlimited(ckpt, predictor, policy):
             assert max(recall) > 0  # some misses were prefetched instead of stalling
 
 
+@pytest.mark.parametrize("staging", [1, 2, 3])
+def test_staging_slots_keep_bits_and_the_in_flight_bound(ckpt, staging):
+    """Fewer staging slots than a layer needs: passes over alternating halves of the staging
+    region, next pass's copies in flight while one computes, at most `staging` in flight."""
+    ref_tokens, ref_logits, _ = _run(ckpt, None)
+    engine = Engine.from_checkpoint(ckpt, EngineConfig(
+        resident_experts=3, host_experts=4, batch_capacity=4, max_len=32, predictor="both",
+        policy="static", staging_slots=staging))
+    tokens, logits = engine.generate_with_logits(PROMPTS, 6)
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(logits, ref_logits)
+    assert engine.staging == staging and engine.extra_passes > 0
+    assert 0 < engine.max_in_flight <= staging
+
+
 def test_engine_matches_resident_generate(ckpt):
     tokens, _, _ = _run(ckpt, 3)
     assert tokens == strata_jax.generate(strata_jax.load(ckpt), PROMPTS, 6)
