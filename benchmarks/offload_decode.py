@@ -58,7 +58,9 @@ def run_row(args) -> dict:
 
 
 def bound(row: dict, bw: dict) -> dict:
-    """Per-step bytes counted by the engine -> the time they need at measured bandwidths."""
+    """Per-step bytes counted by the engine -> the time they need at the bandwidths measured in
+    the row's own run (`bw` for rows without one)."""
+    bw = row.get("bandwidth") or bw
     s, steps, bpe = row["stats"], row["steps"], row["bytes_per_expert"]
     h2d = sum(s["h2d_bytes"].values()) / steps
     needed = s["tier0_needed_experts"] / steps
@@ -67,13 +69,20 @@ def bound(row: dict, bw: dict) -> dict:
     t_pcie, t_hbm = h2d / (bw["pinned"] * 1e9), hbm / (bw["hbm_read"] * 1e9)
     t = max(t_pcie, t_hbm)
     return {"h2d_GB": h2d / 1e9, "hbm_GB": hbm / 1e9, "bound_tok_s": row["batch"] / t,
+            "dequant": row.get("dequant", "device"),
             "binds": "PCIe" if t_pcie >= t_hbm else "HBM"}
 
 
-def binding(tok: float, b: dict) -> str:
-    """The resource that limits a row: the bound's, unless the row is far below its bound
-    (then the host's per-layer dispatch and routing reads are what is left)."""
-    return b["binds"] if tok >= 0.5 * b["bound_tok_s"] else "host dispatch"
+def binding(tok: float, b: dict, stalls: float = 0.0) -> str:
+    """The resource that limits a row: the bound's; below 0.8 of it with misses that waited
+    for their copies, that copy latency; far below it (< 0.5), the host: its per-layer dispatch
+    (or its dequantization with dequant=host)."""
+    ratio = tok / b["bound_tok_s"]
+    if ratio >= 0.8 or (ratio >= 0.5 and not stalls):
+        return b["binds"]
+    if ratio >= 0.5:
+        return f"{b['binds']} latency ({stalls:.1f} misses/step wait for their copy)"
+    return "host dequant" if b.get("dequant") == "host" else "host dispatch"
 
 
 def _fmt(value: float | None) -> str:
@@ -81,19 +90,22 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def render(rows: list[dict], bw: dict, env: dict) -> str:
+def render(rows: list[dict], bw: dict, env: dict, runs: dict | None = None) -> str:
+    """The table; `runs` names the device runs (commit, what changed) that rows came from."""
     lines = [
         f"# Offloaded decode, synthetic Mixtral-8x7B shape, 8 layers ({env['device']}, "
         f"JAX {env['jax']}, {env['date']})",
         "",
         f"Measured: pinned host->device {bw['pinned']:.1f} GB/s (expert-sized copies), HBM read "
         f"{bw['hbm_read']:.0f} GB/s. Bound = B / max(H2D bytes / pinned BW, HBM bytes / HBM BW) "
-        "from the bytes the engine counted per step.",
+        "from the bytes the engine counted per step, at the bandwidths measured in the row's run.",
         "",
-        "| experts | routing | B | predictor | policy | dequant | staging | tok/s | target |"
+        *[f"- run {k}: {v}" for k, v in (runs or {}).items()],
+        "",
+        "| run | experts | routing | B | predictor | policy | dequant | staging | tok/s | target |"
         " peers (tok/s) | bound tok/s | achieved/bound | binds | H2D GB/step | wasted |"
         " tier-0 hit | overlap | stalls/step | p50 ms | p99 ms |",
-        "|" + "---|" * 20,
+        "|" + "---|" * 21,
     ]
     for row in rows:
         s, b = row["stats"], bound(row, bw)
@@ -102,13 +114,15 @@ def render(rows: list[dict], bw: dict, env: dict) -> str:
         tok = s["decode_tok_s"]
         moved = sum(s["h2d_bytes"].values())
         wasted = s["wasted_bytes"] / moved if moved else 0.0
-        verdict = "met" if tok >= target else f"missed ({binding(tok, b)} binds)"
+        stalls = s["stalls"] / row["steps"]
+        verdict = "met" if tok >= target else f"missed ({binding(tok, b, stalls)} binds)"
         lines.append(
-            f"| {quant} | {routing} | {row['batch']} | {row['predictor']} | {row['policy']} | "
+            f"| {row.get('run', '')} | {quant} | {routing} | {row['batch']} | "
+            f"{row['predictor']} | {row['policy']} | "
             f"{row.get('dequant', 'device')} | {row.get('staging', '-')} | {tok:.1f} | "
             f"≥{target:g} {verdict} | "
             f"{peers} | {b['bound_tok_s']:.1f} | {tok / b['bound_tok_s']:.2f} | "
-            f"{binding(tok, b)} | "
+            f"{binding(tok, b, stalls)} | "
             f"{b['h2d_GB']:.2f} | {wasted:.0%} | {s['tier0_hit_rate']:.2f} | "
             f"{_fmt(s['overlap_fraction'])} | {s['stalls'] / row['steps']:.1f} | "
             f"{s['step_ms_p50']:.1f} | {s['step_ms_p99']:.1f} |"
@@ -180,11 +194,12 @@ def main() -> None:
         print(doc["bandwidth"])
     elif args.report:
         (out / "offload_decode.md").write_text(render(doc["rows"], doc["bandwidth"],
-                                                      doc["machine"]))
+                                                      doc["machine"], doc.get("runs")))
         plot(doc["rows"], doc["bandwidth"], out / "offload_decode.png")
         print((out / "offload_decode.md").read_text())
     else:
         row = run_row(args)
+        row["bandwidth"] = doc.get("bandwidth")
         doc["rows"].append(row)
         print(json.dumps({k: v for k, v in row["stats"].items() if k != "prediction"}))
     results.write_text(json.dumps(doc, indent=1, default=str))
