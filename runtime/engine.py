@@ -103,9 +103,9 @@ def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
         staging_slots=config.staging_slots, workspace_floor=config.workspace_floor,
         min_pool_slots=1,
     )
-    if config.host_budget is None or model == ModelBytes.from_reader(reader):
+    stored = ModelBytes.from_reader(reader).bytes_per_expert  # what host memory keeps
+    if config.host_budget is None or stored == model.bytes_per_expert:
         return ledger
-    stored = ModelBytes.from_reader(reader).bytes_per_expert  # the host keeps packed experts
     host = min(parse_bytes(config.host_budget) // stored, ledger.num_experts)
     return dataclasses.replace(ledger, host_slots=host)
 
