@@ -26,7 +26,13 @@ from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy,
 from strata_runtime.expert_store import ExpertStore, StoreStats
 from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.host_dequant import HostDequantizer
-from strata_runtime.ledger import Ledger, ModelBytes, parse_bytes, plan_ledger
+from strata_runtime.ledger import (
+    Ledger,
+    ModelBytes,
+    default_staging_slots,
+    parse_bytes,
+    plan_ledger,
+)
 from strata_runtime.numa import gpu_pci_bus_id, plan_binding
 from strata_runtime.predictor import PredictorStats, check_predictor, combine
 from strata_runtime.slot_pool import SlotPool
@@ -60,9 +66,9 @@ class EngineConfig:
     resident_experts: int | None = None
     host_experts: int | None = None
     heat_file: str | None = None  # routing statistics (`Engine.save_heat`) ranking the tiers
-    # experts per staging buffer; None = what one layer can need in a decode step,
-    # min(experts, batch_capacity * top_k). Fewer frees HBM for pinned experts (a PCIe-bound
-    # step moves less) at the price of more expert passes per layer.
+    # experts per staging buffer; None = `ledger.default_staging_slots`: what one layer can
+    # need in a decode step, capped at two 256 MiB halves. Fewer frees HBM for pinned experts
+    # (a PCIe-bound step moves less) at the price of more expert passes per layer.
     staging_slots: int | None = None
 
 
@@ -93,10 +99,14 @@ def slot_specs(reader: CheckpointReader, dequant: str) -> dict:
     return reader.expert_specs
 
 
+def slot_bytes(reader: CheckpointReader, dequant: str) -> ModelBytes:
+    """The model's sizes with experts as the slots hold them (`slot_specs`)."""
+    return ModelBytes.from_specs(reader.config, slot_specs(reader, dequant), reader.dense_specs)
+
+
 def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
     """The ledger of `config` (which needs an `hbm_budget`) on `reader`'s checkpoint."""
-    model = ModelBytes.from_specs(reader.config, slot_specs(reader, config.dequant),
-                                  reader.dense_specs)
+    model = slot_bytes(reader, config.dequant)
     ledger = plan_ledger(
         model, config.hbm_budget, config.host_budget,
         batch_capacity=config.batch_capacity, max_len=config.max_len,
@@ -251,8 +261,8 @@ class Engine:
         cfg, config = self.cfg, self.config
         total = cfg.num_layers * cfg.num_experts
         resident, host = total, total  # no host budget: host memory is unlimited
-        staging = config.staging_slots or min(cfg.num_experts,
-                                              config.batch_capacity * cfg.top_k)
+        staging = config.staging_slots or default_staging_slots(
+            slot_bytes(reader, config.dequant), config.batch_capacity)
         if config.hbm_budget is not None:
             self.ledger = plan_for(reader, config)
             resident, host = self.ledger.tier0, self.ledger.host_slots

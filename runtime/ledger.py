@@ -41,6 +41,11 @@ DEFAULT_BATCH = 16
 # Activations, logits, compiler scratch and allocator slack: 5 % of the budget, at least 256 MiB.
 WORKSPACE_FRACTION = 0.05
 WORKSPACE_FLOOR = 256 * MiB
+# A pass's copies (half the staging slots) should take long enough on the link to hide the host
+# round trip between passes; larger staging only takes HBM from pinned experts. Measured on the
+# H200 (Mixtral-8x7B bf16 experts of 336 MiB, B=16, 8 GiB budget): 2 slots 50.2 tok/s, one
+# decode step's worth (8) 40.4 (benchmarks/README.md).
+STAGING_HALF_BYTES = 256 * MiB
 
 
 class BudgetError(ValueError):
@@ -244,6 +249,15 @@ class Ledger:
         return lines
 
 
+def default_staging_slots(model: ModelBytes, batch_capacity: int) -> int:
+    """Experts per staging buffer: what one layer can need in a decode step,
+    min(experts per layer, batch_capacity * top_k), but no more than two halves of
+    `STAGING_HALF_BYTES` each (at least 2, so passes can alternate)."""
+    step = min(model.experts_per_layer, batch_capacity * model.top_k)
+    halves = 2 * max(1, math.ceil(STAGING_HALF_BYTES / model.bytes_per_expert))
+    return min(step, halves)
+
+
 def workspace_bytes(
     hbm_budget: int, fraction: float = WORKSPACE_FRACTION, floor: int = WORKSPACE_FLOOR
 ) -> int:
@@ -294,8 +308,7 @@ def plan_ledger(
 ) -> Ledger:
     """Split `hbm_budget` among dense, KV cache, staging, workspace and the expert pool.
 
-    `staging_slots` defaults to the experts one layer can need in one decode step,
-    min(experts per layer, batch_capacity * top_k); `min_pool_slots` defaults to that too.
+    `staging_slots` defaults to `default_staging_slots`; `min_pool_slots` defaults to that too.
     `host_budget` None means unlimited pinned host memory. Raises `BudgetError` (with the
     rendered ledger and the shortfall: how much larger the budget must be, its workspace share
     included) when the minimum pool does not fit.
@@ -311,7 +324,7 @@ def plan_ledger(
     if fixed + model.expert_bytes <= hbm:
         slots, pool = 0, total
     else:
-        slots = staging_slots or min(model.experts_per_layer, batch_capacity * model.top_k)
+        slots = staging_slots or default_staging_slots(model, batch_capacity)
         pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), total)
     ledger = Ledger(
         hbm_budget=hbm,

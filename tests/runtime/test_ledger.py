@@ -7,9 +7,11 @@ from hypothesis import strategies as st
 
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.config import ModelConfig
+from strata_jax.synth import synth_config
 from strata_runtime.ledger import (
     BudgetError,
     ModelBytes,
+    default_staging_slots,
     parse_bytes,
     plan_ledger,
     resident_budget,
@@ -246,3 +248,18 @@ def test_components_never_exceed_the_budget(
     if not led.resident:
         assert led.free < mb.bytes_per_expert  # nothing left that would hold another slot
     assert led.resident == (led.resident_budget <= hbm)
+
+
+def test_default_staging_is_two_halves_of_a_quarter_gib_at_most():
+    """Big experts: staging shrinks to what keeps the link busy (2 Mixtral bf16 experts at
+    B=16, not the 8 a decode step can need); small experts: one decode step's worth."""
+    bf16 = ModelBytes.from_config(synth_config("mixtral-8x7b", 8, None, "bfloat16"))
+    assert default_staging_slots(bf16, 16) == 2 and default_staging_slots(bf16, 1) == 2
+    int4 = ModelBytes.from_config(synth_config("mixtral-8x7b", 8, None, "bfloat16"),
+                                  {"dense": "int8", "experts": "int4-g128"})
+    assert default_staging_slots(int4, 16) == 6  # 2 x ceil(256 MiB / 86.6 MiB)
+    qwen = synth_config("qwen3-30b-a3b", 4, None, "bfloat16")
+    assert default_staging_slots(ModelBytes.from_config(qwen), 16) == 58  # 2 x 29 of 9 MiB
+    qwen_int4 = ModelBytes.from_config(qwen, {"dense": "int8", "experts": "int4-g128"})
+    assert default_staging_slots(qwen_int4, 16) == 16 * 8  # a decode step's worth: 128
+    assert _plan(bf16, "8GiB", batch_capacity=16).staging_slots == 2
