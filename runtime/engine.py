@@ -62,6 +62,9 @@ class EngineConfig:
     heat_decay: float = 0.9
     timeline: bool = False  # record copy / compute spans for `Engine.export_timeline`
     dequant: str = "device"  # int4 experts: "device" (in the kernel) or "host" (bf16 slots)
+    # dequant="host": dequantized experts kept in pinned host memory (LRU, bytes) so a repeat
+    # miss is a plain copy; host RAM beyond `host_budget`, which holds the packed experts
+    host_dequant_cache: int | str = 0
     fetch_threads: int = 4  # host-side fetches (disk reads, verification, host dequant)
     resident_experts: int | None = None
     host_experts: int | None = None
@@ -185,8 +188,10 @@ class Engine:
         self.device = jax.devices()[0]
         self.timeline = Timeline(config.timeline)
         self.numa = plan_binding(gpu_pci_bus_id(self.device))
-        host_dq = _dequantizes_on_host(config.dequant, reader)
-        self._dequant = HostDequantizer(cache_bytes=0) if host_dq else None
+        self._dequant = None
+        if _dequantizes_on_host(config.dequant, reader):
+            self._dequant = HostDequantizer(cache_bytes=parse_bytes(config.host_dequant_cache),
+                                            pin=self.device)
         self.transfers = TransferEngine(self._host_fetch, self.device, config.fetch_threads,
                                         self.numa, self.timeline)
         resident, host, staging = self._tier_sizes(reader)
@@ -294,6 +299,8 @@ class Engine:
             "h2d_bytes": dict(t.bytes),
             "wasted_copies": t.wasted_copies,
             "wasted_bytes": t.wasted_bytes,
+            "host_dequant_cache": None if self._dequant is None else {
+                "hits": self._dequant.hits, "misses": self._dequant.misses},
             "numa": self.numa.reason,
         }
 
@@ -311,6 +318,8 @@ class Engine:
         self.predictor_stats = PredictorStats()
         self.store.stats = StoreStats()
         self.transfers.stats = TransferStats()
+        if self._dequant is not None:
+            self._dequant.hits = self._dequant.misses = 0
         self.timeline.clear()
 
     def _latency(self) -> dict[str, float]:

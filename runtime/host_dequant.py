@@ -33,29 +33,40 @@ def _dequantize_bf16(packed, scales):
 class HostDequantizer:
     """Dequantizes packed int4 matrices on the host CPU, with an LRU cache bounded in bytes."""
 
-    def __init__(self, threads: int | None = None, cache_bytes: int = 0) -> None:
+    def __init__(self, threads: int | None = None, cache_bytes: int = 0,
+                 pin: jax.Device | None = None) -> None:
+        """`pin`: place results in that device's pinned host memory (a copy from there runs at
+        full PCIe rate), else return numpy arrays."""
         self.threads = threads or min(16, os.cpu_count() or 1)
+        self._pinned = None
+        if pin is not None:
+            self._pinned = jax.sharding.SingleDeviceSharding(pin, memory_kind="pinned_host")
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="strata-dequant")
-        self._cache: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[Hashable, np.ndarray | jax.Array] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._cached = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def dequantize(self, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        """packed uint8 [K/2, N] + bf16 scales [K/128, N] -> bfloat16 [K, N] (numpy)."""
+    def dequantize(self, packed: np.ndarray, scales: np.ndarray) -> np.ndarray | jax.Array:
+        """packed uint8 [K/2, N] + bf16 scales [K/128, N] -> bfloat16 [K, N] (numpy, or a jax
+        array in pinned host memory with `pin`)."""
         k, n = packed.shape[0] * 2, packed.shape[1]
         if scales.shape != (k // INT4_GROUP, n):
             raise ValueError(f"scales shape {scales.shape} does not match packed {packed.shape}")
         args = jax.device_put((packed, scales), _CPU)
-        return np.asarray(_dequantize_bf16(*args))
+        out = np.asarray(_dequantize_bf16(*args))
+        if self._pinned is None:
+            return out
+        return jax.block_until_ready(jax.device_put(out, self._pinned))
 
-    def dequantize_many(self, items: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    def dequantize_many(self, items: Sequence[tuple[np.ndarray, np.ndarray]]) -> list:
         """Several matrices concurrently, one per worker thread."""
         return list(self._pool.map(lambda item: self.dequantize(*item), items))
 
-    def get(self, key: Hashable, packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    def get(self, key: Hashable, packed: np.ndarray, scales: np.ndarray
+            ) -> np.ndarray | jax.Array:
         """Cached `dequantize` for the expert weight named by `key`."""
         with self._lock:
             if key in self._cache:
@@ -67,7 +78,7 @@ class HostDequantizer:
         self._remember(key, out)
         return out
 
-    def _remember(self, key: Hashable, value: np.ndarray) -> None:
+    def _remember(self, key: Hashable, value: np.ndarray | jax.Array) -> None:
         if value.nbytes > self._cache_bytes:
             return
         with self._lock:

@@ -23,12 +23,12 @@ def quantized(tmp_path_factory):
     return root / "q"
 
 
-@pytest.mark.parametrize("dequant", ["device", "host"])
-def test_dequant_settings_are_exact_across_budgets(quantized, dequant):
+@pytest.mark.parametrize(("dequant", "cache"), [("device", 0), ("host", 0), ("host", "1MiB")])
+def test_dequant_settings_are_exact_across_budgets(quantized, dequant, cache):
     def run(resident):
         engine = Engine.from_checkpoint(quantized, EngineConfig(
             resident_experts=resident, host_experts=1, batch_capacity=2, max_len=24,
-            dequant=dequant))
+            dequant=dequant, host_dequant_cache=cache))
         return engine.generate_with_logits(PROMPTS, 5), engine
 
     (ref_tokens, ref_logits), full = run(None)
@@ -38,6 +38,8 @@ def test_dequant_settings_are_exact_across_budgets(quantized, dequant):
         assert tokens == ref_tokens
         np.testing.assert_array_equal(logits, ref_logits)
         assert engine.staged > 0
+        if cache:  # repeat misses were served from the pinned cache
+            assert engine.stats()["host_dequant_cache"]["hits"] > 0
 
 
 def test_unknown_dequant_is_refused(quantized):

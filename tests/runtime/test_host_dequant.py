@@ -1,5 +1,6 @@
 """Host dequantization equals the float64 definition of the packed int4 format."""
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -43,3 +44,15 @@ def test_mismatched_scales_are_rejected():
     packed, scales, _ = _packed(6)
     with pytest.raises(ValueError, match="scales shape"):
         HostDequantizer(threads=1).dequantize(packed, scales[:1])
+
+
+def test_pinned_results_are_pinned_host_arrays_with_the_same_values():
+    packed, scales, _ = _packed(7, k=256, n=32)
+    device = jax.devices()[0]
+    dq = HostDequantizer(threads=1, cache_bytes=1 << 20, pin=device)
+    out = dq.get("w1", packed, scales)
+    assert isinstance(out, jax.Array) and out.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out), HostDequantizer(threads=1).dequantize(
+        packed, scales))
+    assert dq.get("w1", packed, scales) is out and dq.hits == 1  # the cached pinned array
+    dq.close()
