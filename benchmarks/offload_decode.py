@@ -34,7 +34,8 @@ def run_row(args) -> dict:
     config = EngineConfig(hbm_budget=args.hbm, batch_capacity=args.batch, max_len=128,
                           predictor=args.predictor, policy=args.policy,
                           rebalance_every=args.rebalance_every, dequant=args.dequant,
-                          staging_slots=args.staging)
+                          staging_slots=args.staging,
+                          host_dequant_cache=args.host_dequant_cache)
     # the timeline's watcher threads cost a resident engine host time and have nothing to show
     config = dataclasses.replace(config, timeline=not plan_for(reader, config).resident)
     rng = np.random.default_rng(0)
@@ -176,6 +177,8 @@ def main() -> None:
     ap.add_argument("--rebalance-every", type=int, default=4)
     ap.add_argument("--staging", type=int, default=None,
                     help="experts per staging buffer (default: what one layer can need)")
+    ap.add_argument("--host-dequant-cache", default=0,
+                    help="with --dequant host: bytes of dequantized experts kept pinned")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--measure", action="store_true",
                     help="measure pinned and HBM bandwidth on this machine into --out")

@@ -49,7 +49,7 @@ for a in ${ABLATIONS:-predictor-none host-dequant}; do
   case $a in
     predictor-none) bench /dev/shm/uniform bf16-uniform 1 "--predictor none" ;;
     host-dequant) [[ -d /dev/shm/uniform-int4 ]] && bench /dev/shm/uniform-int4 int4-uniform 1 \
-      "--dequant host" ;;
+      "--dequant host --host-dequant-cache 32GiB" ;;
   esac
 done
 python3 -m benchmarks.offload_decode --report --out "$OUT" 2>&1 | grep -v "^W0"
