@@ -9,6 +9,7 @@ measures host int4 -> bf16 dequantization and bytes per expert. Writes JSON + ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -38,9 +39,13 @@ class Shape:
 
 
 SWEEP = (  # magic=True folds the 136 offset (bf16) unless fold_offset=False
+    ek.TILES_INT4,
+    dataclasses.replace(ek.TILES_INT4, unroll=2),
+    dataclasses.replace(ek.TILES_INT4, unroll=4),
+    dataclasses.replace(ek.TILES_INT4, unroll=2, num_stages=2),
+    dataclasses.replace(ek.TILES_INT4, bf=64, unroll=2),
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False),
     ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, magic=True),
-    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False, magic=True),
     ek.Tiles(bf=256, bd=128, split_k=4, num_warps=8, num_stages=3, magic=True),
     ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4, magic=True),
     ek.Tiles(bf=128, bd=256, split_k=8, num_warps=4, num_stages=4, magic=True),

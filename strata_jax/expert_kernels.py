@@ -33,6 +33,7 @@ class Tiles:
     num_stages: int = 4
     fold_offset: bool = True  # int4: fold the -8 nibble offset into a row-sum correction
     magic: bool = False  # int4: nibbles to floats by bit tricks, not int->float conversions
+    unroll: int = 1  # reduction blocks per loop iteration (more loads in flight per step)
 
 
 def _compiler_params(tiles: Tiles):
@@ -109,14 +110,16 @@ def _gate_up_kernel(slots_ref, x_ref, *refs, tiles: Tiles, nw: int):
 
     def body(k, accs):
         a1, a3 = accs
-        a1 += _block_dot(xblock, w1, slot, k, cols, tiles.bk, tiles.fold_offset,
-                          tiles.magic)
-        a3 += _block_dot(xblock, w3, slot, k, cols, tiles.bk, tiles.fold_offset,
-                          tiles.magic)
+        for u in range(tiles.unroll):
+            kb = k * tiles.unroll + u
+            a1 += _block_dot(xblock, w1, slot, kb, cols, tiles.bk, tiles.fold_offset,
+                             tiles.magic)
+            a3 += _block_dot(xblock, w3, slot, kb, cols, tiles.bk, tiles.fold_offset,
+                             tiles.magic)
         return a1, a3
 
     zero = jnp.zeros((n, tiles.bf), jnp.float32)
-    a1, a3 = jax.lax.fori_loop(0, d // tiles.bk, body, (zero, zero))
+    a1, a3 = jax.lax.fori_loop(0, d // tiles.bk // tiles.unroll, body, (zero, zero))
     h_ref[...] = (jax.nn.silu(a1) * a3).astype(h_ref.dtype)[None]
 
 
@@ -132,10 +135,13 @@ def _down_kernel(slots_ref, h_ref, *refs, tiles: Tiles, nw: int):
         return h_ref[c, :, pl.ds(start, size)]
 
     def body(k, acc):
-        return acc + _block_dot(xblock, w2, slot, s * steps + k, cols, tiles.bk,
-                                tiles.fold_offset, tiles.magic)
+        for u in range(tiles.unroll):
+            acc += _block_dot(xblock, w2, slot, s * steps + k * tiles.unroll + u, cols,
+                              tiles.bk, tiles.fold_offset, tiles.magic)
+        return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((n, tiles.bd), jnp.float32))
+    zero = jnp.zeros((n, tiles.bd), jnp.float32)
+    acc = jax.lax.fori_loop(0, steps // tiles.unroll, body, zero)
     y_ref[...] = acc[None, None]
 
 
@@ -144,6 +150,8 @@ def check_tiles(d: int, f: int, tiles: Tiles, quantized: bool = False) -> None:
         raise ValueError(f"expert dims D={d}, F={f} are not multiples of the tiles {tiles}")
     if (f // tiles.bk) % tiles.split_k:
         raise ValueError(f"F={f} / bk={tiles.bk} is not divisible by split_k={tiles.split_k}")
+    if (d // tiles.bk) % tiles.unroll or (f // tiles.bk // tiles.split_k) % tiles.unroll:
+        raise ValueError(f"the reduction blocks of D={d}, F={f} do not split by {tiles}")
     if quantized and tiles.bk != INT4_GROUP:
         raise ValueError(f"int4 pools need bk = group size {INT4_GROUP}, got {tiles.bk}")
 

@@ -79,14 +79,15 @@ def test_int4_pallas_kernel_matches_float64(n, fold, magic):
     assert np.abs(np.asarray(y_xla) - ref).max() / np.abs(ref).max() < 1e-5
 
 
-@pytest.mark.parametrize(("fold", "magic"), [(True, True), (False, True), (True, False)])
-def test_int4_pallas_kernel_bf16_matches_float64(fold, magic):
+@pytest.mark.parametrize(("fold", "magic", "unroll"),
+                         [(True, True, 1), (False, True, 1), (True, False, 1), (False, True, 2)])
+def test_int4_pallas_kernel_bf16_matches_float64(fold, magic, unroll):
     """bf16 activations: magic planes with the 128 + 8 offset folded into a row sum."""
     pool, (d1, d3, d2) = _int4_pool(5)
     x = np.random.default_rng(9).normal(size=(5, 256)).astype(ml_dtypes.bfloat16)
     slots = np.array([2, 4], np.int32)
     ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    tiles = ek.Tiles(bd=64, split_k=2, fold_offset=fold, magic=magic)
+    tiles = ek.Tiles(bd=64, split_k=1, fold_offset=fold, magic=magic, unroll=unroll)
     y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
     # the bf16 intermediate h dominates the error
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
@@ -98,9 +99,10 @@ def test_int4_pallas_kernel_on_gpu_matches_float64():
     x = np.random.default_rng(7).normal(size=(4, 512)).astype(ml_dtypes.bfloat16)
     slots = np.array([0, 4, 2], np.int32)
     ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    for fold, magic in ((True, False), (False, True), (True, True)):
+    for fold, magic, unroll in ((True, False, 1), (False, True, 1), (True, True, 1),
+                                (False, True, 2)):
         base = ek.tiles_for(512, 1024, quantized=True)
-        tiles = dataclasses.replace(base, fold_offset=fold, magic=magic)
+        tiles = dataclasses.replace(base, fold_offset=fold, magic=magic, unroll=unroll)
         y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles).sum(1)
         # bf16 activations and a bf16 intermediate h: bf16-level error
         assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
@@ -109,6 +111,8 @@ def test_int4_pallas_kernel_on_gpu_matches_float64():
 def test_tiles_that_do_not_divide_are_rejected():
     with pytest.raises(ValueError, match="not multiples"):
         ek.check_tiles(200, 256, ek.Tiles())
+    with pytest.raises(ValueError, match="do not split"):
+        ek.check_tiles(384, 256, ek.Tiles(split_k=1, unroll=2))
     with pytest.raises(ValueError, match="group size"):
         ek.check_tiles(256, 256, ek.Tiles(bk=64, split_k=1), quantized=True)
 
