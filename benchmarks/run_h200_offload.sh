@@ -12,7 +12,7 @@ KINDS=${KINDS:-"bf16 int4"}
 SKEW_KINDS=${SKEW_KINDS:-$KINDS}  # int4 fits the budget whole: its skew rows can be skipped
 # 80/20 is not reachable with 8 experts top-2 (top 20 % = 1.6 experts); 0.75 is near the cap
 SKEW=${SKEW:-0.75}
-STAGINGS=${STAGINGS:-"0 2 2/static"}
+STAGINGS=${STAGINGS:-"0 0/static 8"}  # 0 = the default (2 for bf16 Mixtral experts)
 bench() {  # ckpt label batch [extra args]
   echo "== $2 B=$3 ${4:-} (t=$SECONDS s)"
   timeout 200 python3 -m benchmarks.offload_decode --ckpt "$1" --label "$2" --batch "$3" ${4:-} \
