@@ -47,7 +47,8 @@ def _generate(args: argparse.Namespace) -> int:
 
         config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
                               batch_capacity=max(len(prompts), 1),
-                              max_len=args.max_len, heat_file=args.heat)
+                              max_len=args.max_len, heat_file=args.heat,
+                              staging_slots=args.staging_slots, dequant=args.dequant)
         with Engine.from_checkpoint(args.ckpt, config) as engine:
             t0 = time.perf_counter()
             out = engine.generate(prompts, args.max_new_tokens)
@@ -65,12 +66,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from strata_jax.checkpoint import CheckpointReader
-    from strata_runtime.ledger import BudgetError, ModelBytes, plan_ledger
+    from strata_runtime.engine import EngineConfig, plan_for
+    from strata_runtime.ledger import BudgetError
 
-    model = ModelBytes.from_reader(CheckpointReader(args.ckpt))
+    config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
+                          batch_capacity=args.batch_capacity, max_len=args.max_len,
+                          staging_slots=args.staging_slots, dequant=args.dequant)
     try:
-        ledger = plan_ledger(model, args.hbm, args.host, batch_capacity=args.batch_capacity,
-                             max_len=args.max_len)
+        ledger = plan_for(CheckpointReader(args.ckpt), config)
     except BudgetError as e:
         print(e, file=sys.stderr)
         return 2
@@ -205,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host", default=None, help="host (pinned RAM) budget for tier 1")
     plan.add_argument("--batch-capacity", type=int, default=16)
     plan.add_argument("--max-len", type=int, default=4096)
+    for p in (gen, plan):
+        p.add_argument("--staging-slots", type=int, default=None, metavar="N",
+                       help="experts per staging buffer (default: ledger.default_staging_slots)")
+        p.add_argument("--dequant", choices=("device", "host"), default="device",
+                       help="int4 experts: dequantized in the kernel, or on the host (bf16 slots)")
     plan.set_defaults(func=_plan)
     _add_quantize_parsers(sub)
     return parser
