@@ -38,25 +38,27 @@ class Shape:
     layers: int  # distinct layers rotated through so the weights do not sit in L2
 
 
-SWEEP = (  # magic=True folds the 136 offset (bf16) unless fold_offset=False
-    ek.TILES_INT4,
-    dataclasses.replace(ek.TILES_INT4, unroll=2),
-    dataclasses.replace(ek.TILES_INT4, unroll=4),
-    dataclasses.replace(ek.TILES_INT4, unroll=2, num_stages=2),
-    dataclasses.replace(ek.TILES_INT4, bf=64, unroll=2),
-    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False),
-    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, magic=True),
-    ek.Tiles(bf=256, bd=128, split_k=4, num_warps=8, num_stages=3, magic=True),
-    ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4, magic=True),
-    ek.Tiles(bf=128, bd=256, split_k=8, num_warps=4, num_stages=4, magic=True),
-    ek.Tiles(bf=256, bd=256, split_k=8, num_warps=8, num_stages=4, magic=True),
-    ek.Tiles(bf=64, bd=64, split_k=4, num_warps=4, num_stages=4),
-    ek.Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3),
-)
+_B = ek.TILES_INT4
+_R = dataclasses.replace
+SWEEP = {  # per shape: candidates tried in order, the fastest is reported (split_k shrinks to fit)
+    "mixtral-8x7b": (
+        _B, _R(_B, asm=True), _R(_B, asm=True, fold_offset=True),
+        _R(_B, asm=True, transpose=True), _R(_B, transpose=True),
+        _R(_B, asm=True, num_stages=4), _R(_B, asm=True, bf=256, num_warps=8),
+        _R(_B, asm=True, split_k=2), _R(_B, asm=True, transpose=True, num_warps=8),
+        _R(_B, asm=True, unroll=2), _R(_B, asm=True, bf=64, bd=64),
+    ),
+    "qwen3-30b-a3b": (
+        _B, _R(_B, asm=True), _R(_B, asm=True, split_k=1), _R(_B, asm=True, split_k=2),
+        _R(_B, asm=True, split_k=1, bd=256), _R(_B, asm=True, split_k=1, transpose=True),
+        _R(_B, asm=True, split_k=1, bf=64, bd=64), _R(_B, asm=True, split_k=1, fold_offset=True),
+        _R(_B, asm=True, split_k=2, num_stages=4),
+    ),
+}
 
 SHAPES = (
-    Shape("mixtral-8x7b", 4096, 14336, 8, 2, 32, 4),
-    Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 8, 8),
+    Shape("mixtral-8x7b", 4096, 14336, 8, 2, 32, 8),
+    Shape("qwen3-30b-a3b", 2048, 768, 128, 8, 8, 16),
 )
 
 
@@ -79,7 +81,8 @@ def random_int4_pool(key, slots: int, d: int, f: int) -> ExpertPool:
 
 
 def routing(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per layer: the active expert ids padded to capacity, and sorted rows per expert."""
+    """Per layer: the active expert ids padded to capacity (padding marked invalid by a
+    count of zero), and the rows per expert."""
     rng = np.random.default_rng(seed)
     cap = min(shape.experts, shape.tokens * shape.top_k)
     ids, counts = [], []
@@ -97,6 +100,7 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
     ids, counts = routing(shape, 2)
     active = [len(np.unique(np.nonzero(c)[0])) for c in counts]
     slots = jnp.asarray(ids + (np.arange(shape.layers) * shape.experts)[:, None])
+    valid = jnp.asarray(np.take_along_axis(counts, ids, axis=1) > 0)
     x = jax.random.normal(jax.random.PRNGKey(3), (shape.tokens, shape.d), jnp.bfloat16)
     rows = jax.random.normal(jax.random.PRNGKey(4), (shape.tokens * shape.top_k, shape.d),
                              jnp.bfloat16)
@@ -104,11 +108,11 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
 
     def over_layers(one):
         @jax.jit
-        def run(x, slots, pool):
-            return sum(one(x, slots[i], pool, i).sum() for i in range(shape.layers))
-        return lambda: run(x, slots, pool).block_until_ready()
+        def run(x, slots, valid, pool):
+            return sum(one(x, slots[i], pool, i, valid[i]).sum() for i in range(shape.layers))
+        return lambda: run(x, slots, valid, pool).block_until_ready()
 
-    def ragged(x_rows, _slots, pool, layer):
+    def ragged(x_rows, pool, layer):
         e0 = layer * shape.experts
         sl = jnp.arange(shape.experts) + e0
         w1, w3, w2 = (pool.dense_weights(k, sl, jnp.bfloat16) for k in ("w1", "w3", "w2"))
@@ -116,35 +120,39 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
         h = jax.nn.silu(jax.lax.ragged_dot(x_rows, w1, gs)) * jax.lax.ragged_dot(x_rows, w3, gs)
         return jax.lax.ragged_dot(h, w2, gs)
 
-    best = None
-    for cand in SWEEP:
+    nbytes = sum(active) * int4_expert_bytes(shape.d, shape.f)
+    best, sweep = None, []
+    for cand in SWEEP[shape.name]:
         t = ek.tiles_for(shape.d, shape.f, base=cand, quantized=True)
         if t is None:
             continue
-        fn = over_layers(lambda x, s, p, i, t=t: ek.grouped_swiglu_pallas(x, s, p, tiles=t))
+        fn = over_layers(
+            lambda x, s, p, i, v, t=t: ek.grouped_swiglu_pallas(x, s, p, tiles=t, valid=v))
         try:
             dt = median_time(fn, reps=10, warmup=2) / shape.layers
         except Exception as e:
             print("tiles", t, "failed", repr(e)[:200], flush=True)
             continue
-        print(f"{shape.name} {t}: {dt * 1e6:.0f} us/layer", flush=True)
+        gbs = nbytes / shape.layers / dt / 1e9
+        sweep.append({"shape": shape.name, "tiles": str(t), "us_per_layer": dt * 1e6,
+                      "GBps": gbs, "over_hbm": gbs / bw})
+        print(f"{shape.name} {t}: {dt * 1e6:.0f} us/layer, {gbs / bw:.2f} of HBM", flush=True)
         if best is None or dt < best[0]:
             best = (dt, t)
     tiles = best[1]
     variants = {
         f"pallas int4 (fused dequant), {tiles}": over_layers(
-            lambda x, s, p, i: ek.grouped_swiglu_pallas(x, s, p, tiles=tiles)),
+            lambda x, s, p, i, v: ek.grouped_swiglu_pallas(x, s, p, tiles=tiles, valid=v)),
         "XLA gather + dequant + einsum": over_layers(
-            lambda x, s, p, i: ek.grouped_swiglu_xla(x, s, p)),
+            lambda x, s, p, i, v: ek.grouped_swiglu_xla(x, s, p, v)),
         "XLA dequant + lax.ragged_dot (64 rows)": None,
     }
     results = []
-    nbytes = sum(active) * int4_expert_bytes(shape.d, shape.f)
     for name, fn in variants.items():
         if fn is None:
             @jax.jit
             def run_ragged(rows, pool):
-                return sum(ragged(rows, None, pool, i).sum() for i in range(shape.layers))
+                return sum(ragged(rows, pool, i).sum() for i in range(shape.layers))
             fn = lambda: run_ragged(rows, pool).block_until_ready()  # noqa: E731
         try:
             dt = median_time(fn, reps=20, warmup=2) / shape.layers
@@ -157,7 +165,7 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
             "active_experts": float(np.mean(active)), "GBps": gbs, "over_hbm": gbs / bw,
         })  # fmt: skip
         print(results[-1], flush=True)
-    return results
+    return results, sweep
 
 
 def host_dequant(threads: int) -> dict:
@@ -192,7 +200,11 @@ def main() -> None:
     args = parser.parse_args()
     result = machine()
     result["hbm_GBps"] = bw = hbm_bandwidth()
-    result["kernels"] = [r for s in SHAPES for r in run_shape(s, bw["read"])]
+    result["kernels"], result["sweep"] = [], []
+    for shape in SHAPES:
+        kernels, sweep = run_shape(shape, bw["read"])
+        result["kernels"] += kernels
+        result["sweep"] += sweep
     cores = os.cpu_count() or 1
     result["host_dequant"] = [host_dequant(t) for t in sorted({1, cores // 2, cores})]
     result["bytes_per_expert"] = bytes_table()
@@ -218,6 +230,11 @@ def render(r: dict) -> str:
             continue
         lines.append(f"| {k['shape']} | {k['variant']} | {k['us_per_layer']:.0f} | "
                      f"{k['active_experts']:.1f} | {k['GBps']:.0f} | {k['over_hbm']:.2f} |")
+    lines += ["", "## Tile sweep (the fastest per shape is the row above)", "",
+              "| shape | tiles | us/layer | / HBM read |", "|---|---|---|---|"]
+    for k in r.get("sweep", []):
+        lines.append(f"| {k['shape']} | {k['tiles']} | {k['us_per_layer']:.0f} | "
+                     f"{k['over_hbm']:.2f} |")
     lines += ["", "## Host int4 -> bf16 dequantization (4096 x 14336 matrix)", "",
               "| threads | ms/matrix | bf16 out GB/s | packed in GB/s |", "|---|---|---|---|"]
     for h in r["host_dequant"]:

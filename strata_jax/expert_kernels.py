@@ -34,6 +34,8 @@ class Tiles:
     fold_offset: bool = True  # int4: fold the -8 nibble offset into a row-sum correction
     magic: bool = False  # int4: nibbles to floats by bit tricks, not int->float conversions
     unroll: int = 1  # reduction blocks per loop iteration (more loads in flight per step)
+    asm: bool = False  # int4 + bf16 on GPU: magic planes by inline PTX, four bytes at a time
+    transpose: bool = False  # weights as the dot's left operand: y^T = W^T x^T
 
 
 def _compiler_params(tiles: Tiles):
@@ -59,12 +61,47 @@ def _magic_nibbles(nibbles, dtype, offset: bool = True):
     return value - jnp.asarray(base + 8.0, dtype) if offset else value
 
 
-def _nibble_values(p, dtype, fold_offset: bool, magic: bool):
+def _ptx_magic(offset: bool) -> str:
+    """PTX for four packed bytes ($4) -> low nibbles ($0, $1) and high nibbles ($2, $3) as bf16
+    pairs 128 + n (or n - 8 with `offset`): byte-permute two bytes into 16-bit lanes, then one
+    lop3 (x & 0x000F000F) | 0x43004300 makes two bf16 values at once."""
+    out = ["t0", "t1", "s0", "s1"]
+    lines = ["{", ".reg .b32 t0, t1, s0, s1, z, m, b, one, neg;", "mov.b32 z, 0;",
+             "mov.b32 m, 0x000F000F;", "mov.b32 b, 0x43004300;",
+             "mov.b32 one, 0x3F803F80;", "mov.b32 neg, 0xC308C308;",
+             "prmt.b32 t0, $4, z, 0x4140;", "prmt.b32 t1, $4, z, 0x4342;",
+             "shr.u32 s0, t0, 4;", "shr.u32 s1, t1, 4;"]
+    for i, src in enumerate(out):
+        if offset:  # (128 + n) * 1 - 136, exact in bf16
+            lines += [f"lop3.b32 {src}, {src}, m, b, 0xEA;",
+                      f"fma.rn.bf16x2 ${i}, {src}, one, neg;"]
+        else:
+            lines.append(f"lop3.b32 ${i}, {src}, m, b, 0xEA;")
+    return "\n".join(lines + ["}"])
+
+
+def _asm_nibbles(p, offset: bool):
+    """(low, high) bf16 nibble planes of packed bytes p by inline PTX (GPU only); the same
+    values as `_magic_nibbles`."""
+    from jax.experimental.pallas import triton as pltriton
+
+    plane = jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)
+    lo, hi = pltriton.elementwise_inline_asm(
+        _ptx_magic(offset), args=[p], constraints="=r,=r,=r,=r,r", pack=4,
+        result_shape_dtypes=[plane, plane])
+    return lo, hi
+
+
+def _nibble_values(p, dtype, fold_offset: bool, magic: bool, asm: bool = False):
     """(low, high) nibble planes of packed bytes p as `dtype`, and the offset still to be
     subtracted as offset * row sum of x (0 when the planes already hold n - 8).
 
     Folding the offset spares a per-element subtraction; with magic bf16 planes the offset is
-    128 + 8 (products stay exact in the float32 accumulator; 2^23 for float32 would not)."""
+    128 + 8 (products stay exact in the float32 accumulator; 2^23 for float32 would not).
+    `asm` (bf16 only) makes the magic planes with inline PTX instead of jnp bit operations."""
+    if asm and jnp.dtype(dtype) == jnp.bfloat16:
+        lo, hi = _asm_nibbles(p, offset=not fold_offset)
+        return lo, hi, 136.0 if fold_offset else 0.0
     if magic:
         fold = fold_offset and jnp.dtype(dtype) == jnp.bfloat16
         lo, hi = (_magic_nibbles(q, dtype, offset=not fold) for q in (p & 0xF, p >> 4))
@@ -75,30 +112,51 @@ def _nibble_values(p, dtype, fold_offset: bool, magic: bool):
     return ((p & 0xF) - 8).astype(dtype), ((p >> 4) - 8).astype(dtype), 0.0
 
 
-def _block_dot(xblock, w, slot, k, cols, bk: int, fold_offset: bool = True,
-               magic: bool = False):
-    """x[:, K block k] @ W[slot][K block k, cols] in float32.
+def _dot(a, b, transpose: bool):
+    """a @ b in float32, or (a @ b)^T = b^T a^T computed with b's tile as the left operand."""
+    if transpose:
+        return jnp.dot(b.T, a.T, preferred_element_type=jnp.float32)
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _block_dot(xblock, w, slot, k, cols, tiles: Tiles, asm: bool):
+    """x[:, K block k] @ W[slot][K block k, cols] in float32 ([cols, N] if tiles.transpose).
 
     `w` is (weights,) for a float pool or (packed, scales) for int4: then block k is one
     128-row group whose bytes hold rows j (low nibble) and j + 64 (high nibble).
     """
+    bk, t = tiles.bk, tiles.transpose
     if len(w) == 1:
-        return jnp.dot(xblock(k * bk, bk), w[0][slot, pl.ds(k * bk, bk), cols],
-                       preferred_element_type=jnp.float32)
+        return _dot(xblock(k * bk, bk), w[0][slot, pl.ds(k * bk, bk), cols], t)
     packed_ref, scale_ref = w
     half = bk // 2
     p = packed_ref[slot, pl.ds(k * half, half), cols]
     x_lo, x_hi = xblock(k * bk, half), xblock(k * bk + half, half)
-    lo, hi, offset = _nibble_values(p, x_lo.dtype, fold_offset, magic)
-    acc = jnp.dot(x_lo, lo, preferred_element_type=jnp.float32)
-    acc += jnp.dot(x_hi, hi, preferred_element_type=jnp.float32)
+    lo, hi, offset = _nibble_values(p, x_lo.dtype, tiles.fold_offset, tiles.magic, asm)
+    acc = _dot(x_lo, lo, t) + _dot(x_hi, hi, t)
+    scale = scale_ref[slot, pl.ds(k, 1), cols].astype(jnp.float32)
     if offset:
         rows = jnp.sum(x_lo.astype(jnp.float32), 1) + jnp.sum(x_hi.astype(jnp.float32), 1)
-        acc -= offset * rows[:, None]
-    return acc * scale_ref[slot, pl.ds(k, 1), cols].astype(jnp.float32)
+        acc -= offset * (rows[None, :] if t else rows[:, None])
+    return acc * (scale.T if t else scale)
 
 
-def _gate_up_kernel(slots_ref, x_ref, *refs, tiles: Tiles, nw: int):
+def _reduce_blocks(steps: int, first, block, count: int, shape, tiles: Tiles):
+    """The `count` sums of `block(k)` (a tuple) over k in [first, first + steps), with
+    `tiles.unroll` blocks per iteration; returned as [N, cols] whatever the dot orientation."""
+    def body(i, accs):
+        for u in range(tiles.unroll):
+            parts = block(first + i * tiles.unroll + u)
+            accs = tuple(a + part for a, part in zip(accs, parts, strict=True))
+        return accs
+
+    n, cols = shape
+    zero = jnp.zeros((cols, n) if tiles.transpose else (n, cols), jnp.float32)
+    accs = jax.lax.fori_loop(0, steps // tiles.unroll, body, (zero,) * count)
+    return tuple(a.T if tiles.transpose else a for a in accs)
+
+
+def _gate_up_kernel(slots_ref, valid_ref, x_ref, *refs, tiles: Tiles, nw: int, asm: bool):
     w1, w3, h_ref = refs[:nw], refs[nw : 2 * nw], refs[-1]
     c, j = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[c]
@@ -108,22 +166,21 @@ def _gate_up_kernel(slots_ref, x_ref, *refs, tiles: Tiles, nw: int):
     def xblock(start, size):
         return x_ref[:, pl.ds(start, size)]
 
-    def body(k, accs):
-        a1, a3 = accs
-        for u in range(tiles.unroll):
-            kb = k * tiles.unroll + u
-            a1 += _block_dot(xblock, w1, slot, kb, cols, tiles.bk, tiles.fold_offset,
-                             tiles.magic)
-            a3 += _block_dot(xblock, w3, slot, kb, cols, tiles.bk, tiles.fold_offset,
-                             tiles.magic)
-        return a1, a3
+    def block(k):
+        return (_block_dot(xblock, w1, slot, k, cols, tiles, asm),
+                _block_dot(xblock, w3, slot, k, cols, tiles, asm))
 
-    zero = jnp.zeros((n, tiles.bf), jnp.float32)
-    a1, a3 = jax.lax.fori_loop(0, d // tiles.bk // tiles.unroll, body, (zero, zero))
-    h_ref[...] = (jax.nn.silu(a1) * a3).astype(h_ref.dtype)[None]
+    @pl.when(valid_ref[c] != 0)
+    def _():
+        a1, a3 = _reduce_blocks(d // tiles.bk, 0, block, 2, (n, tiles.bf), tiles)
+        h_ref[...] = (jax.nn.silu(a1) * a3).astype(h_ref.dtype)[None]
+
+    @pl.when(valid_ref[c] == 0)
+    def _():
+        h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
 
 
-def _down_kernel(slots_ref, h_ref, *refs, tiles: Tiles, nw: int):
+def _down_kernel(slots_ref, valid_ref, h_ref, *refs, tiles: Tiles, nw: int, asm: bool):
     w2, y_ref = refs[:nw], refs[-1]
     c, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[c]
@@ -134,15 +191,17 @@ def _down_kernel(slots_ref, h_ref, *refs, tiles: Tiles, nw: int):
     def xblock(start, size):
         return h_ref[c, :, pl.ds(start, size)]
 
-    def body(k, acc):
-        for u in range(tiles.unroll):
-            acc += _block_dot(xblock, w2, slot, s * steps + k * tiles.unroll + u, cols,
-                              tiles.bk, tiles.fold_offset, tiles.magic)
-        return acc
+    def block(k):
+        return (_block_dot(xblock, w2, slot, k, cols, tiles, asm),)
 
-    zero = jnp.zeros((n, tiles.bd), jnp.float32)
-    acc = jax.lax.fori_loop(0, steps // tiles.unroll, body, zero)
-    y_ref[...] = acc[None, None]
+    @pl.when(valid_ref[c] != 0)
+    def _():
+        (acc,) = _reduce_blocks(steps, s * steps, block, 1, (n, tiles.bd), tiles)
+        y_ref[...] = acc[None, None]
+
+    @pl.when(valid_ref[c] == 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
 def check_tiles(d: int, f: int, tiles: Tiles, quantized: bool = False) -> None:
@@ -164,41 +223,46 @@ def _weights(pool: ExpertPool) -> tuple[tuple, tuple, tuple]:
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
 def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
-                          interpret: bool = False):
-    """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums [C, split_k, N, D] float32."""
+                          interpret: bool = False, valid=None):
+    """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums [C, split_k, N, D] float32.
+
+    Entries whose `valid` [C] is false read no weights and give zeros."""
     n0, d = x.shape
     f = pool.intermediate_size
     check_tiles(d, f, tiles, pool.quantized)
     n = max(16, -(-n0 // 16) * 16)  # Triton dots need >= 16 rows
     xp = jnp.zeros((n, d), x.dtype).at[:n0].set(x)
     c = slots.shape[0]
+    valid = jnp.ones((c,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     params = _compiler_params(tiles)
+    asm = tiles.asm and not interpret  # interpret mode computes the same values with jnp
     w1, w3, w2 = _weights(pool)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, tiles=tiles, nw=len(w1)),
+        functools.partial(_gate_up_kernel, tiles=tiles, nw=len(w1), asm=asm),
         grid=(c, f // tiles.bf),
         out_shape=jax.ShapeDtypeStruct((c, n, f), x.dtype),
         out_specs=pl.BlockSpec((1, n, tiles.bf), lambda ci, j: (ci, 0, j)),
         compiler_params=params,
         interpret=interpret,
-    )(slots, xp, *w1, *w3)
+    )(slots, valid, xp, *w1, *w3)
     partial = pl.pallas_call(
-        functools.partial(_down_kernel, tiles=tiles, nw=len(w2)),
+        functools.partial(_down_kernel, tiles=tiles, nw=len(w2), asm=asm),
         grid=(c, tiles.split_k, d // tiles.bd),
         out_shape=jax.ShapeDtypeStruct((c, tiles.split_k, n, d), jnp.float32),
         out_specs=pl.BlockSpec((1, 1, n, tiles.bd), lambda ci, s, j: (ci, s, 0, j)),
         compiler_params=params,
         interpret=interpret,
-    )(slots, h, *w2)
+    )(slots, valid, h, *w2)
     return partial[:, :, :n0]
 
 
-def grouped_swiglu_xla(x, slots, pool: ExpertPool):
+def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
     """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N)."""
     w1, w3, w2 = (pool.dense_weights(kind, slots, x.dtype) for kind in ("w1", "w3", "w2"))
     gate = jnp.einsum("nd,cdf->cnf", x, w1)
     up = jnp.einsum("nd,cdf->cnf", x, w3)
-    return einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
+    y = einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
+    return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
 
 
 TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
@@ -227,11 +291,11 @@ def use_pallas(n: int, d: int, f: int, quantized: bool = False) -> bool:
     return tiles_for(d, f, quantized=quantized) is not None
 
 
-def grouped_swiglu(x, slots, pool: ExpertPool):
+def grouped_swiglu(x, slots, pool: ExpertPool, valid=None):
     """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
-    output), by the path `use_pallas` picks."""
+    output; zeros where `valid` [C] is false), by the path `use_pallas` picks."""
     d, f = x.shape[1], pool.intermediate_size
     if use_pallas(x.shape[0], d, f, pool.quantized):
         tiles = tiles_for(d, f, quantized=pool.quantized)
-        return grouped_swiglu_pallas(x, slots, pool, tiles=tiles)
-    return grouped_swiglu_xla(x, slots, pool)
+        return grouped_swiglu_pallas(x, slots, pool, tiles=tiles, valid=valid)
+    return grouped_swiglu_xla(x, slots, pool, valid)

@@ -99,8 +99,9 @@ def routed_outputs(
     """
     n, num_experts = x.shape[0], slot_of_expert.shape[0]
     capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
-    ids, _ = active_experts(routing.experts, num_experts, capacity, take)
-    per_expert = jnp.sum(expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool), axis=1)
+    ids, valid = active_experts(routing.experts, num_experts, capacity, take)
+    outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid)
+    per_expert = jnp.sum(outputs, axis=1)
     position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
     picked = per_expert[position, jnp.arange(n)[:, None]]
     return jnp.where(take[routing.experts][..., None], picked, 0.0)

@@ -79,15 +79,18 @@ def test_int4_pallas_kernel_matches_float64(n, fold, magic):
     assert np.abs(np.asarray(y_xla) - ref).max() / np.abs(ref).max() < 1e-5
 
 
-@pytest.mark.parametrize(("fold", "magic", "unroll"),
-                         [(True, True, 1), (False, True, 1), (True, False, 1), (False, True, 2)])
-def test_int4_pallas_kernel_bf16_matches_float64(fold, magic, unroll):
+@pytest.mark.parametrize(("fold", "magic", "unroll", "transpose"),
+                         [(True, True, 1, False), (False, True, 1, False),
+                          (True, False, 1, False), (False, True, 2, False),
+                          (False, True, 1, True), (True, True, 2, True)])
+def test_int4_pallas_kernel_bf16_matches_float64(fold, magic, unroll, transpose):
     """bf16 activations: magic planes with the 128 + 8 offset folded into a row sum."""
     pool, (d1, d3, d2) = _int4_pool(5)
     x = np.random.default_rng(9).normal(size=(5, 256)).astype(ml_dtypes.bfloat16)
     slots = np.array([2, 4], np.int32)
     ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    tiles = ek.Tiles(bd=64, split_k=1, fold_offset=fold, magic=magic, unroll=unroll)
+    tiles = ek.Tiles(bd=64, split_k=1, fold_offset=fold, magic=magic, unroll=unroll,
+                     transpose=transpose)
     y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
     # the bf16 intermediate h dominates the error
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
@@ -99,13 +102,54 @@ def test_int4_pallas_kernel_on_gpu_matches_float64():
     x = np.random.default_rng(7).normal(size=(4, 512)).astype(ml_dtypes.bfloat16)
     slots = np.array([0, 4, 2], np.int32)
     ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    for fold, magic, unroll in ((True, False, 1), (False, True, 1), (True, True, 1),
-                                (False, True, 2)):
-        base = ek.tiles_for(512, 1024, quantized=True)
-        tiles = dataclasses.replace(base, fold_offset=fold, magic=magic, unroll=unroll)
-        y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles).sum(1)
+    base = ek.tiles_for(512, 1024, quantized=True)
+    variants = [dict(fold_offset=fold, magic=magic, unroll=unroll, asm=asm, transpose=t)
+                for fold, magic, unroll, asm, t in (
+                    (True, False, 1, False, False), (False, True, 1, False, False),
+                    (True, True, 1, False, False), (False, True, 2, False, False),
+                    (False, True, 1, True, False), (True, True, 1, True, False),
+                    (False, True, 1, True, True), (False, True, 1, False, True))]
+    for v in variants:
+        y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=dataclasses.replace(base, **v))
         # bf16 activations and a bf16 intermediate h: bf16-level error
-        assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
+        err = np.abs(np.asarray(y.sum(1)) - ref).max() / np.abs(ref).max()
+        assert err < 2e-2, (v, err)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="inline PTX needs a GPU")
+@pytest.mark.parametrize("offset", [True, False])
+def test_ptx_nibbles_match_magic_nibbles_for_every_byte(offset):
+    from jax.experimental import pallas as pl
+
+    packed = jnp.asarray(np.arange(64 * 128).reshape(64, 128) * 7 % 256, jnp.uint8)
+
+    def kernel(p_ref, lo_ref, hi_ref):
+        lo_ref[...], hi_ref[...] = ek._asm_nibbles(p_ref[...], offset)
+
+    plane = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
+    lo, hi = pl.pallas_call(kernel, out_shape=(plane, plane))(packed)
+    want = [ek._magic_nibbles(q, jnp.bfloat16, offset) for q in (packed & 0xF, packed >> 4)]
+    np.testing.assert_array_equal(np.asarray(lo, np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(hi, np.float32), np.asarray(want[1], np.float32))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_invalid_entries_give_zeros_and_leave_the_others_alone(quantized):
+    if quantized:
+        pool, (d1, d3, d2) = _int4_pool(8)
+    else:
+        _, d1, d3, d2 = _inputs(8, 1, slots=6)
+        pool = ExpertPool(d1.astype(np.float32), d3.astype(np.float32), d2.astype(np.float32))
+    x = np.random.default_rng(4).normal(size=(3, 256)).astype(np.float32)
+    slots = np.array([3, 0, 5], np.int32)
+    valid = np.array([True, False, True])
+    ref = _reference(x, slots, d1, d3, d2)
+    for y in (ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
+                                       interpret=True, valid=valid),
+              ek.grouped_swiglu_xla(x, slots, pool, valid)):
+        y = np.asarray(y.sum(1))
+        assert np.all(y[1] == 0.0)
+        np.testing.assert_allclose(y[valid], ref[valid], rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
 def test_tiles_that_do_not_divide_are_rejected():
