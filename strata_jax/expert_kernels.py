@@ -61,35 +61,37 @@ def _magic_nibbles(nibbles, dtype, offset: bool = True):
     return value - jnp.asarray(base + 8.0, dtype) if offset else value
 
 
-def _ptx_magic(offset: bool) -> str:
-    """PTX for four packed bytes ($4) -> low nibbles ($0, $1) and high nibbles ($2, $3) as bf16
-    pairs 128 + n (or n - 8 with `offset`): byte-permute two bytes into 16-bit lanes, then one
-    lop3 (x & 0x000F000F) | 0x43004300 makes two bf16 values at once."""
-    out = ["t0", "t1", "s0", "s1"]
-    lines = ["{", ".reg .b32 t0, t1, s0, s1, z, m, b, one, neg;", "mov.b32 z, 0;",
-             "mov.b32 m, 0x000F000F;", "mov.b32 b, 0x43004300;",
-             "mov.b32 one, 0x3F803F80;", "mov.b32 neg, 0xC308C308;",
-             "prmt.b32 t0, $4, z, 0x4140;", "prmt.b32 t1, $4, z, 0x4342;",
-             "shr.u32 s0, t0, 4;", "shr.u32 s1, t1, 4;"]
-    for i, src in enumerate(out):
+def _ptx_magic(high: bool, offset: bool) -> str:
+    """PTX for four packed bytes ($2) -> their low (or high) nibbles as two bf16 pairs ($0, $1)
+    holding 128 + n (n - 8 with `offset`): byte-permute two bytes into 16-bit lanes, then one
+    lop3 (t & 0x000F000F) | 0x43004300 makes two bf16 values at once."""
+    src = "s" if high else "$2"
+    lines = ["{", ".reg .b32 s, t0, t1, z, m, b, one, neg;", "mov.b32 z, 0;",
+             "mov.b32 m, 0x000F000F;", "mov.b32 b, 0x43004300;"]
+    if high:
+        lines.append("shr.u32 s, $2, 4;")
+    lines += [f"prmt.b32 t0, {src}, z, 0x4140;", f"prmt.b32 t1, {src}, z, 0x4342;"]
+    for i in range(2):
         if offset:  # (128 + n) * 1 - 136, exact in bf16
-            lines += [f"lop3.b32 {src}, {src}, m, b, 0xEA;",
-                      f"fma.rn.bf16x2 ${i}, {src}, one, neg;"]
+            lines += ["mov.b32 one, 0x3F803F80;", "mov.b32 neg, 0xC308C308;"] if i == 0 else []
+            lines += [f"lop3.b32 t{i}, t{i}, m, b, 0xEA;",
+                      f"fma.rn.bf16x2 ${i}, t{i}, one, neg;"]
         else:
-            lines.append(f"lop3.b32 ${i}, {src}, m, b, 0xEA;")
+            lines.append(f"lop3.b32 ${i}, t{i}, m, b, 0xEA;")
     return "\n".join(lines + ["}"])
 
 
 def _asm_nibbles(p, offset: bool):
     """(low, high) bf16 nibble planes of packed bytes p by inline PTX (GPU only); the same
-    values as `_magic_nibbles`."""
+    values as `_magic_nibbles`. One call per plane: Pallas lowers only single-result asm."""
     from jax.experimental.pallas import triton as pltriton
 
     plane = jax.ShapeDtypeStruct(p.shape, jnp.bfloat16)
-    lo, hi = pltriton.elementwise_inline_asm(
-        _ptx_magic(offset), args=[p], constraints="=r,=r,=r,=r,r", pack=4,
-        result_shape_dtypes=[plane, plane])
-    return lo, hi
+    return tuple(
+        pltriton.elementwise_inline_asm(
+            _ptx_magic(high, offset), args=[p], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[plane])[0]
+        for high in (False, True))
 
 
 def _nibble_values(p, dtype, fold_offset: bool, magic: bool, asm: bool = False):
