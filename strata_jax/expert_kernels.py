@@ -121,19 +121,28 @@ def _dot(a, b, transpose: bool):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _block_dot(xblock, w, slot, k, cols, tiles: Tiles, asm: bool):
-    """x[:, K block k] @ W[slot][K block k, cols] in float32 ([cols, N] if tiles.transpose).
+def _x_blocks(xblock, k, tiles: Tiles, quantized: bool) -> tuple:
+    """x[:, K block k], as its two 64-column halves for int4 pools (low, high nibbles)."""
+    bk = tiles.bk
+    if not quantized:
+        return (xblock(k * bk, bk),)
+    return xblock(k * bk, bk // 2), xblock(k * bk + bk // 2, bk // 2)
+
+
+def _block_dot(xs: tuple, w, slot, k, cols, tiles: Tiles, asm: bool):
+    """x[:, K block k] @ W[slot][K block k, cols] in float32 ([cols, N] if tiles.transpose),
+    with xs from `_x_blocks` (loaded once per block, shared by gate and up).
 
     `w` is (weights,) for a float pool or (packed, scales) for int4: then block k is one
     128-row group whose bytes hold rows j (low nibble) and j + 64 (high nibble).
     """
     bk, t = tiles.bk, tiles.transpose
     if len(w) == 1:
-        return _dot(xblock(k * bk, bk), w[0][slot, pl.ds(k * bk, bk), cols], t)
+        return _dot(xs[0], w[0][slot, pl.ds(k * bk, bk), cols], t)
     packed_ref, scale_ref = w
     half = bk // 2
     p = packed_ref[slot, pl.ds(k * half, half), cols]
-    x_lo, x_hi = xblock(k * bk, half), xblock(k * bk + half, half)
+    x_lo, x_hi = xs
     lo, hi, offset = _nibble_values(p, x_lo.dtype, tiles.fold_offset, tiles.magic, asm)
     acc = _dot(x_lo, lo, t) + _dot(x_hi, hi, t)
     scale = scale_ref[slot, pl.ds(k, 1), cols].astype(jnp.float32)
@@ -169,8 +178,9 @@ def _gate_up_kernel(slots_ref, valid_ref, x_ref, *refs, tiles: Tiles, nw: int, a
         return x_ref[:, pl.ds(start, size)]
 
     def block(k):
-        return (_block_dot(xblock, w1, slot, k, cols, tiles, asm),
-                _block_dot(xblock, w3, slot, k, cols, tiles, asm))
+        xs = _x_blocks(xblock, k, tiles, nw == 2)
+        return (_block_dot(xs, w1, slot, k, cols, tiles, asm),
+                _block_dot(xs, w3, slot, k, cols, tiles, asm))
 
     @pl.when(valid_ref[c] != 0)
     def _():
@@ -194,7 +204,8 @@ def _down_kernel(slots_ref, valid_ref, h_ref, *refs, tiles: Tiles, nw: int, asm:
         return h_ref[c, :, pl.ds(start, size)]
 
     def block(k):
-        return (_block_dot(xblock, w2, slot, k, cols, tiles, asm),)
+        xs = _x_blocks(xblock, k, tiles, nw == 2)
+        return (_block_dot(xs, w2, slot, k, cols, tiles, asm),)
 
     @pl.when(valid_ref[c] != 0)
     def _():

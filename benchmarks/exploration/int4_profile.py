@@ -111,6 +111,61 @@ def diag_kernel(slots_ref, x_ref, w1_ref, w3_ref, o_ref, *, tiles, mode, nk):
     o_ref[...] = acc[None].astype(o_ref.dtype)
 
 
+def wt_kernel(slots_ref, x_ref, w1_ref, w3_ref, s1_ref, s3_ref, o_ref, *, tiles, asm, nk):
+    """Gate/up with transposed int4 storage W^T [F, K/2]: weight tiles [bf, 64] are the dot's
+    left operand with no transpose (tensor cores can take them from registers)."""
+    c, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[c]
+    half = tiles.bk // 2
+    rows = pl.ds(j * tiles.bf, tiles.bf)
+
+    def one(w_ref, s_ref, k, x_lo, x_hi):
+        p = w_ref[slot, rows, pl.ds(k * half, half)]
+        if asm:
+            lo, hi = ek._asm_nibbles(p, True)
+        else:
+            lo, hi = (ek._magic_nibbles(q, jnp.bfloat16) for q in (p & 0xF, p >> 4))
+        acc = jnp.dot(lo, x_lo.T, preferred_element_type=jnp.float32)
+        acc += jnp.dot(hi, x_hi.T, preferred_element_type=jnp.float32)
+        return acc * s_ref[slot, rows, pl.ds(k, 1)].astype(jnp.float32)
+
+    def body(k, accs):
+        x_lo = x_ref[:, pl.ds(k * tiles.bk, half)]
+        x_hi = x_ref[:, pl.ds(k * tiles.bk + half, half)]
+        return (accs[0] + one(w1_ref, s1_ref, k, x_lo, x_hi),
+                accs[1] + one(w3_ref, s3_ref, k, x_lo, x_hi))
+
+    n = x_ref.shape[0]
+    zero = jnp.zeros((tiles.bf, n), jnp.float32)
+    a1, a3 = jax.lax.fori_loop(0, nk, body, (zero, zero))
+    o_ref[...] = (jax.nn.silu(a1) * a3).astype(o_ref.dtype)[None]
+
+
+def diag_wt(shape, tiles, asm, tokens=None):
+    pool, slots, valid, x, active = setup(shape, tokens)
+    n = max(16, x.shape[0])
+    xp = jnp.zeros((n, shape.d), x.dtype).at[: x.shape[0]].set(x)
+    s_count = shape.layers * shape.experts
+    wt = lambda k: jax.random.randint(  # noqa: E731
+        k, (s_count, shape.f, shape.d // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    w1, w3 = wt(jax.random.PRNGKey(5)), wt(jax.random.PRNGKey(6))
+    del pool
+    sc = jnp.full((s_count, shape.f, shape.d // 128), 0.01, jnp.bfloat16)
+    call = pl.pallas_call(
+        functools.partial(wt_kernel, tiles=tiles, asm=asm, nk=shape.d // tiles.bk),
+        grid=(slots.shape[1], shape.f // tiles.bf),
+        out_shape=jax.ShapeDtypeStruct((slots.shape[1], shape.f, n), jnp.bfloat16),
+        out_specs=pl.BlockSpec((1, tiles.bf, n), lambda c, j: (c, j, 0)),
+        compiler_params=ek._compiler_params(tiles))
+
+    @jax.jit
+    def run(xp, slots, w1, w3, sc):
+        return sum(call(slots[i], xp, w1, w3, sc, sc).astype(jnp.float32).sum()
+                   for i in range(shape.layers))
+    fn = lambda: run(xp, slots, w1, w3, sc).block_until_ready()  # noqa: E731
+    return fn, slots.shape[1] * 2 * (shape.d * shape.f // 2) * 1.0
+
+
 def diag(shape, tiles, mode):
     pool, slots, valid, x, active = setup(shape)
     n = max(16, x.shape[0])
@@ -143,7 +198,7 @@ def diag(shape, tiles, mode):
 
 def main():
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
-    only = sys.argv[1:] or ["profile", "rows", "diag"]
+    only = sys.argv[1:] or ["profile", "rows", "diag", "warps", "wt"]
     for shape in SHAPES:
         tiles = ek.tiles_for(shape.d, shape.f, base=BEST[shape.name], quantized=True)
         r = res[shape.name] = {"tiles": str(tiles)}
@@ -159,6 +214,31 @@ def main():
                 r[f"tokens{tokens}_us"] = dt * 1e6
                 r[f"tokens{tokens}_GBps"] = nbytes / dt / 1e9
                 print(shape.name, tokens, dt * 1e6, nbytes / dt / 1e9, flush=True)
+        if "warps" in only:
+            for tokens in (16, 32):
+                for warps in (2, 4, 8):
+                    t = dataclasses.replace(tiles, num_warps=warps)
+                    fn, nbytes = full(shape, t, tokens)
+                    dt = median_time(fn, reps=10) / shape.layers
+                    r[f"tokens{tokens}_warps{warps}_GBps"] = nbytes / dt / 1e9
+                    print(shape.name, tokens, warps, nbytes / dt / 1e9, flush=True)
+        if "wt" in only:
+            for tokens in (16, 32):
+                for asm in (True, False):
+                    for warps in (4, 8):
+                        t = dataclasses.replace(tiles, num_warps=warps)
+                        key = f"wt_tokens{tokens}_asm{asm}_warps{warps}"
+                        try:
+                            fn, nbytes = diag_wt(shape, t, asm, tokens)
+                            dt = median_time(fn, reps=10) / shape.layers
+                            r[key + "_GBps"] = nbytes / dt / 1e9
+                        except Exception as e:  # noqa: BLE001
+                            r[key + "_error"] = repr(e)[:300]
+                        print(shape.name, key, r.get(key + "_GBps"), r.get(key + "_error"),
+                              flush=True)
+            fn, nbytes = diag_wt(shape, tiles, True)
+            r["wt_kernels"] = kernel_times(fn, reps=3)
+            print(r["wt_kernels"], flush=True)
         if "diag" in only:
             for mode in ("stream", "dequant", "dots"):
                 try:
