@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import glob
+import gzip
+import json
 import platform
+import tempfile
 import time
 
 import jax
@@ -21,6 +25,29 @@ def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
+    """GPU kernels that `fn()` runs, from a profiler trace: name -> launches and device
+    microseconds per call of `fn`, slowest first (the device time without dispatch gaps)."""
+    fn()
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(reps):
+            fn()
+    path = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
+    trace = json.load(gzip.open(path))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e.get("args", {}).get("name", "").upper()}
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            entry = totals.setdefault(e["name"][:60], [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0))
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
+    return {name: {"count": c / reps, "us": t / reps} for name, (c, t) in ranked}
 
 
 def hbm_bandwidth() -> dict[str, float]:

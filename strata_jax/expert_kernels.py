@@ -281,13 +281,17 @@ def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
 TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
 # int4: the best of the sweep in benchmarks/results/int4_experts.md (Mixtral experts, 64 rows)
 TILES_INT4 = Tiles(bf=128, bd=128, split_k=4, num_warps=4, num_stages=3, fold_offset=False,
-                   magic=True)
+                   magic=True, asm=True)
+MIN_SPLIT_STEPS = 16  # shorter split-K loops spend their time filling the load pipeline
 
 
 def tiles_for(d: int, f: int, base: Tiles | None = None, quantized: bool = False) -> Tiles | None:
-    """`base` with the largest split_k <= base.split_k that divides the K steps, or None."""
+    """`base` with the largest split_k <= base.split_k that divides the down projection's K
+    steps into loops of at least MIN_SPLIT_STEPS (else 1), or None if nothing fits."""
     base = base or (TILES_INT4 if quantized else TILES)
     for split in range(base.split_k, 0, -1):
+        if split > 1 and f // base.bk // split < MIN_SPLIT_STEPS:
+            continue
         tiles = dataclasses.replace(base, split_k=split)
         try:
             check_tiles(d, f, tiles, quantized)

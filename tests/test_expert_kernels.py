@@ -193,7 +193,9 @@ def test_active_experts_lists_distinct_ids_first():
 
 
 def test_tiles_for_shrinks_split_k_to_fit():
-    assert ek.tiles_for(2048, 768, ek.Tiles(split_k=4)).split_k == 3
+    # 48 K blocks: 4 splits would leave loops of 12 < MIN_SPLIT_STEPS; 3 splits give 16
+    assert ek.tiles_for(2048, 6144, ek.Tiles(split_k=4)).split_k == 3
+    assert ek.tiles_for(2048, 768, ek.Tiles(split_k=4)).split_k == 1
     assert ek.tiles_for(4096, 14336, ek.Tiles(split_k=4)).split_k == 4
     assert ek.tiles_for(100, 768) is None
 

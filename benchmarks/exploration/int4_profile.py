@@ -7,18 +7,16 @@ without dequant. Writes $OUT/int4_profile.json.
 """
 import dataclasses
 import functools
-import glob
-import gzip
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from benchmarks.common import device_kernel_times as kernel_times
 from benchmarks.common import median_time
 from benchmarks.int4_experts import SHAPES, int4_expert_bytes, random_int4_pool, routing
 from strata_jax import expert_kernels as ek
@@ -28,28 +26,6 @@ BEST = {
     "mixtral-8x7b": dataclasses.replace(ek.TILES_INT4, asm=True),
     "qwen3-30b-a3b": dataclasses.replace(ek.TILES_INT4, asm=True, split_k=1, bd=256),
 }
-
-
-def kernel_times(fn, reps=5):
-    fn()
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-        for _ in range(reps):
-            fn()
-    path = glob.glob(f"{d}/**/*perfetto_trace.json.gz", recursive=True)[0]
-    ev = json.load(gzip.open(path))
-    events = ev["traceEvents"] if isinstance(ev, dict) else ev
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {p for p, n in names.items() if "GPU" in n or "gpu" in n}
-    tot = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            k = e["name"][:60]
-            c, t = tot.get(k, (0, 0.0))
-            tot[k] = (c + 1, t + float(e.get("dur", 0)))
-    return {k: {"count": c / reps, "us": t / reps} for k, (c, t) in
-            sorted(tot.items(), key=lambda kv: -kv[1][1])}
 
 
 def setup(shape, tokens=None):
