@@ -137,8 +137,8 @@ def _block_dot(xs: tuple, w, slot, k, cols, tiles: Tiles, asm: bool):
     128-row group whose bytes hold rows j (low nibble) and j + 64 (high nibble).
     """
     bk, t = tiles.bk, tiles.transpose
-    if len(w) == 1:
-        return _dot(xs[0], w[0][slot, pl.ds(k * bk, bk), cols], t)
+    if len(w) == 1:  # weights in the activations' dtype, as the XLA path computes them
+        return _dot(xs[0], w[0][slot, pl.ds(k * bk, bk), cols].astype(xs[0].dtype), t)
     packed_ref, scale_ref = w
     half = bk // 2
     p = packed_ref[slot, pl.ds(k * half, half), cols]

@@ -41,6 +41,18 @@ def test_pallas_kernel_matches_float64(tiles, n):
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
 
 
+def test_pallas_kernel_casts_bf16_weights_to_float32_activations_like_xla():
+    """A bf16 pool (host-dequantized experts) under float32 activations: the Triton dot needs
+    one element type, and both paths compute in the activations' dtype."""
+    x, w1, w3, w2 = _inputs(3, 4)
+    pool = ExpertPool(*(jnp.asarray(w, jnp.bfloat16) for w in (w1, w3, w2)))
+    slots = np.array([1, 5], np.int32)
+    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=1),
+                                 interpret=True).sum(1)
+    ref = _reference(x, slots, *(np.asarray(w.astype(jnp.float32)) for w in pool[:3]))
+    assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
+
+
 def test_xla_path_matches_float64():
     x, w1, w3, w2 = _inputs(11, 40)
     slots = np.array([2, 5], np.int32)
