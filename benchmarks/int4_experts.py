@@ -23,6 +23,7 @@ import numpy as np
 
 from benchmarks.common import device_kernel_times, hbm_bandwidth, machine, median_time
 from strata_jax import expert_kernels as ek
+from strata_jax.moe import Routing, routed_outputs
 from strata_jax.pool import ExpertPool
 from strata_runtime.host_dequant import HostDequantizer
 
@@ -80,24 +81,25 @@ def random_int4_pool(key, slots: int, d: int, f: int) -> ExpertPool:
                       scales(d, f), scales(d, f), scales(f, d))
 
 
-def routing(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def routing(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer: the active expert ids padded to capacity (padding marked invalid by a
-    count of zero), and the rows per expert."""
+    count of zero), the rows per expert, and the picks [tokens, top_k]."""
     rng = np.random.default_rng(seed)
     cap = min(shape.experts, shape.tokens * shape.top_k)
-    ids, counts = [], []
+    ids, counts, sels = [], [], []
     for _ in range(shape.layers):
         sel = np.stack([rng.choice(shape.experts, shape.top_k, replace=False)
                         for _ in range(shape.tokens)])
         uniq = np.unique(sel)
         ids.append(np.concatenate([uniq, np.setdiff1d(np.arange(shape.experts), uniq)])[:cap])
         counts.append(np.bincount(sel.ravel(), minlength=shape.experts))
-    return np.array(ids, np.int32), np.array(counts, np.int32)
+        sels.append(sel)
+    return np.array(ids, np.int32), np.array(counts, np.int32), np.array(sels, np.int32)
 
 
 def run_shape(shape: Shape, bw: float) -> list[dict]:
     pool = random_int4_pool(jax.random.PRNGKey(1), shape.layers * shape.experts, shape.d, shape.f)
-    ids, counts = routing(shape, 2)
+    ids, counts, sels = routing(shape, 2)
     active = [len(np.unique(np.nonzero(c)[0])) for c in counts]
     slots = jnp.asarray(ids + (np.arange(shape.layers) * shape.experts)[:, None])
     valid = jnp.asarray(np.take_along_axis(counts, ids, axis=1) > 0)
@@ -151,6 +153,13 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
             lambda x, s, p, i, v: ek.grouped_swiglu_xla(x, s, p, v)),
         f"XLA dequant + lax.ragged_dot ({shape.tokens * shape.top_k} rows)": None,
     }
+    if shape.tokens > ek.ROW_TILE:  # the engine's path, routing glue included
+        for chunks, label in ((False, "all rows per expert"), (True, "own rows per expert")):
+            variants[f"pallas int4 via routed_outputs, {label}"] = over_layers(
+                lambda x, s, p, i, v, chunks=chunks: routed_outputs(
+                    x, Routing(jnp.asarray(sels[i]), None, None), p,
+                    jnp.arange(shape.experts, dtype=jnp.int32) + i * shape.experts,
+                    jnp.ones(shape.experts, bool), row_chunks=chunks))
     results = []
     for name, fn in variants.items():
         if fn is None:

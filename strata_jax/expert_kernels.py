@@ -19,6 +19,7 @@ from strata_jax.pool import ExpertPool
 from strata_jax.quant import GROUP as INT4_GROUP
 
 PALLAS_MAX_ROWS = 32  # decode shapes; larger row counts take the XLA path
+ROW_TILE = 16  # fewest rows a Triton dot takes; above it, experts get their own rows
 
 
 @dataclass(frozen=True)
@@ -171,11 +172,12 @@ def _gate_up_kernel(slots_ref, valid_ref, x_ref, *refs, tiles: Tiles, nw: int, a
     w1, w3, h_ref = refs[:nw], refs[nw : 2 * nw], refs[-1]
     c, j = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[c]
-    n, d = x_ref.shape
+    xi = c if x_ref.shape[0] > 1 else 0  # rows per entry [C, n, D], or shared [1, n, D]
+    n, d = x_ref.shape[1:]
     cols = pl.ds(j * tiles.bf, tiles.bf)
 
     def xblock(start, size):
-        return x_ref[:, pl.ds(start, size)]
+        return x_ref[xi, :, pl.ds(start, size)]
 
     def block(k):
         xs = _x_blocks(xblock, k, tiles, nw == 2)
@@ -238,13 +240,15 @@ def _weights(pool: ExpertPool) -> tuple[tuple, tuple, tuple]:
 def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
                           interpret: bool = False, valid=None):
     """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums [C, split_k, N, D] float32.
+    x may also be [C, N, D]: each entry's own rows (`moe.row_chunks`).
 
     Entries whose `valid` [C] is false read no weights and give zeros."""
-    n0, d = x.shape
+    x3 = x if x.ndim == 3 else x[None]
+    n0, d = x3.shape[1:]
     f = pool.intermediate_size
     check_tiles(d, f, tiles, pool.quantized)
-    n = max(16, -(-n0 // 16) * 16)  # Triton dots need >= 16 rows
-    xp = jnp.zeros((n, d), x.dtype).at[:n0].set(x)
+    n = max(ROW_TILE, -(-n0 // 16) * 16)  # Triton dots need >= 16 rows
+    xp = jnp.zeros((x3.shape[0], n, d), x.dtype).at[:, :n0].set(x3)
     c = slots.shape[0]
     valid = jnp.ones((c,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     params = _compiler_params(tiles)
@@ -272,8 +276,9 @@ def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
 def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
     """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N)."""
     w1, w3, w2 = (pool.dense_weights(kind, slots, x.dtype) for kind in ("w1", "w3", "w2"))
-    gate = jnp.einsum("nd,cdf->cnf", x, w1)
-    up = jnp.einsum("nd,cdf->cnf", x, w3)
+    rows = "cnd" if x.ndim == 3 else "nd"
+    gate = jnp.einsum(f"{rows},cdf->cnf", x, w1)
+    up = jnp.einsum(f"{rows},cdf->cnf", x, w3)
     y = einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
     return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
 
@@ -308,11 +313,18 @@ def use_pallas(n: int, d: int, f: int, quantized: bool = False) -> bool:
     return tiles_for(d, f, quantized=quantized) is not None
 
 
+def use_row_chunks(n: int, d: int, f: int, quantized: bool = False) -> bool:
+    """Whether each expert should multiply only its own rows (chunks of ROW_TILE) rather than
+    all n: on the Pallas path, where rows are padded to ROW_TILE anyway, once n exceeds it."""
+    return n > ROW_TILE and use_pallas(n, d, f, quantized)
+
+
 def grouped_swiglu(x, slots, pool: ExpertPool, valid=None):
     """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
-    output; zeros where `valid` [C] is false), by the path `use_pallas` picks."""
-    d, f = x.shape[1], pool.intermediate_size
-    if use_pallas(x.shape[0], d, f, pool.quantized):
+    output; zeros where `valid` [C] is false), by the path `use_pallas` picks. x is [N, D],
+    or [C, N, D] with each entry's own rows."""
+    d, f = x.shape[-1], pool.intermediate_size
+    if use_pallas(x.shape[-2], d, f, pool.quantized):
         tiles = tiles_for(d, f, quantized=pool.quantized)
         return grouped_swiglu_pallas(x, slots, pool, tiles=tiles, valid=valid)
     return grouped_swiglu_xla(x, slots, pool, valid)

@@ -89,22 +89,89 @@ def routed_outputs(
     pool: ExpertPool,
     slot_of_expert: jax.Array,
     take: jax.Array,
+    row_chunks: bool | None = None,
 ) -> jax.Array:
     """Each pick's expert output [N, K, D] float32, for the experts marked in `take` [E] (bool);
     other picks are zero.
 
     One layer's experts may then be computed in several passes over different pool contents
     and merged exactly (each pick is filled by exactly one pass): every expert's output comes
-    from the same compiled code whatever else shares its pass.
+    from the same compiled code whatever else shares its pass. `row_chunks` (default: what
+    `expert_kernels.use_row_chunks` says) has each expert multiply only the rows routed to it.
     """
+    n, d = x.shape
+    if row_chunks is None:
+        row_chunks = expert_kernels.use_row_chunks(n, d, pool.intermediate_size, pool.quantized)
+    if row_chunks:
+        picked = _chunked_outputs(x, routing, pool, slot_of_expert, take)
+    else:
+        picked = _dense_outputs(x, routing, pool, slot_of_expert, take)
+    return jnp.where(take[routing.experts][..., None], picked, 0.0)
+
+
+def _dense_outputs(x, routing, pool, slot_of_expert, take):
+    """Every active expert applied to all N rows; picks read out of [C, N, D]."""
     n, num_experts = x.shape[0], slot_of_expert.shape[0]
     capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
     ids, valid = active_experts(routing.experts, num_experts, capacity, take)
     outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid)
     per_expert = jnp.sum(outputs, axis=1)
     position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
-    picked = per_expert[position, jnp.arange(n)[:, None]]
-    return jnp.where(take[routing.experts][..., None], picked, 0.0)
+    return per_expert[position, jnp.arange(n)[:, None]]
+
+
+def _chunked_outputs(x, routing, pool, slot_of_expert, take):
+    """Each expert applied to its own rows only, in chunks of ROW_TILE rows."""
+    chunks = row_chunks(routing.experts, take, slot_of_expert.shape[0],
+                        expert_kernels.ROW_TILE)
+    rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[chunks.rows]
+    slots = slot_of_expert[jnp.minimum(chunks.expert, slot_of_expert.shape[0] - 1)]
+    outputs = jnp.sum(expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid), axis=1)
+    return outputs[chunks.pick_chunk, chunks.pick_row]
+
+
+class RowChunks(NamedTuple):
+    """Picks grouped by expert into chunks of R rows (fixed shapes).
+
+    expert [C] (E marks an unused chunk), valid [C], rows [C, R] token of each row (N marks
+    padding), and for every pick [N, K] its chunk and row (0 for picks not taken)."""
+
+    expert: jax.Array
+    valid: jax.Array
+    rows: jax.Array
+    pick_chunk: jax.Array
+    pick_row: jax.Array
+
+
+def chunk_capacity(num_tokens: int, top_k: int, num_experts: int, rows: int) -> int:
+    """Most chunks the picks can need: one per active expert plus the overflow of full ones."""
+    return expert_capacity(num_tokens, top_k, num_experts) + -(-num_tokens * top_k // rows)
+
+
+def row_chunks(experts: jax.Array, take: jax.Array, num_experts: int, rows: int) -> RowChunks:
+    """Group the picks `experts` [N, K] of the experts marked in `take` [E] by expert id (token
+    order within an expert) into chunks of `rows` rows."""
+    n, k = experts.shape
+    capacity = chunk_capacity(n, k, num_experts, rows)
+    flat = experts.reshape(-1)
+    key = jnp.where(take[flat], flat, num_experts)  # picks not taken sort last
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts]
+    first_pick = jnp.cumsum(counts) - counts
+    first_chunk = jnp.cumsum(-(-counts // rows)) - (-(-counts // rows))
+    sorted_key = key[order]
+    expert = jnp.minimum(sorted_key, num_experts - 1)
+    rank = jnp.arange(n * k) - first_pick[expert]
+    taken = sorted_key < num_experts
+    chunk = jnp.where(taken, first_chunk[expert] + rank // rows, capacity)
+    row = rank % rows
+    token = order // k
+    table = jnp.full((capacity + 1, rows), n, jnp.int32).at[chunk, row].set(token)
+    owner = jnp.full((capacity + 1,), num_experts, jnp.int32).at[chunk].set(sorted_key)
+    pick_chunk = jnp.zeros(n * k, jnp.int32).at[order].set(jnp.where(taken, chunk, 0))
+    pick_row = jnp.zeros(n * k, jnp.int32).at[order].set(jnp.where(taken, row, 0))
+    return RowChunks(owner[:capacity], owner[:capacity] < num_experts, table[:capacity],
+                     pick_chunk.reshape(n, k), pick_row.reshape(n, k))
 
 
 def combine_routed(routing: Routing, outputs: jax.Array) -> jax.Array:

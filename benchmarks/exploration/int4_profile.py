@@ -32,7 +32,7 @@ def setup(shape, tokens=None):
     tokens = tokens or shape.tokens
     pool = random_int4_pool(jax.random.PRNGKey(1), shape.layers * shape.experts, shape.d, shape.f)
     shape = dataclasses.replace(shape, tokens=tokens)
-    ids, counts = routing(shape, 2)
+    ids, counts, _ = routing(shape, 2)
     slots = jnp.asarray(ids + (np.arange(shape.layers) * shape.experts)[:, None])
     valid = jnp.asarray(np.take_along_axis(counts, ids, axis=1) > 0)
     x = jax.random.normal(jax.random.PRNGKey(3), (tokens, shape.d), jnp.bfloat16)
