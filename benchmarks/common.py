@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
-    """Median wall time of `fn()` (which must block until its device work is done)."""
+def wall_times(fn, reps: int = 10, warmup: int = 1) -> np.ndarray:
+    """Wall times of `reps` calls of `fn()` (which must block until its device work is done)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -24,7 +24,11 @@ def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return np.array(times)
+
+
+def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
+    return float(np.median(wall_times(fn, reps, warmup)))
 
 
 def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
@@ -51,12 +55,13 @@ def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
 
 
 def hbm_bandwidth() -> dict[str, float]:
-    """Copy (read + write) and read-only (reduction) bandwidth over a 4 GiB array, GB/s."""
+    """Copy (read + write) and read-only (reduction) bandwidth over a 4 GiB array, GB/s: the
+    best of 20 calls, so that a slow moment of the GPU does not lower the bound."""
     x = jax.random.normal(jax.random.PRNGKey(0), (1 << 30,), jnp.float32)
     copy = jax.jit(lambda a: a * 1.0001 + 1.0)
     read = jax.jit(lambda a: jnp.sum(a))
-    t_copy = median_time(lambda: copy(x).block_until_ready())
-    t_read = median_time(lambda: read(x).block_until_ready())
+    t_copy = wall_times(lambda: copy(x).block_until_ready(), reps=20).min()
+    t_read = wall_times(lambda: read(x).block_until_ready(), reps=20).min()
     return {"copy": 2 * x.nbytes / t_copy / 1e9, "read": x.nbytes / t_read / 1e9}
 
 
