@@ -73,6 +73,9 @@ class EngineConfig:
     # need in a decode step, capped at two 256 MiB halves. Fewer frees HBM for pinned experts
     # (a PCIe-bound step moves less) at the price of more expert passes per layer.
     staging_slots: int | None = None
+    # each expert multiplies only the rows routed to it (chunks of 16) instead of the whole
+    # batch; None = on the GPU kernel's path above 16 rows (`expert_kernels.use_row_chunks`)
+    row_chunks: bool | None = None
 
 
 def placement(cfg: ModelConfig, pinned: int, host: int,
@@ -145,15 +148,15 @@ def _route(cfg, lp, x):
     return mdl.route_layer(cfg, lp, x)[1].experts
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _moe(cfg, lp, x, pool, slot_row):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _moe(cfg, lp, x, pool, slot_row, row_chunks):
     """The layer's MoE output and its routed experts (one program for every budget)."""
-    return mdl.moe_block(cfg, lp, x, pool, slot_row)
+    return mdl.moe_block(cfg, lp, x, pool, slot_row, row_chunks)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=6)
-def _moe_pass(cfg, lp, x, pool, slot_row, take, picks):
-    return mdl.moe_pass(cfg, lp, x, pool, slot_row, take, picks)
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=6)
+def _moe_pass(cfg, lp, x, pool, slot_row, take, picks, row_chunks):
+    return mdl.moe_pass(cfg, lp, x, pool, slot_row, take, picks, row_chunks)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -443,7 +446,7 @@ class Engine:
             self._resident_rows[layer] = jnp.asarray(self.pool.page_table[layer])
         row = self._resident_rows[layer]
         if decode:  # the expert program also returns the routing: one dispatch, not two
-            out, ids = _moe(self.cfg, lp, x, self.pool.arrays, row)
+            out, ids = _moe(self.cfg, lp, x, self.pool.arrays, row, self.config.row_chunks)
             self._deferred.append((layer, ids))
             return out
         self._deferred.append((layer, _route(self.cfg, lp, x)))
@@ -492,7 +495,7 @@ class Engine:
         chunk = sorted(transfers)
         row = self._install(layer, chunk, transfers, users)
         self._prefetch(layer + 1, gate)
-        out = _moe(self.cfg, lp, x, self.pool.arrays, row)[0]
+        out = _moe(self.cfg, lp, x, self.pool.arrays, row, self.config.row_chunks)[0]
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
         self._cache_admit(layer, chunk, row)
         return out
@@ -521,7 +524,8 @@ class Engine:
             take[chunk] = True
             if i == 0:
                 take |= self.pool.page_table[layer] >= 0
-            picks = _moe_pass(cfg, lp, x, self.pool.arrays, row, take, picks)
+            picks = _moe_pass(cfg, lp, x, self.pool.arrays, row, take, picks,
+                              self.config.row_chunks)
             self._cache_admit(layer, chunk, row)
         out = _moe_finish(cfg, lp, x, picks)  # (the passes donate `picks`: watch the result)
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))

@@ -93,22 +93,24 @@ def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, 
 
 
 def moe_block(
-    cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array
+    cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array,
+    row_chunks: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Residual MoE FFN (routed + optional gated shared expert); also the selected experts."""
+    """Residual MoE FFN (routed + optional gated shared expert); also the selected experts.
+    `row_chunks`: see `moe.routed_outputs`."""
     h, routing = route_layer(cfg, lp, x)
-    out = apply_experts(h, routing, pool, slot_row)
+    out = apply_experts(h, routing, pool, slot_row, row_chunks)
     return x + _with_shared(cfg, lp, h, out).reshape(x.shape), routing.experts
 
 
 def moe_pass(
     cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array,
-    take: jax.Array, picks: jax.Array,
+    take: jax.Array, picks: jax.Array, row_chunks: bool | None = None,
 ) -> jax.Array:
     """`picks` [N, K, D] float32 with the outputs of the experts marked in `take` filled in:
     moe_block in several passes when one layer's experts do not fit the pool at once."""
     h, routing = route_layer(cfg, lp, x)
-    out = routed_outputs(h, routing, pool, slot_row, take)
+    out = routed_outputs(h, routing, pool, slot_row, take, row_chunks)
     return jnp.where(take[routing.experts][..., None], out, picks)
 
 

@@ -71,6 +71,7 @@ def apply_experts(
     routing: Routing,
     pool: ExpertPool,
     slot_of_expert: jax.Array,
+    row_chunks: bool | None = None,
 ) -> jax.Array:
     """Weighted sum of the selected experts' SwiGLU outputs, reading each active expert once.
 
@@ -79,7 +80,7 @@ def apply_experts(
     several passes (the offload runtime's staging) gives the same bits.
     """
     take = jnp.ones(slot_of_expert.shape, jnp.bool_)
-    picks = routed_outputs(x, routing, pool, slot_of_expert, take)
+    picks = routed_outputs(x, routing, pool, slot_of_expert, take, row_chunks)
     return combine_routed(routing, picks).astype(x.dtype)
 
 

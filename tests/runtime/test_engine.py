@@ -66,6 +66,23 @@ def test_staging_slots_keep_bits_and_the_in_flight_bound(ckpt, staging):
     assert 0 < engine.max_in_flight <= staging
 
 
+def test_row_chunks_keep_bits_under_offload_and_match_whole_batch_rows(ckpt):
+    """Experts that multiply only their own rows: an offloaded run in passes is bit-identical
+    to the unlimited one, and both agree with experts applied to the whole batch."""
+    def run(**knobs):
+        engine = Engine.from_checkpoint(ckpt, EngineConfig(
+            batch_capacity=4, max_len=32, row_chunks=True, **knobs))
+        return engine.generate_with_logits(PROMPTS, 6), engine
+
+    (ref_tokens, ref_logits), _ = run()
+    (tokens, logits), engine = run(resident_experts=3, host_experts=4, staging_slots=2)
+    assert tokens == ref_tokens and engine.extra_passes > 0
+    np.testing.assert_array_equal(logits, ref_logits)
+    whole_tokens, whole_logits, _ = _run(ckpt, None)
+    assert whole_tokens == ref_tokens
+    np.testing.assert_allclose(whole_logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_engine_matches_resident_generate(ckpt):
     tokens, _, _ = _run(ckpt, 3)
     assert tokens == strata_jax.generate(strata_jax.load(ckpt), PROMPTS, 6)
