@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU kernel tests, synth write rate, resident decode, int4 kernels.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
-export PYTHONPATH="$PWD:/tmp/sp"
+source "$(dirname "$0")/device_env.sh"
 df -h /tmp /dev/shm | tee "$OUT/disk.txt"
 python3 -m pytest -q tests/test_expert_kernels.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
 if [[ "${SKIP_DISK:-0}" != 1 ]]; then

@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # Short device call: GPU kernel tests, synth write rates, int4 kernel sweep.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
-export PYTHONPATH="$PWD:/tmp/sp"
+source "$(dirname "$0")/device_env.sh"
 python3 -m pytest -q tests/test_expert_kernels.py 2>&1 | tail -2 | tee "$OUT/gpu_tests.txt"
 python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 /tmp/disk8 2>&1 | tail -1 \
   | tee "$OUT/synth_disk.txt"

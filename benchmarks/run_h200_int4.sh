@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the int4 kernel GPU tests, then the int4 expert benchmark and its tile sweep.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
-export PYTHONPATH="$PWD:/tmp/sp"
-python3 -m pytest -q tests/test_expert_kernels.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_int4.txt"
+source "$(dirname "$0")/device_env.sh"
+python3 -m pytest -q tests/test_expert_kernels.py tests/test_moe.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_int4.txt"
 python3 -m benchmarks.int4_experts --out "$OUT" 2>&1 | grep -v "^W0" | tee "$OUT/int4_experts_log.txt" \
   | tail -60

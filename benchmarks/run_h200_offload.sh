@@ -2,11 +2,7 @@
 # One device call: the issue-4 offload benchmark. Synthetic Mixtral-8x7B shape, 8 layers, in
 # /dev/shm (tier 2 is not read during decode: the host budget holds every expert), 8 GiB HBM,
 # B=1 / B=16, bf16 and int4 (RTN) experts, uniform and 80/20 routing.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-mkdir -p /tmp/sp && ln -sfn "$PWD/runtime" /tmp/sp/strata_runtime
-export PYTHONPATH="$PWD:/tmp/sp"
+source "$(dirname "$0")/device_env.sh"
 ROUTINGS=${ROUTINGS:-"uniform skew"}
 KINDS=${KINDS:-"bf16 int4"}
 SKEW_KINDS=${SKEW_KINDS:-$KINDS}  # int4 fits the budget whole: its skew rows can be skipped

@@ -44,11 +44,7 @@ def test_pallas_kernel_matches_float64(tiles, n):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_pallas_kernel_with_rows_per_entry_matches_float64(quantized):
     """x [C, R, D]: entry c multiplies its own rows (the expert-grouped row chunks)."""
-    if quantized:
-        pool, (d1, d3, d2) = _int4_pool(12)
-    else:
-        _, d1, d3, d2 = _inputs(12, 1, slots=6)
-        pool = ExpertPool(d1, d3, d2)
+    pool, (d1, d3, d2) = _pool(12, quantized)
     x = np.random.default_rng(13).normal(size=(3, 5, 256)).astype(np.float32)
     slots = np.array([4, 0, 4], np.int32)
     y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
@@ -94,6 +90,14 @@ def _int4_pool(seed, slots=6, d=256, f=256):
 
     (p1, s1, d1), (p3, s3, d3), (p2, s2, d2) = one(d, f), one(d, f), one(f, d)
     return ExpertPool(p1, p3, p2, s1, s3, s2), (d1, d3, d2)
+
+
+def _pool(seed, quantized: bool):
+    """A 6-slot pool (256 x 256 experts), int4 or float32, and its float64 weights."""
+    if quantized:
+        return _int4_pool(seed)
+    _, w1, w3, w2 = _inputs(seed, 1, slots=6)
+    return ExpertPool(w1, w3, w2), (w1, w3, w2)
 
 
 @pytest.mark.parametrize(("fold", "magic"), [(True, False), (False, False), (False, True)])
@@ -166,11 +170,7 @@ def test_ptx_nibbles_match_magic_nibbles_for_every_byte(offset):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_invalid_entries_give_zeros_and_leave_the_others_alone(quantized):
-    if quantized:
-        pool, (d1, d3, d2) = _int4_pool(8)
-    else:
-        _, d1, d3, d2 = _inputs(8, 1, slots=6)
-        pool = ExpertPool(d1.astype(np.float32), d3.astype(np.float32), d2.astype(np.float32))
+    pool, (d1, d3, d2) = _pool(8, quantized)
     x = np.random.default_rng(4).normal(size=(3, 256)).astype(np.float32)
     slots = np.array([3, 0, 5], np.int32)
     valid = np.array([True, False, True])
