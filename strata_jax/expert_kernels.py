@@ -240,7 +240,7 @@ def _weights(pool: ExpertPool) -> tuple[tuple, tuple, tuple]:
 def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
                           interpret: bool = False, valid=None):
     """x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums [C, split_k, N, D] float32.
-    x may also be [C, N, D]: each entry's own rows (`moe.row_chunks`).
+    x may also be [C, N, D]: each entry's own rows (`moe.chunk_picks`).
 
     Entries whose `valid` [C] is false read no weights and give zeros."""
     x3 = x if x.ndim == 3 else x[None]

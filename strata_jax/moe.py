@@ -123,7 +123,7 @@ def _dense_outputs(x, routing, pool, slot_of_expert, take):
 
 def _chunked_outputs(x, routing, pool, slot_of_expert, take):
     """Each expert applied to its own rows only, in chunks of ROW_TILE rows."""
-    chunks = row_chunks(routing.experts, take, slot_of_expert.shape[0],
+    chunks = chunk_picks(routing.experts, take, slot_of_expert.shape[0],
                         expert_kernels.ROW_TILE)
     rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[chunks.rows]
     slots = slot_of_expert[jnp.minimum(chunks.expert, slot_of_expert.shape[0] - 1)]
@@ -149,7 +149,7 @@ def chunk_capacity(num_tokens: int, top_k: int, num_experts: int, rows: int) -> 
     return expert_capacity(num_tokens, top_k, num_experts) + -(-num_tokens * top_k // rows)
 
 
-def row_chunks(experts: jax.Array, take: jax.Array, num_experts: int, rows: int) -> RowChunks:
+def chunk_picks(experts: jax.Array, take: jax.Array, num_experts: int, rows: int) -> RowChunks:
     """Group the picks `experts` [N, K] of the experts marked in `take` [E] by expert id (token
     order within an expert) into chunks of `rows` rows."""
     n, k = experts.shape

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_jax import expert_kernels as ek
-from strata_jax.moe import Routing, chunk_capacity, routed_outputs, row_chunks
+from strata_jax.moe import Routing, chunk_capacity, chunk_picks, routed_outputs
 from strata_jax.pool import ExpertPool
 
 
@@ -20,10 +20,10 @@ def _picks(seed, n, k, e):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 40), k=st.integers(1, 4),
        e=st.integers(4, 12), rows=st.sampled_from([2, 4, 16]))
-def test_row_chunks_place_every_taken_pick_once(seed, n, k, e, rows):
+def test_chunk_picks_place_every_taken_pick_once(seed, n, k, e, rows):
     experts = _picks(seed, n, k, e)
     take = np.random.default_rng(seed + 1).random(e) < 0.7
-    ch = jax.tree.map(np.asarray, row_chunks(jnp.asarray(experts), jnp.asarray(take), e, rows))
+    ch = jax.tree.map(np.asarray, chunk_picks(jnp.asarray(experts), jnp.asarray(take), e, rows))
     assert ch.rows.shape == (chunk_capacity(n, k, e, rows), rows)
     seen = set()
     for t in range(n):
