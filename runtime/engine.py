@@ -555,10 +555,10 @@ class Engine:
 
     def _end_step(self) -> None:
         """Advance the heat estimate; every `rebalance_every` steps re-rank the pinned set."""
+        due = self._rebalance_due()
         self.heat.end_step()
         self.steps += 1
-        every = self.config.rebalance_every
-        if not every or self.steps % every:
+        if not due:
             return
         for i, (out, new) in enumerate(rebalance(self.heat.heat, self.pinned,
                                                  self.config.hysteresis)):

@@ -247,7 +247,7 @@ def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
     n0, d = x3.shape[1:]
     f = pool.intermediate_size
     check_tiles(d, f, tiles, pool.quantized)
-    n = max(ROW_TILE, -(-n0 // 16) * 16)  # Triton dots need >= 16 rows
+    n = -(-n0 // ROW_TILE) * ROW_TILE  # Triton dots need >= 16 rows
     xp = jnp.zeros((x3.shape[0], n, d), x.dtype).at[:, :n0].set(x3)
     c = slots.shape[0]
     valid = jnp.ones((c,), jnp.int32) if valid is None else valid.astype(jnp.int32)
