@@ -50,9 +50,9 @@ class HostDequantizer:
         self.misses = 0
 
     def dequantize(self, packed: np.ndarray, scales: np.ndarray) -> np.ndarray | jax.Array:
-        """packed uint8 [K/2, N] + bf16 scales [K/128, N] -> bfloat16 [K, N] (numpy, or a jax
+        """packed uint8 [N, K/2] + bf16 scales [K/128, N] -> bfloat16 [K, N] (numpy, or a jax
         array in pinned host memory with `pin`)."""
-        k, n = packed.shape[0] * 2, packed.shape[1]
+        n, k = packed.shape[0], packed.shape[1] * 2
         if scales.shape != (k // INT4_GROUP, n):
             raise ValueError(f"scales shape {scales.shape} does not match packed {packed.shape}")
         args = jax.device_put((packed, scales), _CPU)

@@ -32,7 +32,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.quant import GROUP as INT4_GROUP
 
 FORMAT = "strata"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int4 experts packed output-major in K pairs (1: group half-split)
 EXPERT_KINDS = ("w1", "w3", "w2")
 GLOBAL_NAMES = ("embed", "lm_head", "final_norm")
 
@@ -83,6 +83,18 @@ INT8_MATRICES = ("wq", "wk", "wv", "wo", "shared_w1", "shared_w3", "shared_w2")
 ArraySpec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
 
+def _check_version(config_path: Path, meta: dict, quant: dict[str, str]) -> None:
+    """Version 1 differs only in the int4 expert layout, so its float-expert checkpoints load."""
+    version = meta.get("format_version")
+    if meta.get("format") != FORMAT or version not in (1, FORMAT_VERSION):
+        raise CheckpointError(
+            f"{config_path}: unsupported format {meta.get('format')!r} version {version!r}")
+    if version == 1 and quant.get("experts") != "none":
+        raise CheckpointError(
+            f"{config_path}: format version 1 packs int4 experts in the retired group half-split "
+            "layout; re-run `strata quantize` on the float checkpoint")
+
+
 def check_quantization(quant: dict[str, str]) -> None:
     if quant.get("dense") not in DENSE_QUANTS or quant.get("experts") not in EXPERT_QUANTS:
         raise CheckpointError(
@@ -101,7 +113,7 @@ def expert_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, 
             raise CheckpointError(
                 f"expert {kind}: input dim {k} is not a multiple of the int4 group {INT4_GROUP}"
             )
-        specs[kind] = ((k // 2, n), "uint8")
+        specs[kind] = ((n, k // 2), "uint8")  # output-major K pairs (quant.pack_int4)
         specs[f"{kind}_scale"] = ((k // INT4_GROUP, n), "bfloat16")
     return specs
 
@@ -353,13 +365,9 @@ class CheckpointReader:
                 "missing; an interrupted conversion leaves no manifest)"
             )
         self.meta = json.loads(config_path.read_text())
-        if self.meta.get("format") != FORMAT or self.meta.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{config_path}: unsupported format {self.meta.get('format')!r} "
-                f"version {self.meta.get('format_version')!r}"
-            )
-        self.config = ModelConfig.from_dict(self.meta["model"])
         self.quantization = dict(self.meta.get("quantization", FLOAT))
+        _check_version(config_path, self.meta, self.quantization)
+        self.config = ModelConfig.from_dict(self.meta["model"])
         check_quantization(self.quantization)
         self.expert_specs = expert_arrays(self.config, self.quantization)
         self.dense_specs = dense_layer_arrays(self.config, self.quantization)

@@ -102,7 +102,8 @@ def routed_outputs(
     """
     n, d = x.shape
     if row_chunks is None:
-        row_chunks = expert_kernels.use_row_chunks(n, d, pool.intermediate_size, pool.quantized)
+        row_chunks = expert_kernels.use_row_chunks(n, d, pool.intermediate_size, pool.quantized,
+                                                   x.dtype)
     if row_chunks:
         picked = _chunked_outputs(x, routing, pool, slot_of_expert, take)
     else:

@@ -13,8 +13,8 @@ class ExpertPool(NamedTuple):
     """Expert weights on a slot axis.
 
     Float: w1/w3 [S, D, F] (gate/up), w2 [S, F, D]. Packed int4 (symmetric, g = 128 along the
-    input dim, "group half-split" nibbles, see docs/quantization.md): w1/w3 uint8 [S, D/2, F],
-    w2 uint8 [S, F/2, D], and bf16 scales *_scale [S, in/128, out].
+    input dim, output-major K-pair nibbles, see docs/quantization.md): w1/w3 uint8 [S, F, D/2],
+    w2 uint8 [S, D, F/2], and bf16 scales *_scale [S, in/128, out].
     """
 
     w1: jax.Array
@@ -34,7 +34,7 @@ class ExpertPool(NamedTuple):
 
     @property
     def intermediate_size(self) -> int:
-        return self.w1.shape[-1]
+        return self.w1.shape[-2] if self.quantized else self.w1.shape[-1]
 
     def dense_weights(self, kind: str, slots: jax.Array, dtype) -> jax.Array:
         """The weights of `slots` as [C, in, out] in `dtype` (dequantized if packed)."""

@@ -3,11 +3,11 @@
 Weights are `[in, out]` (K, N), used as `x @ w`. Two formats:
 
 * int4, symmetric, group-wise along the input dim (routed experts). `q = clip(round(W / s),
-  -8, 7)` with one bfloat16 scale per (group of `group` input rows, output column). Two int4
-  values share a byte in the "group half-split" layout: for group g and j < group/2, byte row
-  `g * group/2 + j` holds `q[g * group + j] + 8` in its low nibble and
-  `q[g * group + group/2 + j] + 8` in its high nibble, so a kernel unpacks a group into two
-  contiguous row-halves with no interleave.
+  -8, 7)` with one bfloat16 scale per (group of `group` input rows, output column). The packed
+  bytes are stored output-major, `[..., N, K/2]` (the transpose, like a torch Linear weight),
+  byte `[n, i]` holding `q[2i, n]` in its low nibble and `q[2i + 1, n]` in its high nibble as
+  two's-complement int4: exactly the memory of an `int4 [..., N, K]` array, which the Hopper
+  kernel (`int4_kernel`) loads K-contiguous and feeds to the tensor cores from registers.
 * int8, symmetric, per output channel (dense / attention / shared weights):
   `q = clip(round(W / s), -127, 127)` with one bfloat16 scale per output column. Because the
   scale is per column, `x @ (q * s) == (x @ q) * s` and it can be applied after the matmul.
@@ -33,15 +33,15 @@ SEARCH_SHRINK = tuple(float(r) for r in np.linspace(0.6, 1.0, 21))
 
 
 class Int4Weight(NamedTuple):
-    """Packed int4 weight: packed uint8 [..., K/2, N], scales bfloat16 [..., K/group, N]."""
+    """Packed int4 weight: packed uint8 [..., N, K/2], scales bfloat16 [..., K/group, N]."""
 
     packed: np.ndarray
     scales: np.ndarray
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Shape of the unquantized weight."""
-        *lead, half, n = self.packed.shape
+        """Shape of the unquantized weight [..., K, N]."""
+        *lead, n, half = self.packed.shape
         return (*lead, 2 * half, n)
 
     @property
@@ -104,28 +104,25 @@ def quantize_with_scales(w: np.ndarray, scales: np.ndarray, qmin: int, qmax: int
 
 
 def pack_int4(q: np.ndarray, group: int = GROUP, name: str | None = None) -> np.ndarray:
-    """int8 [..., K, N] in [-8, 7] -> uint8 [..., K/2, N] in the group half-split layout."""
+    """int8 [..., K, N] in [-8, 7] -> uint8 [..., N, K/2]: K pairs, two's-complement nibbles."""
     q = np.asarray(q)
     *lead, k, n = q.shape
     check_group(k, group, name)
     if q.size and (q.min() < INT4_MIN or q.max() > INT4_MAX):
         raise ValueError(f"int4 values must lie in [-8, 7], got [{q.min()}, {q.max()}]")
-    u = (q.astype(np.int16) + 8).astype(np.uint8).reshape(*lead, k // group, 2, group // 2, n)
-    packed = u[..., 0, :, :] | (u[..., 1, :, :] << 4)
-    return packed.reshape(*lead, k // 2, n)
+    u = np.swapaxes(q, -1, -2).astype(np.uint8) & 0x0F
+    return u[..., 0::2] | (u[..., 1::2] << 4)
 
 
 def unpack_int4(packed: np.ndarray, group: int = GROUP) -> np.ndarray:
-    """uint8 [..., K/2, N] (group half-split) -> int8 [..., K, N] in [-8, 7]."""
+    """uint8 [..., N, K/2] -> int8 [..., K, N] in [-8, 7]."""
     packed = np.asarray(packed)
     if packed.dtype != np.uint8:
         raise ValueError(f"packed int4 must be uint8, got {packed.dtype}")
-    *lead, half, n = packed.shape
+    *lead, n, half = packed.shape
     check_group(2 * half, group)
-    p = packed.reshape(*lead, 2 * half // group, 1, group // 2, n)
-    low = (p & 0x0F).astype(np.int8) - 8
-    high = (p >> 4).astype(np.int8) - 8
-    return np.concatenate([low, high], axis=-3).reshape(*lead, 2 * half, n)
+    pairs = np.stack([packed << 4, packed & 0xF0], axis=-1).view(np.int8) >> 4
+    return np.swapaxes(pairs.reshape(*lead, n, 2 * half), -1, -2)
 
 
 def int4_absmax_scales(w: np.ndarray, group: int = GROUP, name: str | None = None) -> np.ndarray:
@@ -214,24 +211,23 @@ def dequantize_int4(weight: Int4Weight) -> np.ndarray:
 
 
 def unpack_int4_jnp(packed: jnp.ndarray, group: int = GROUP) -> jnp.ndarray:
-    """jnp twin of `unpack_int4` (jit-friendly): uint8 [..., K/2, N] -> int8 [..., K, N]."""
-    *lead, half, n = packed.shape
+    """jnp twin of `unpack_int4` (jit-friendly): uint8 [..., N, K/2] -> int8 [..., K, N]."""
+    *lead, n, half = packed.shape
     check_group(2 * half, group)
-    p = packed.reshape(*lead, 2 * half // group, 1, group // 2, n)
-    low = (p & 0x0F).astype(jnp.int8) - 8
-    high = (p >> 4).astype(jnp.int8) - 8
-    return jnp.concatenate([low, high], axis=-3).reshape(*lead, 2 * half, n)
+    p = packed.astype(jnp.int8)
+    pairs = jnp.stack([jnp.left_shift(p, 4), p], axis=-1) >> 4  # arithmetic: sign-extends
+    return jnp.swapaxes(pairs.reshape(*lead, n, 2 * half), -1, -2)
 
 
 def dequantize_int4_jnp(
     packed: jnp.ndarray, scales: jnp.ndarray, dtype: jnp.dtype = jnp.float32
 ) -> jnp.ndarray:
-    """jnp twin of `dequantize_int4`: packed [..., K/2, N], scales [..., K/g, N] -> [..., K, N].
+    """jnp twin of `dequantize_int4`: packed [..., N, K/2], scales [..., K/g, N] -> [..., K, N].
 
     The product q * s is exact in float32 (4-bit times 8-bit significands), so the float32
     result equals the numpy one bit for bit and a narrower `dtype` is one rounding of it.
     """
-    *lead, half, n = packed.shape
+    *lead, n, half = packed.shape
     k, groups = 2 * half, scales.shape[-2]
     if groups <= 0 or k % groups:
         raise ValueError(f"scales {scales.shape} do not split K={k} into whole groups")

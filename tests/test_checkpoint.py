@@ -102,3 +102,24 @@ def test_wrong_shapes_are_named(tmp_path):
         with pytest.raises(CheckpointError, match="embed"):
             w.write_globals({**g, "embed": g["embed"][:5]})
         w.abort()
+
+
+def _set_meta(path, **changes):
+    config = path / "config.json"
+    meta = json.loads(config.read_text())
+    meta.update(changes)
+    config.write_text(json.dumps(meta))
+
+
+def test_format_version_1_loads_float_experts_and_refuses_int4(tmp_path):
+    """Version 1 differs only in the int4 expert layout (group half-split bytes)."""
+    cfg = tiny_config()
+    _write(cfg, tmp_path / "ck")
+    _set_meta(tmp_path / "ck", format_version=1)
+    assert CheckpointReader(tmp_path / "ck").config == cfg
+    _set_meta(tmp_path / "ck", quantization={"dense": "none", "experts": "int4-g128"})
+    with pytest.raises(CheckpointError, match="re-run `strata quantize`"):
+        CheckpointReader(tmp_path / "ck")
+    _set_meta(tmp_path / "ck", format_version=7)
+    with pytest.raises(CheckpointError, match="version 7"):
+        CheckpointReader(tmp_path / "ck")

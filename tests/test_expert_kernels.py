@@ -1,7 +1,5 @@
 """Expert kernels against a float64 numpy reference on fresh random inputs."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -9,6 +7,7 @@ import numpy as np
 import pytest
 
 from strata_jax import expert_kernels as ek
+from strata_jax import int4_kernel
 from strata_jax.moe import Routing, active_experts, apply_experts
 from strata_jax.pool import ExpertPool
 
@@ -42,18 +41,19 @@ def test_pallas_kernel_matches_float64(tiles, n):
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_pallas_kernel_with_rows_per_entry_matches_float64(quantized):
+def test_rows_per_entry_match_float64(quantized):
     """x [C, R, D]: entry c multiplies its own rows (the expert-grouped row chunks)."""
     pool, (d1, d3, d2) = _pool(12, quantized)
     x = np.random.default_rng(13).normal(size=(3, 5, 256)).astype(np.float32)
     slots = np.array([4, 0, 4], np.int32)
-    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
-                                 interpret=True).sum(1)
-    y_xla = ek.grouped_swiglu_xla(x, slots, pool).sum(1)
+    outs = [ek.grouped_swiglu_xla(x, slots, pool).sum(1)]
+    if not quantized:  # the Triton kernel takes float pools
+        outs.append(ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
+                                             interpret=True).sum(1))
     for c, s in enumerate(slots):
         ref = _reference(x[c], [s], d1, d3, d2)[0]
-        for got in (y[c], y_xla[c]):
-            assert np.abs(np.asarray(got) - ref).max() / np.abs(ref).max() < 1e-5
+        for got in outs:
+            assert np.abs(np.asarray(got[c]) - ref).max() / np.abs(ref).max() < 1e-5
 
 
 def test_pallas_kernel_casts_bf16_weights_to_float32_activations_like_xla():
@@ -77,16 +77,17 @@ def test_xla_path_matches_float64():
 
 
 def _int4_pool(seed, slots=6, d=256, f=256):
-    """A packed int4 pool plus its exact float64 dequantization (independent of the model)."""
+    """A packed int4 pool plus its exact float64 dequantization (independent of the model):
+    bytes [S, out, in/2], byte [o, i] = q[2i, o] | q[2i + 1, o] << 4 as two's-complement."""
     rng = np.random.default_rng(seed)
 
     def one(k, n):
         q = rng.integers(-8, 8, (slots, k, n))
         scales = rng.uniform(0.005, 0.02, (slots, k // 128, n)).astype(ml_dtypes.bfloat16)
-        g = q.reshape(slots, k // 128, 2, 64, n)
-        packed = ((g[:, :, 0] + 8) | ((g[:, :, 1] + 8) << 4)).astype(np.uint8)
+        nib = np.swapaxes(q, 1, 2) & 0xF
+        packed = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
         dense = q * np.repeat(scales.astype(np.float64), 128, axis=1)
-        return packed.reshape(slots, k // 2, n), scales, dense
+        return packed, scales, dense
 
     (p1, s1, d1), (p3, s3, d3), (p2, s2, d2) = one(d, f), one(d, f), one(f, d)
     return ExpertPool(p1, p3, p2, s1, s3, s2), (d1, d3, d2)
@@ -100,72 +101,44 @@ def _pool(seed, quantized: bool):
     return ExpertPool(w1, w3, w2), (w1, w3, w2)
 
 
-@pytest.mark.parametrize(("fold", "magic"), [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("n", [1, 7])
-def test_int4_pallas_kernel_matches_float64(n, fold, magic):
+def test_int4_xla_path_matches_float64(n):
     pool, (d1, d3, d2) = _int4_pool(n)
     x = np.random.default_rng(n + 100).normal(size=(n, 256)).astype(np.float32)
     slots = np.array([5, 1], np.int32)
     ref = _reference(x, slots, d1, d3, d2)
-    tiles = ek.Tiles(bd=64, split_k=2, fold_offset=fold, magic=magic)
-    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
+    y = ek.grouped_swiglu_xla(x, slots, pool).sum(1)
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
-    y_xla = ek.grouped_swiglu_xla(x, slots, pool).sum(1)
-    assert np.abs(np.asarray(y_xla) - ref).max() / np.abs(ref).max() < 1e-5
 
 
-@pytest.mark.parametrize(("fold", "magic", "unroll", "transpose"),
-                         [(True, True, 1, False), (False, True, 1, False),
-                          (True, False, 1, False), (False, True, 2, False),
-                          (False, True, 1, True), (True, True, 2, True)])
-def test_int4_pallas_kernel_bf16_matches_float64(fold, magic, unroll, transpose):
-    """bf16 activations: magic planes with the 128 + 8 offset folded into a row sum."""
-    pool, (d1, d3, d2) = _int4_pool(5)
-    x = np.random.default_rng(9).normal(size=(5, 256)).astype(ml_dtypes.bfloat16)
-    slots = np.array([2, 4], np.int32)
-    ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    tiles = ek.Tiles(bd=64, split_k=1, fold_offset=fold, magic=magic, unroll=unroll,
-                     transpose=transpose)
-    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=tiles, interpret=True).sum(1)
-    # the bf16 intermediate h dominates the error
-    assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 2e-2
+def _bf16_error(y, ref):
+    return np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max()
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="Pallas Triton lowering needs a GPU")
-def test_int4_pallas_kernel_on_gpu_matches_float64():
-    pool, (d1, d3, d2) = _int4_pool(3, d=512, f=1024)
-    x = np.random.default_rng(7).normal(size=(4, 512)).astype(ml_dtypes.bfloat16)
+@pytest.mark.skipif(not int4_kernel.is_hopper(), reason="the Mosaic GPU int4 kernel needs Hopper")
+@pytest.mark.parametrize(("d", "f"), [(512, 1024), (256, 384)])
+@pytest.mark.parametrize("tiles", [int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2),
+                                   int4_kernel.Int4Tiles(128, 4, 2)])
+def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
+    if not int4_kernel.fits(d, f, tiles):
+        pytest.skip(f"{tiles} does not tile D={d}, F={f}")
+    pool, (d1, d3, d2) = _int4_pool(3, d=d, f=f)
+    rng = np.random.default_rng(7)
     slots = np.array([0, 4, 2], np.int32)
-    ref = _reference(x.astype(np.float32), slots, d1, d3, d2)
-    base = ek.tiles_for(512, 1024, quantized=True)
-    variants = [dict(fold_offset=fold, magic=magic, unroll=unroll, asm=asm, transpose=t)
-                for fold, magic, unroll, asm, t in (
-                    (True, False, 1, False, False), (False, True, 1, False, False),
-                    (True, True, 1, False, False), (False, True, 2, False, False),
-                    (False, True, 1, True, False), (True, True, 1, True, False),
-                    (False, True, 1, True, True), (False, True, 1, False, True))]
-    for v in variants:
-        y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=dataclasses.replace(base, **v))
-        # bf16 activations and a bf16 intermediate h: bf16-level error
-        err = np.abs(np.asarray(y.sum(1)) - ref).max() / np.abs(ref).max()
-        assert err < 2e-2, (v, err)
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="inline PTX needs a GPU")
-@pytest.mark.parametrize("offset", [True, False])
-def test_ptx_nibbles_match_magic_nibbles_for_every_byte(offset):
-    from jax.experimental import pallas as pl
-
-    packed = jnp.asarray(np.arange(64 * 128).reshape(64, 128) * 7 % 256, jnp.uint8)
-
-    def kernel(p_ref, lo_ref, hi_ref):
-        lo_ref[...], hi_ref[...] = ek._asm_nibbles(p_ref[...], offset)
-
-    plane = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
-    lo, hi = pl.pallas_call(kernel, out_shape=(plane, plane))(packed)
-    want = [ek._magic_nibbles(q, jnp.bfloat16, offset) for q in (packed & 0xF, packed >> 4)]
-    np.testing.assert_array_equal(np.asarray(lo, np.float32), np.asarray(want[0], np.float32))
-    np.testing.assert_array_equal(np.asarray(hi, np.float32), np.asarray(want[1], np.float32))
+    valid = np.array([True, False, True])
+    # shared rows (n = 5, padded to 8 inside) and per-entry rows (13, padded to 16)
+    for x in (rng.normal(size=(5, d)), rng.normal(size=(3, 13, d))):
+        x = x.astype(ml_dtypes.bfloat16)
+        y = np.asarray(int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, tiles).sum(1))
+        assert y.shape == (3, x.shape[-2], d)
+        assert np.all(y[1] == 0.0)
+        for c in (0, 2):
+            xc = (x if x.ndim == 2 else x[c]).astype(np.float32)
+            ref = _reference(xc, slots[c : c + 1], d1, d3, d2)[0]
+            # bf16 activations, bf16(q * scale) weights and a bf16 intermediate h
+            assert _bf16_error(y[c], ref) < 2e-2, (x.shape, c)
+    assert ek.use_pallas(8, d, f, quantized=True)
+    assert not ek.use_pallas(8, d, f, quantized=True, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -175,12 +148,26 @@ def test_invalid_entries_give_zeros_and_leave_the_others_alone(quantized):
     slots = np.array([3, 0, 5], np.int32)
     valid = np.array([True, False, True])
     ref = _reference(x, slots, d1, d3, d2)
-    for y in (ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
-                                       interpret=True, valid=valid),
-              ek.grouped_swiglu_xla(x, slots, pool, valid)):
+    outs = [ek.grouped_swiglu_xla(x, slots, pool, valid)]
+    if not quantized:  # the Triton kernel takes float pools
+        outs.append(ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
+                                             interpret=True, valid=valid))
+    for y in outs:
         y = np.asarray(y.sum(1))
         assert np.all(y[1] == 0.0)
         np.testing.assert_allclose(y[valid], ref[valid], rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_triton_kernel_rejects_int4_pools():
+    pool, _ = _int4_pool(2)
+    with pytest.raises(ValueError, match="float pools"):
+        ek.grouped_swiglu_pallas(np.ones((2, 256), np.float32), np.array([0]), pool,
+                                 interpret=True)
+
+
+def test_int4_kernel_fits_whole_groups_and_row_tiles():
+    assert int4_kernel.fits(4096, 14336) and int4_kernel.fits(2048, 768)
+    assert not int4_kernel.fits(4096, 14336 + 64) and not int4_kernel.fits(64, 128)
 
 
 def test_tiles_that_do_not_divide_are_rejected():
@@ -188,8 +175,6 @@ def test_tiles_that_do_not_divide_are_rejected():
         ek.check_tiles(200, 256, ek.Tiles())
     with pytest.raises(ValueError, match="do not split"):
         ek.check_tiles(384, 256, ek.Tiles(split_k=1, unroll=2))
-    with pytest.raises(ValueError, match="group size"):
-        ek.check_tiles(256, 256, ek.Tiles(bk=64, split_k=1), quantized=True)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Pallas Triton lowering needs a GPU")
@@ -229,10 +214,3 @@ def test_tiles_for_shrinks_split_k_to_fit():
     assert ek.tiles_for(2048, 768, ek.Tiles(split_k=4)).split_k == 1
     assert ek.tiles_for(4096, 14336, ek.Tiles(split_k=4)).split_k == 4
     assert ek.tiles_for(100, 768) is None
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_magic_nibbles_are_exact(dtype):
-    nibbles = jnp.arange(16, dtype=jnp.uint8)
-    got = np.asarray(ek._magic_nibbles(nibbles, dtype).astype(jnp.float32))
-    np.testing.assert_array_equal(got, np.arange(16) - 8.0)

@@ -65,7 +65,7 @@ def test_gptq_output_is_rtn_format():
     x, w = _problem(1)
     for act_order in (False, True):
         qw = G.gptq_quantize(w, G.hessian_from_inputs(x), act_order=act_order)
-        assert qw.packed.shape == (K // 2, N) and qw.packed.dtype == np.uint8
+        assert qw.packed.shape == (N, K // 2) and qw.packed.dtype == np.uint8
         assert qw.scales.shape == (K // 128, N) and qw.scales.dtype == Q.BF16
         # every value is representable with the stored scales: re-quantizing is the identity
         again = Q.quantize_int4_with_scales(Q.dequantize_int4(qw), qw.scales)

@@ -38,29 +38,26 @@ def _group_scales(w: Q.Int4Weight) -> np.ndarray:
 def test_pack_unpack_round_trip(shape, seed):
     q = np.random.default_rng(seed).integers(-8, 8, size=shape).astype(np.int8)
     packed = Q.pack_int4(q)
-    assert packed.dtype == np.uint8 and packed.shape == (shape[0] // 2, shape[1])
+    assert packed.dtype == np.uint8 and packed.shape == (shape[1], shape[0] // 2)
     np.testing.assert_array_equal(Q.unpack_int4(packed), q)
 
 
 def test_packed_layout_by_hand():
     q = np.zeros((256, 2), np.int8)
-    q[0, 0], q[64, 0] = -8, 7  # group 0, j = 0: low nibble 0x0, high nibble 0xF
-    q[128 + 5, 1], q[128 + 64 + 5, 1] = 3, -1  # group 1, j = 5: low 3+8, high -1+8
+    q[0, 0], q[1, 0] = -8, 7  # K pair 0 of column 0: low nibble 0x8, high nibble 0x7
+    q[128 + 10, 1], q[128 + 11, 1] = 3, -1  # pair 69 of column 1: low 0x3, high 0xF
     packed = Q.pack_int4(q)
-    assert packed[0, 0] == 0xF0
-    assert packed[64 + 5, 1] == 0x7B
-    assert packed[1, 0] == packed[64, 1] == 0x88  # zeros elsewhere
+    assert packed[0, 0] == 0x78
+    assert packed[1, 69] == 0xF3
+    assert packed[0, 1] == packed[1, 0] == 0x00  # zeros elsewhere
 
 
-def test_packed_layout_every_byte():
-    rng = np.random.default_rng(7)
-    q = rng.integers(-8, 8, size=(384, 5)).astype(np.int8)
+def test_packed_layout_is_the_memory_of_an_int4_array():
+    """The bytes the Hopper kernel sees as int4 [N, K] (little-endian nibbles)."""
+    q = np.random.default_rng(7).integers(-8, 8, size=(384, 5)).astype(np.int8)
     packed = Q.pack_int4(q)
-    for g in range(3):
-        for j in range(64):
-            low = (q[128 * g + j].astype(int) + 8) & 0xF
-            high = (q[128 * g + 64 + j].astype(int) + 8) & 0xF
-            np.testing.assert_array_equal(packed[64 * g + j], low | (high << 4))
+    as_int4 = jax.lax.bitcast_convert_type(jnp.asarray(packed), jnp.int4).reshape(5, 384)
+    np.testing.assert_array_equal(np.asarray(as_int4.astype(jnp.int8)), q.T)
 
 
 def test_pack_rejects_out_of_range_values():
@@ -170,7 +167,7 @@ def test_int4_zero_group_gives_zero_scale_and_values():
 def test_int4_leading_axes_match_per_slice():
     w = np.stack([_weights(s, 256, 24, 0.05) for s in range(3)])
     qw = Q.quantize_int4_rtn(w)
-    assert qw.packed.shape == (3, 128, 24) and qw.scales.shape == (3, 2, 24)
+    assert qw.packed.shape == (3, 24, 128) and qw.scales.shape == (3, 2, 24)
     for e in range(3):
         one = Q.quantize_int4_rtn(w[e])
         np.testing.assert_array_equal(qw.packed[e], one.packed)
