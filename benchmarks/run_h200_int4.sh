@@ -2,8 +2,8 @@
 # One device call: the int4 GPU tests (kernel, row chunks, the engine's exactness matrix on the
 # Mosaic path), then the int4 expert benchmark and its tile sweep.
 source "$(dirname "$0")/device_env.sh"
-timeout 300 python3 -m pytest -q tests/test_expert_kernels.py tests/test_moe.py \
+timeout 240 python3 -m pytest -q tests/test_expert_kernels.py tests/test_moe.py \
   tests/runtime/test_exactness_matrix.py tests/runtime/test_dequant_knob.py 2>&1 | tail -15 \
   | tee "$OUT/gpu_tests_int4.txt"
-timeout 240 python3 -m benchmarks.int4_experts --out "$OUT" 2>&1 | grep -v "^W0" \
+timeout 200 python3 -m benchmarks.int4_experts --out "$OUT" 2>&1 | grep -v "^W0" \
   | tee "$OUT/int4_experts_log.txt" | tail -40
