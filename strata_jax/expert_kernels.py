@@ -190,7 +190,7 @@ def use_pallas(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bfloat
         return False
     if quantized:
         return (int4_kernel.is_hopper() and jnp.dtype(dtype) == jnp.bfloat16
-                and int4_kernel.fits(d, f))
+                and int4_kernel.tiles_for(d, f) is not None)
     return tiles_for(d, f) is not None
 
 

@@ -10,6 +10,7 @@ kernel, see docs/quantization.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ class Int4Tiles:
     groups: int = 1
 
 
-INT4_TILES = Int4Tiles()  # the best of benchmarks/results/mgpu_int4_2026-11-29.json
+# the best of the sweep in benchmarks/results/int4_experts.md (Qwen3 and 16-token Mixtral; within
+# noise of the best for 32-token Mixtral)
+INT4_TILES = Int4Tiles(rows=64, stages=3, groups=2)
 
 
 def is_hopper() -> bool:
@@ -45,6 +48,14 @@ def is_hopper() -> bool:
 def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps) and output dims."""
     return all(k % (GROUP * tiles.groups) == 0 and k % tiles.rows == 0 for k in (d, f))
+
+
+def tiles_for(d: int, f: int, base: Int4Tiles = INT4_TILES) -> Int4Tiles | None:
+    """`base`, or `base` with one group per step where two do not divide D or F, or None."""
+    for tiles in (base, dataclasses.replace(base, groups=1)):
+        if fits(d, f, tiles):
+            return tiles
+    return None
 
 
 def as_int4(packed: jax.Array) -> jax.Array:
@@ -130,9 +141,14 @@ def int4_matmul_t(x, slots, valid, weights, tiles: Int4Tiles = INT4_TILES, epilo
 
 
 @functools.partial(jax.jit, static_argnames=("tiles",))
-def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles = INT4_TILES):
+def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None):
     """Partial sums [C, 1, N, D] float32 for the active slots of an int4 pool (the contract of
-    `expert_kernels.grouped_swiglu`); x bf16 [N, D] or [C, N, D] (each entry's own rows)."""
+    `expert_kernels.grouped_swiglu`); x bf16 [N, D] or [C, N, D] (each entry's own rows).
+    `tiles` default: `tiles_for` the pool's expert dims."""
+    tiles = tiles or tiles_for(x.shape[-1], pool.intermediate_size)
+    if tiles is None or not fits(x.shape[-1], pool.intermediate_size, tiles):
+        raise ValueError(f"int4 experts D={x.shape[-1]}, F={pool.intermediate_size} do not "
+                         f"tile by {tiles or INT4_TILES}")
     x3 = x if x.ndim == 3 else x[None]
     n0 = x3.shape[1]
     n = -(-n0 // ROW_MULTIPLE) * ROW_MULTIPLE

@@ -165,9 +165,13 @@ def test_triton_kernel_rejects_int4_pools():
                                  interpret=True)
 
 
-def test_int4_kernel_fits_whole_groups_and_row_tiles():
-    assert int4_kernel.fits(4096, 14336) and int4_kernel.fits(2048, 768)
-    assert not int4_kernel.fits(4096, 14336 + 64) and not int4_kernel.fits(64, 128)
+def test_int4_kernel_fits_whole_steps_and_row_tiles():
+    one = int4_kernel.Int4Tiles(64, 4, 1)
+    assert int4_kernel.fits(4096, 14336, one) and int4_kernel.fits(2048, 768, one)
+    assert not int4_kernel.fits(4096, 14336 + 64, one) and not int4_kernel.fits(64, 128, one)
+    assert int4_kernel.tiles_for(4096, 14336) == int4_kernel.INT4_TILES
+    assert int4_kernel.tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
+    assert int4_kernel.tiles_for(64, 128) is None
 
 
 def test_tiles_that_do_not_divide_are_rejected():
