@@ -92,15 +92,15 @@ def int4_matmul_t(x, slots, valid, weights, tiles: Int4Tiles = INT4_TILES, epilo
         c, j = lax.axis_index("c"), lax.axis_index("o")
         slot = slots_ref[c]
 
-        def step(_, x_smem, *w_smem, accs):
-            for g, i in itertools.product(range(tiles.groups), range(nw)):
+        def step(_, x_smem, *weight_smem, accs):
+            pairs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
+            for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), pairs):
                 cols = pl.ds(g * GROUP, GROUP)
-                w = plgpu.load(w_smem[2 * i].at[:, cols], (),
-                               layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                w = plgpu.load(w_smem.at[:, cols], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                scale = plgpu.load(w_smem[2 * i + 1].at[g], (), layout=row_layout)
+                scale = plgpu.load(s_smem.at[g], (), layout=row_layout)
                 w = w * lax.broadcast_in_dim(scale, w.shape, [0])
-                plgpu.wgmma(accs[i], w, x_smem.at[:, cols].T)
+                plgpu.wgmma(acc, w, x_smem.at[:, cols].T)
             # Waiting here keeps the kernel free of automatic barriers: every warp's reads of
             # this step's buffers precede its wgmma, so none is pending when a slot is refilled.
             plgpu.wgmma_wait(0)
