@@ -1,11 +1,13 @@
 """Grouped SwiGLU over packed int4 pool slots on Hopper: a Pallas Mosaic GPU kernel.
 
 Each CTA owns `rows` output features of one active slot and streams that slot's int4 tiles
-(K-contiguous, the pool's own bytes seen as `int4 [S, out, in]`) through a TMA pipeline. The
-tiles are dequantized in registers, bf16(q * scale) exactly as `pool.dense_weights` computes
-them, and fed to wgmma as the A operand: out^T [rows, R] = W_tile [rows, K] @ x^T [K, R], so
-the dequantized weights never round-trip through shared memory (the bound of the Triton
-kernel, see docs/quantization.md).
+(K-contiguous, the pool's own bytes seen as `int4 [S, out, in]`) through a TMA pipeline. Each
+128-input group is converted to bf16 in registers (exact: small ints) and fed to wgmma as the A
+operand, out^T [rows, R] = q_tile [rows, 128] @ x^T [128, R], into one of two alternating
+accumulators; the group's scales then multiply that [rows, R] result into the running sum, so
+the weights are never rescaled element by element and never round-trip through shared memory.
+The sum is sum_g scale_g * (q_g @ x_g): the dequantized weights' product without rounding
+q * scale to bf16 first (the XLA path rounds it; both agree to bf16 accuracy).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ ROW_MULTIPLE = 8  # wgmma N (the activation rows) comes in multiples of 8
 
 @dataclass(frozen=True)
 class Int4Tiles:
-    """Output features per CTA (a multiple of 64, one wgmma M), TMA steps in flight, and scale
-    groups (128 inputs each) per pipeline step."""
+    """Output features per CTA tile (a multiple of 64, one wgmma M), TMA steps in flight, scale
+    groups (128 inputs each) per pipeline step, persistent CTAs per SM (0: one CTA per tile) and
+    the parts the down projection's reduction is split into (summed in float32 after)."""
 
     rows: int = 64
     stages: int = 4
     groups: int = 1
+    ctas_per_sm: int = 0
+    down_splits: int = 1
 
 
 # the best of the sweep in benchmarks/results/int4_experts.md (Qwen3 and 16-token Mixtral; within
@@ -46,13 +51,20 @@ def is_hopper() -> bool:
 
 
 def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
-    """Whether expert dims D, F tile: both are reduction dims (whole steps) and output dims."""
-    return all(k % (GROUP * tiles.groups) == 0 and k % tiles.rows == 0 for k in (d, f))
+    """Whether expert dims D, F tile: both are reduction dims (whole steps; F's in
+    `down_splits` equal parts) and output dims."""
+    step = GROUP * tiles.groups
+    return (all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
+            and (f // step) % tiles.down_splits == 0)
 
 
-def tiles_for(d: int, f: int, base: Int4Tiles = INT4_TILES) -> Int4Tiles | None:
-    """`base`, or `base` with one group per step where two do not divide D or F, or None."""
-    for tiles in (base, dataclasses.replace(base, groups=1)):
+def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None:
+    """`base` (default `INT4_TILES`), or `base` with one group per step and/or an unsplit down
+    projection where those do not divide D or F, or None."""
+    base = base or INT4_TILES
+    for groups, splits in ((base.groups, base.down_splits), (1, base.down_splits),
+                           (base.groups, 1), (1, 1)):
+        tiles = dataclasses.replace(base, groups=groups, down_splits=splits)
         if fits(d, f, tiles):
             return tiles
     return None
@@ -71,73 +83,162 @@ def _swizzled(minor_elems: int, bits: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def int4_matmul_t(x, slots, valid, weights, tiles: Int4Tiles = INT4_TILES, epilogue=None,
-                  out_dtype=None, name: str = "int4_matmul"):
-    """out^T [C, O, R] = epilogue(W_1[slot_c] @ x[c]^T, ...) for each entry c.
+def permute_k(x: jax.Array) -> jax.Array:
+    """The input order the kernel's weights arrive in: within each block of 32 inputs, input
+    8c + 2a + b moves to 8a + 2c + b (an involution). See `_as_wgmma_bf16`."""
+    *lead, k = x.shape
+    return x.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
+
+
+def _as_wgmma_bf16(w):
+    """An int4 tile [rows, 128] loaded in Mosaic's UPCAST_4X layout -> bf16 in the WGMMA
+    register layout, with no data moved between threads.
+
+    Both layouts give a thread the same rows; in each block of 32 inputs UPCAST_4X gives it the
+    8 consecutive inputs 8c..8c+7 (c = lane % 4), WGMMA the pairs 8a + 2c + {0, 1} (a < 4). So
+    the thread's 32-bit word is read as its 4 WGMMA pairs as is, which multiplies by the inputs
+    in `permute_k` order: the activations are permuted instead of shuffling the weights
+    (Mosaic's own relayout costs two warp shuffles per word). The ints convert exactly."""
+    import numpy as np
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jaxlib.mlir import ir
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def view(_, words):
+        shape = mgpu.WGMMA_LAYOUT.registers_shape(words.shape)
+        assert shape[1] == 4 * words.registers.shape[1], (shape, words.registers.shape)
+        pairs = np.empty(shape, dtype=object)
+        for (i, j, *rest), word in np.ndenumerate(words.registers):
+            for a in range(4):
+                pair = mgpu_utils.vector_slice(word, slice(2 * a, 2 * a + 2))
+                pairs[(i, 4 * j + a, *rest)] = pair
+        ints = mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
+        return ints.astype(ir.BF16Type.get())
+
+    return view(w)
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the first device (132 on an H100/H200, the fallback)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TILES,
+                  epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul"):
+    """out^T [splits, C, O, R]: epilogue(W_1[slot_c] @ x[c]^T, ...) for the first `n_valid`
+    entries c of `order` (the others are left unwritten), each reduction split in `splits`.
 
     x bf16 [C, R, K] (or [1, R, K] shared by all entries); weights: tuple of (int4 [S, O, K],
-    bf16 scales [S, K / GROUP, O]); entries whose `valid` is 0 read nothing and give zeros."""
+    bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
+    CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
+    (`ctas_per_sm`) the next tile's loads overlap this tile's last steps."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c_n, (_, r, k) = slots.shape[0], x.shape
     o, nw, bo = weights[0][0].shape[1], len(weights), tiles.rows
     bk = GROUP * tiles.groups
+    k_steps, blocks = k // bk // splits, o // bo
+    per_entry = blocks * splits
+    ctas = c_n * per_entry
+    if tiles.ctas_per_sm:
+        ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
     out_dtype = out_dtype or x.dtype
     epilogue = epilogue or (lambda acc: acc)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
+    shared_x = x.shape[0] == 1
 
-    def body(slots_ref, valid_ref, x_gmem, *refs):
+    def body(order_ref, n_ref, slots_ref, x_gmem, *refs):
         w_gmem, (out_gmem, o_smem) = refs[: 2 * nw], refs[2 * nw:]
-        c, j = lax.axis_index("c"), lax.axis_index("o")
-        slot = slots_ref[c]
+        p = lax.axis_index("p")
+        mine = lax.div(jnp.maximum(n_ref[0] * per_entry - p + ctas - 1, 0), ctas)
 
-        def step(_, x_smem, *weight_smem, accs):
-            pairs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
-            for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), pairs):
+        def tile(i):  # entry, its slot, row block, split
+            t = p + i * ctas
+            entry = order_ref[lax.div(t, per_entry)]
+            rest = lax.rem(t, per_entry)
+            return entry, slots_ref[entry], lax.div(rest, splits), lax.rem(rest, splits)
+
+        def x_index(i, kk):
+            entry, _, _, split = tile(i)
+            return (0 if shared_x else entry), split * k_steps + kk
+
+        def w_index(i, kk):
+            _, slot, block, split = tile(i)
+            return slot * blocks + block, split * k_steps + kk
+
+        def s_index(i, kk):
+            _, slot, block, split = tile(i)
+            return slot * (k // bk) + split * k_steps + kk, block
+
+        def fold(temp, s_smem, g, acc, wait_n):
+            # acc += scale[row] * (this group's q @ x^T), once its wgmma is done
+            part = plgpu.wgmma_accumulator_load(temp, wait_n=wait_n)
+            scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
+            acc[...] = (plgpu.wgmma_accumulator_load(acc, wait_n=None)
+                        + part * lax.broadcast_in_dim(scale, part.shape, [0]))
+
+        def step(idx, x_smem, *weight_smem, accs, temps):
+            weights_accs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
+            zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
+            pending = None
+            for i, (g, (w_smem, s_smem, acc)) in enumerate(
+                    itertools.product(range(tiles.groups), weights_accs)):
                 cols = pl.ds(g * GROUP, GROUP)
-                w = plgpu.load(w_smem.at[:, cols], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                scale = plgpu.load(s_smem.at[g], (), layout=row_layout)
-                w = w * lax.broadcast_in_dim(scale, w.shape, [0])
-                plgpu.wgmma(acc, w, x_smem.at[:, cols].T)
-            # Waiting here keeps the kernel free of automatic barriers: every warp's reads of
-            # this step's buffers precede its wgmma, so none is pending when a slot is refilled.
-            plgpu.wgmma_wait(0)
+                w = _as_wgmma_bf16(plgpu.load(w_smem.at[:, cols], (),
+                                              layout=plgpu.Layout.WGMMA_UPCAST_4X))
+                temps[i % 2][...] = zero
+                plgpu.wgmma(temps[i % 2], w, x_smem.at[:, cols].T)
+                if pending is not None:  # the previous group's wgmma, while this one runs
+                    fold(*pending, wait_n=1)
+                pending = (temps[i % 2], s_smem, g, acc)
+            # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
+            # buffer the pipeline refills after this step.
+            fold(*pending, wait_n=0)
 
-        def run(*accs):
+            @pl.when(idx[1] == k_steps - 1)
+            def _():
+                entry, _, block, split = tile(idx[0])
+                result = epilogue(*(acc[...] for acc in accs)).astype(out_dtype)
+                for acc in accs:
+                    acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
+                                                 plgpu.Layout.WGMMA)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read
+                o_smem[...] = result
+                plgpu.commit_smem()
+                row = ((split * c_n + entry) * blocks + block) * bo
+                plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(row, bo)])
+
+        def run(*refs):
+            accs, temps = refs[:nw], refs[nw:]
             # swizzles sized for one group, so that each group's columns are whole tiles
-            specs = [plgpu.BlockSpec((r, bk), lambda kk: (0, kk),
-                                     transforms=_swizzled(GROUP, 16))]
+            specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16))]
             for _ in range(nw):
-                specs += [plgpu.BlockSpec((bo, bk), lambda kk: (j, kk),
-                                          transforms=_swizzled(GROUP, 4)),
-                          plgpu.BlockSpec((tiles.groups, bo), lambda kk: (kk, j))]
-            gmem = [x_gmem.at[c if x.shape[0] > 1 else 0]] + [w.at[slot] for w in w_gmem]
-            plgpu.emit_pipeline(functools.partial(step, accs=accs), grid=(k // bk,),
-                                in_specs=specs, max_concurrent_steps=tiles.stages)(*gmem)
-            return tuple(acc[...] for acc in accs)
+                specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
+                          plgpu.BlockSpec((tiles.groups, bo), s_index)]
+            plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
+                                grid=(mine, k_steps),
+                                in_specs=specs, max_concurrent_steps=tiles.stages)(
+                x_gmem, *w_gmem)
 
-        @pl.when(valid_ref[c] != 0)
-        def _():
-            accs = pl.run_scoped(run, *[plgpu.ACC((bo, r)) for _ in range(nw)])
-            o_smem[...] = epilogue(*accs).astype(out_dtype)
-
-        @pl.when(valid_ref[c] == 0)
-        def _():
-            o_smem[...] = jnp.zeros((bo, r), out_dtype)
-
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[c, pl.ds(j * bo, bo)])
+        # nw running sums, and two accumulators that the groups' wgmmas alternate between
+        pl.run_scoped(run, *[plgpu.ACC((bo, r)) for _ in range(nw + 2)])
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((c_n, o, r), out_dtype),
+        body, out_type=jax.ShapeDtypeStruct((splits * c_n * o, r), out_dtype),
         scratch_types=[plgpu.SMEM((bo, r), out_dtype)],
-        grid=(c_n, o // bo), grid_names=("c", "o"), kernel_name=name,
+        grid=(ctas,), grid_names=("p",), kernel_name=name,
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
-    args = [a for pair in weights for a in pair]
-    return kernel(slots.astype(jnp.int32), valid.astype(jnp.int32), x, *args)
+    # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
+    args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
+    out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
+                 slots.astype(jnp.int32), x.reshape(-1, k), *args)
+    return out.reshape(splits, c_n, o, r)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles",))
@@ -152,12 +253,15 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     x3 = x if x.ndim == 3 else x[None]
     n0 = x3.shape[1]
     n = -(-n0 // ROW_MULTIPLE) * ROW_MULTIPLE
-    xp = jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0)))
-    valid = jnp.ones(slots.shape, jnp.int32) if valid is None else valid
+    xp = permute_k(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))))
+    valid = jnp.ones(slots.shape, bool) if valid is None else valid != 0
+    order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
+    n_valid = jnp.sum(valid, dtype=jnp.int32)
     gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
-    h_t = int4_matmul_t(xp, slots, valid, gate_up, tiles,
-                        epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, name="int4_gate_up")
-    h = jnp.swapaxes(h_t, 1, 2)  # [C, n, F]: a few MB, cheaper than a transposed store
-    y_t = int4_matmul_t(h, slots, valid, ((as_int4(pool.w2), pool.w2_scale),), tiles,
-                        out_dtype=jnp.float32, name="int4_down")
-    return jnp.swapaxes(y_t, 1, 2)[:, None, :n0]
+    h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
+                        epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, name="int4_gate_up")[0]
+    h = permute_k(jnp.swapaxes(h_t, 1, 2))  # [C, n, F]: a few MB, fused into one XLA transpose
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
+                        out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down")
+    y = jnp.where(valid[:, None, None], jnp.sum(y_t, axis=0), 0.0)  # unwritten: invalid
+    return jnp.swapaxes(y, 1, 2)[:, None, :n0]

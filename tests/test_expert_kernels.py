@@ -117,25 +117,28 @@ def _bf16_error(y, ref):
 
 @pytest.mark.skipif(not int4_kernel.is_hopper(), reason="the Mosaic GPU int4 kernel needs Hopper")
 @pytest.mark.parametrize(("d", "f"), [(512, 1024), (256, 384)])
-@pytest.mark.parametrize("tiles", [int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2),
-                                   int4_kernel.Int4Tiles(128, 4, 2)])
+@pytest.mark.parametrize("tiles", [
+    int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2), int4_kernel.Int4Tiles(128, 4, 2),
+    # persistent CTAs: 12 entries make more tiles than CTAs, so each CTA streams several
+    int4_kernel.Int4Tiles(64, 3, 2, ctas_per_sm=1, down_splits=2),
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3)])
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     if not int4_kernel.fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
     pool, (d1, d3, d2) = _int4_pool(3, d=d, f=f)
     rng = np.random.default_rng(7)
-    slots = np.array([0, 4, 2], np.int32)
-    valid = np.array([True, False, True])
+    slots = rng.integers(0, 6, 12).astype(np.int32)
+    valid = np.arange(12) % 4 != 1
     # shared rows (n = 5, padded to 8 inside) and per-entry rows (13, padded to 16)
-    for x in (rng.normal(size=(5, d)), rng.normal(size=(3, 13, d))):
+    for x in (rng.normal(size=(5, d)), rng.normal(size=(12, 13, d))):
         x = x.astype(ml_dtypes.bfloat16)
         y = np.asarray(int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, tiles).sum(1))
-        assert y.shape == (3, x.shape[-2], d)
-        assert np.all(y[1] == 0.0)
-        for c in (0, 2):
+        assert y.shape == (12, x.shape[-2], d)
+        assert np.all(y[~valid] == 0.0)
+        for c in np.flatnonzero(valid):
             xc = (x if x.ndim == 2 else x[c]).astype(np.float32)
             ref = _reference(xc, slots[c : c + 1], d1, d3, d2)[0]
-            # bf16 activations, bf16(q * scale) weights and a bf16 intermediate h
+            # bf16 activations and a bf16 intermediate h
             assert _bf16_error(y[c], ref) < 2e-2, (x.shape, c)
     assert ek.use_pallas(8, d, f, quantized=True)
     assert not ek.use_pallas(8, d, f, quantized=True, dtype=jnp.float32)
