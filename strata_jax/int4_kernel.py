@@ -30,19 +30,25 @@ ROW_MULTIPLE = 8  # wgmma N (the activation rows) comes in multiples of 8
 @dataclass(frozen=True)
 class Int4Tiles:
     """Output features per CTA tile (a multiple of 64, one wgmma M), TMA steps in flight, scale
-    groups (128 inputs each) per pipeline step, persistent CTAs per SM (0: one CTA per tile) and
-    the parts the down projection's reduction is split into (summed in float32 after)."""
+    groups (128 inputs each) per pipeline step, persistent CTAs per SM (0: one CTA per tile),
+    and the parts the gate/up and the down projections' reductions are split into (summed in
+    float32 after; a split gate/up leaves SiLU(gate) * up to XLA). Splits make more, shorter
+    tiles: fewer CTAs idle in the last wave when few experts are active."""
 
     rows: int = 64
     stages: int = 4
     groups: int = 1
     ctas_per_sm: int = 0
     down_splits: int = 1
+    up_splits: int = 1
 
 
-# the best of the sweep in benchmarks/results/int4_experts.md (Qwen3 and 16-token Mixtral; within
-# noise of the best for 32-token Mixtral)
-INT4_TILES = Int4Tiles(rows=64, stages=3, groups=2)
+INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
+# the fastest measured per expert shape (D, F) on the H200: benchmarks/results/int4_experts.md
+TUNED_TILES = {
+    (4096, 14336): Int4Tiles(64, 2, 2, down_splits=2),  # Mixtral-8x7B
+    (2048, 768): Int4Tiles(64, 2, 2, ctas_per_sm=4, up_splits=2),  # Qwen3-30B-A3B
+}
 
 
 def is_hopper() -> bool:
@@ -51,20 +57,21 @@ def is_hopper() -> bool:
 
 
 def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
-    """Whether expert dims D, F tile: both are reduction dims (whole steps; F's in
-    `down_splits` equal parts) and output dims."""
+    """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
+    and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
     return (all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
-            and (f // step) % tiles.down_splits == 0)
+            and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
 
 def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None:
-    """`base` (default `INT4_TILES`), or `base` with one group per step and/or an unsplit down
-    projection where those do not divide D or F, or None."""
-    base = base or INT4_TILES
-    for groups, splits in ((base.groups, base.down_splits), (1, base.down_splits),
-                           (base.groups, 1), (1, 1)):
-        tiles = dataclasses.replace(base, groups=groups, down_splits=splits)
+    """`base` (default: `TUNED_TILES` for the shape, else `INT4_TILES`), or `base` with one
+    group per step and/or unsplit projections where those do not divide D or F, or None."""
+    base = base or TUNED_TILES.get((d, f), INT4_TILES)
+    for groups, split in itertools.product((base.groups, 1), (True, False)):
+        tiles = dataclasses.replace(base, groups=groups,
+                                    up_splits=base.up_splits if split else 1,
+                                    down_splits=base.down_splits if split else 1)
         if fits(d, f, tiles):
             return tiles
     return None
@@ -129,8 +136,9 @@ def sm_count() -> int:
 
 def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TILES,
                   epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul"):
-    """out^T [splits, C, O, R]: epilogue(W_1[slot_c] @ x[c]^T, ...) for the first `n_valid`
-    entries c of `order` (the others are left unwritten), each reduction split in `splits`.
+    """out^T [splits, C, n, O, R]: epilogue(W_1[slot_c] @ x[c]^T, ...) (n = 1), or without an
+    epilogue the n = len(weights) products, for the first `n_valid` entries c of `order` (the
+    others are left unwritten), each reduction split in `splits`.
 
     x bf16 [C, R, K] (or [1, R, K] shared by all entries); weights: tuple of (int4 [S, O, K],
     bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
@@ -148,7 +156,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     if tiles.ctas_per_sm:
         ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
     out_dtype = out_dtype or x.dtype
-    epilogue = epilogue or (lambda acc: acc)
+    n_out = 1 if epilogue else nw
+    epilogue = epilogue or (lambda *accs: accs)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     shared_x = x.shape[0] == 1
 
@@ -203,15 +212,18 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             @pl.when(idx[1] == k_steps - 1)
             def _():
                 entry, _, block, split = tile(idx[0])
-                result = epilogue(*(acc[...] for acc in accs)).astype(out_dtype)
+                results = epilogue(*(acc[...] for acc in accs))
+                results = results if isinstance(results, tuple) else (results,)
                 for acc in accs:
                     acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
                                                  plgpu.Layout.WGMMA)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read
-                o_smem[...] = result
+                for j, result in enumerate(results):
+                    o_smem[j] = result.astype(out_dtype)
                 plgpu.commit_smem()
-                row = ((split * c_n + entry) * blocks + block) * bo
-                plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(row, bo)])
+                for j in range(n_out):
+                    row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
+                    plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
         def run(*refs):
             accs, temps = refs[:nw], refs[nw:]
@@ -230,15 +242,15 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits * c_n * o, r), out_dtype),
-        scratch_types=[plgpu.SMEM((bo, r), out_dtype)],
+        body, out_type=jax.ShapeDtypeStruct((splits * c_n * n_out * o, r), out_dtype),
+        scratch_types=[plgpu.SMEM((n_out, bo, r), out_dtype)],
         grid=(ctas,), grid_names=("p",), kernel_name=name,
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
     args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
     out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
                  slots.astype(jnp.int32), x.reshape(-1, k), *args)
-    return out.reshape(splits, c_n, o, r)
+    return out.reshape(splits, c_n, n_out, o, r)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles",))
@@ -258,10 +270,16 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
     n_valid = jnp.sum(valid, dtype=jnp.int32)
     gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
-    h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
-                        epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, name="int4_gate_up")[0]
+    if tiles.up_splits == 1:
+        h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
+                            epilogue=lambda a1, a3: jax.nn.silu(a1) * a3,
+                            name="int4_gate_up")[0, :, 0]
+    else:
+        parts = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles, out_dtype=jnp.float32,
+                              splits=tiles.up_splits, name="int4_gate_up").sum(0)
+        h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     h = permute_k(jnp.swapaxes(h_t, 1, 2))  # [C, n, F]: a few MB, fused into one XLA transpose
     y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down")
-    y = jnp.where(valid[:, None, None], jnp.sum(y_t, axis=0), 0.0)  # unwritten: invalid
+    y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

@@ -121,7 +121,7 @@ def _bf16_error(y, ref):
     int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2), int4_kernel.Int4Tiles(128, 4, 2),
     # persistent CTAs: 12 entries make more tiles than CTAs, so each CTA streams several
     int4_kernel.Int4Tiles(64, 3, 2, ctas_per_sm=1, down_splits=2),
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3)])
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2)])
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     if not int4_kernel.fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
@@ -172,7 +172,10 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     one = int4_kernel.Int4Tiles(64, 4, 1)
     assert int4_kernel.fits(4096, 14336, one) and int4_kernel.fits(2048, 768, one)
     assert not int4_kernel.fits(4096, 14336 + 64, one) and not int4_kernel.fits(64, 128, one)
-    assert int4_kernel.tiles_for(4096, 14336) == int4_kernel.INT4_TILES
+    assert int4_kernel.tiles_for(4096, 14336) == int4_kernel.TUNED_TILES[4096, 14336]
+    assert int4_kernel.tiles_for(512, 1024) == int4_kernel.INT4_TILES
+    split = int4_kernel.Int4Tiles(64, 2, 2, up_splits=2, down_splits=2)
+    assert int4_kernel.tiles_for(2048, 768, split).down_splits == 1  # 3 steps of 256 inputs
     assert int4_kernel.tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
     assert int4_kernel.tiles_for(64, 128) is None
 
