@@ -209,7 +209,8 @@ class Engine:
         self.staging = staging
         self.pool = SlotPool(slot_specs(reader, config.dequant), cfg.num_layers, cfg.num_experts,
                              permanent=max(resident, 1), staging=max(staging, 1),
-                             device=self.device)
+                             device=self.device,
+                             transposed=EXPERT_KINDS if self._dequant else ())
         self._place(tier0)
         self.pinned = set(tier0)
         self.cache = ExpertCache(config.policy, cache_slots)

@@ -3,8 +3,11 @@
 Kept as a knob (`dequant="host"`) so its cost against in-kernel dequantization is measured:
 the host path moves 4x the bytes over PCIe and spends CPU time here. The work is the same
 `dequantize_int4` the model uses, compiled by XLA for the host CPU (vectorized code), run for
-several matrices at once from a thread pool. A bounded LRU cache keeps dequantized hot experts,
-as the write-up did.
+several matrices at once from a thread pool. It writes the bf16 matrix in the packed bytes'
+output-major order [N, K]: the slots' [K, N] order is restored on the device as the expert is
+installed (`SlotPool(transposed=...)`), where a transpose costs microseconds; on the host it
+more than doubled the time. A bounded LRU cache keeps dequantized hot experts, as the write-up
+did.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ _CPU = jax.devices("cpu")[0]
 
 @jax.jit
 def _dequantize_bf16(packed, scales):
-    return dequantize_int4_jnp(packed, scales, jnp.bfloat16)
+    return dequantize_int4_jnp(packed, scales, jnp.bfloat16, out_major=True)
 
 
 class HostDequantizer:
@@ -50,8 +53,8 @@ class HostDequantizer:
         self.misses = 0
 
     def dequantize(self, packed: np.ndarray, scales: np.ndarray) -> np.ndarray | jax.Array:
-        """packed uint8 [N, K/2] + bf16 scales [K/128, N] -> bfloat16 [K, N] (numpy, or a jax
-        array in pinned host memory with `pin`)."""
+        """packed uint8 [N, K/2] + bf16 scales [K/128, N] -> bfloat16 [N, K], output-major
+        (numpy, or a jax array in pinned host memory with `pin`)."""
         n, k = packed.shape[0], packed.shape[1] * 2
         if scales.shape != (k // INT4_GROUP, n):
             raise ValueError(f"scales shape {scales.shape} does not match packed {packed.shape}")

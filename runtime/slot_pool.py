@@ -10,9 +10,10 @@ warm-up. The page table maps (layer, expert) -> permanent slot (-1 = not residen
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.checkpoint import numpy_dtype
@@ -21,14 +22,17 @@ from strata_jax.pool import ExpertPool
 ABSENT = -1
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _install(pool: ExpertPool, slot: jax.Array, arrays: ExpertPool) -> ExpertPool:
-    def put(buf, value):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="transposed")
+def _install(pool: ExpertPool, slot: jax.Array, arrays: ExpertPool,
+             transposed: frozenset[str] = frozenset()) -> ExpertPool:
+    def put(name, buf, value):
         if buf is None:
             return None
+        if name in transposed:
+            value = jnp.swapaxes(value, -1, -2)
         return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
 
-    return ExpertPool(*(put(b, v) for b, v in zip(pool, arrays, strict=True)))
+    return ExpertPool(*(put(n, b, v) for n, b, v in zip(pool._fields, pool, arrays, strict=True)))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -42,7 +46,9 @@ def _copy(pool: ExpertPool, src: jax.Array, dst: jax.Array) -> ExpertPool:
 
 
 class SlotPool:
-    """Expert slots on one device: [0, permanent) hot set, then `staging` staging slots."""
+    """Expert slots on one device: [0, permanent) hot set, then `staging` staging slots.
+    Arrays named in `transposed` arrive as the transpose of what their slots hold (host
+    dequantization writes them output-major) and are transposed on the device on install."""
 
     def __init__(
         self,
@@ -52,8 +58,10 @@ class SlotPool:
         permanent: int,
         staging: int,
         device: jax.Device | None = None,
+        transposed: Collection[str] = (),
     ) -> None:
         self.permanent, self.staging = permanent, staging
+        self.transposed = frozenset(transposed)
         self.num_slots = permanent + staging
         self.device = device or jax.devices()[0]
         fields = {
@@ -83,7 +91,7 @@ class SlotPool:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
         values = ExpertPool(**{k: arrays.get(k) for k in ExpertPool._fields if k in arrays})
-        self.arrays = _install(self.arrays, np.int32(slot), values)
+        self.arrays = _install(self.arrays, np.int32(slot), values, self.transposed)
 
     def admit(self, layer: int, expert: int, arrays: Mapping[str, object]) -> int:
         """Give (layer, expert) a free permanent slot, install it, update the page table."""

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax import lax
 
 GROUP = 128
 INT4_MIN, INT4_MAX = -8, 7
@@ -219,10 +220,31 @@ def unpack_int4_jnp(packed: jnp.ndarray, group: int = GROUP) -> jnp.ndarray:
     return jnp.swapaxes(pairs.reshape(*lead, n, 2 * half), -1, -2)
 
 
+def _dequantize_out_major(packed: jnp.ndarray, scales: jnp.ndarray, dtype) -> jnp.ndarray:
+    """[..., N, K] in a 16-bit `dtype`: each byte's two products are rounded and joined into
+    one 32-bit word, the little-endian memory of the pair, so that XLA:CPU never interleaves
+    single elements (it vectorizes this 1.7x faster than unpack-then-scale)."""
+    if jnp.dtype(dtype).itemsize != 2:
+        raise ValueError(f"output-major int4 dequantization writes 16-bit values, not {dtype}")
+    *lead, n, half = packed.shape
+    groups = scales.shape[-2]
+    p = packed.astype(jnp.int8)
+    s = jnp.swapaxes(scales.astype(jnp.float32), -1, -2)[..., None]  # [..., N, groups, 1]
+
+    def bits(q):  # q * s in `dtype`, as the low 16 bits of a uint32
+        w = (q.astype(jnp.float32).reshape(*lead, n, groups, -1) * s).astype(dtype)
+        return lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
+
+    word = bits(jnp.left_shift(p, 4) >> 4) | (bits(p >> 4) << 16)
+    return lax.bitcast_convert_type(word.reshape(*lead, n, half), dtype).reshape(*lead, n, 2 * half)
+
+
 def dequantize_int4_jnp(
-    packed: jnp.ndarray, scales: jnp.ndarray, dtype: jnp.dtype = jnp.float32
+    packed: jnp.ndarray, scales: jnp.ndarray, dtype: jnp.dtype = jnp.float32,
+    out_major: bool = False,
 ) -> jnp.ndarray:
-    """jnp twin of `dequantize_int4`: packed [..., N, K/2], scales [..., K/g, N] -> [..., K, N].
+    """jnp twin of `dequantize_int4`: packed [..., N, K/2], scales [..., K/g, N] -> [..., K, N]
+    (or [..., N, K] with `out_major`, the storage order: no transpose, for the host CPU).
 
     The product q * s is exact in float32 (4-bit times 8-bit significands), so the float32
     result equals the numpy one bit for bit and a narrower `dtype` is one rounding of it.
@@ -232,6 +254,8 @@ def dequantize_int4_jnp(
     if groups <= 0 or k % groups:
         raise ValueError(f"scales {scales.shape} do not split K={k} into whole groups")
     group = k // groups
+    if out_major:
+        return _dequantize_out_major(packed, scales, dtype)
     q = unpack_int4_jnp(packed, group).astype(jnp.float32)
     s = scales.astype(jnp.float32)[..., :, None, :]
     w = (q.reshape(*lead, groups, group, n) * s).reshape(*lead, k, n)

@@ -105,7 +105,7 @@ def test_int4_rtn_error_within_half_step(shape, seed, scale):
     np.testing.assert_array_equal(qw.scales, (absmax / 7).astype(BF16))
 
 
-_dequant_int4 = jax.jit(Q.dequantize_int4_jnp, static_argnums=2)
+_dequant_int4 = jax.jit(Q.dequantize_int4_jnp, static_argnums=(2, 3))
 _unpack_int4 = jax.jit(Q.unpack_int4_jnp)
 
 
@@ -121,6 +121,8 @@ def test_int4_jnp_dequant_matches_numpy_exactly(shape, seed, scale):
     np.testing.assert_array_equal(np.asarray(f32), ref)
     bf16 = _dequant_int4(packed, scales, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(bf16), ref.astype(BF16))
+    out_major = _dequant_int4(packed, scales, jnp.bfloat16, True)  # storage order, [N, K]
+    np.testing.assert_array_equal(np.asarray(out_major), ref.T.astype(BF16))
 
 
 def test_int4_dequant_is_exact_wrt_stored_scales():

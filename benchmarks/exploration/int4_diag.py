@@ -6,7 +6,7 @@ into a register sum instead of wgmma), `nodequant` (wgmma on a constant A operan
 and `full`. Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each), 8 layers.
 With MOSAIC_GPU_DUMP_TO set for the `full` compile: ptxas report and SASS under $OUT/dump.
 
-    python3 benchmarks/exploration/int4_diag.py   ->  $OUT/int4_diag.json
+    python3 benchmarks/exploration/int4_diag.py [mode:rows:stages:groups,...]  ->  $OUT/int4_diag.json
 """
 import functools
 import itertools
@@ -202,6 +202,9 @@ def main():
     results = []
     configs = [("perm", 64, 2, 2), ("perm_magic", 64, 2, 2), ("perm", 64, 2, 1),
                ("perm_magic", 64, 2, 1), ("perm_magic", 64, 3, 1), ("perm_magic", 64, 2, 4)]
+    if len(sys.argv) > 1:  # e.g. stream:64:3:4,perm:64:2:2 (mode:rows:stages:groups)
+        configs = [(m, int(a), int(b), int(c)) for m, a, b, c in
+                   (item.split(":") for item in sys.argv[1].split(","))]
     for mode, rows, stages, groups in configs:
         xin = permute_k(x) if mode.startswith("perm") else x
         xs = xin.astype(jnp.float32).reshape(e, r, d // G, G).sum(-1).swapaxes(1, 2)

@@ -15,7 +15,8 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     root = tmp_path_factory.mktemp("dequant")
-    cfg = tiny_config("mixtral", hidden_size=128, expert_intermediate_size=128, head_dim=32,
+    # not square: host-dequantized matrices arrive transposed, and a missed transpose must fail
+    cfg = tiny_config("mixtral", hidden_size=128, expert_intermediate_size=256, head_dim=32,
                       num_experts=4)
     write_checkpoint(cfg, root / "float", seed=4)
     quantize_checkpoint(root / "float", root / "q", experts="int4-rtn", dense="int8",
@@ -42,6 +43,19 @@ def test_dequant_settings_are_exact_across_budgets(quantized, dequant, cache):
             assert engine.stats()["host_dequant_cache"]["hits"] > 0
 
 
+def test_host_and_device_dequant_agree(quantized):
+    def run(dequant):
+        engine = Engine.from_checkpoint(quantized, EngineConfig(
+            resident_experts=3, host_experts=1, batch_capacity=2, max_len=24, dequant=dequant))
+        return engine.generate_with_logits(PROMPTS, 5)
+
+    (dev_tokens, dev_logits), (host_tokens, host_logits) = run("device"), run("host")
+    assert host_tokens == dev_tokens
+    # the same bf16(q * s) weights, multiplied by different code paths
+    np.testing.assert_allclose(host_logits, dev_logits, rtol=0,
+                               atol=0.02 * np.abs(dev_logits).max())
+
+
 def test_unknown_dequant_is_refused(quantized):
     with pytest.raises(ValueError, match="dequant must be one of"):
         Engine.from_checkpoint(quantized, EngineConfig(dequant="gpu"))
@@ -51,7 +65,7 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
     """Slots of a host-dequantizing engine hold bf16 experts: a budget that holds every packed
     expert is then too small to be resident, and the host keeps the packed bytes."""
     reader = CheckpointReader(quantized)
-    bf16 = 3 * 128 * 128 * 2
+    bf16 = 3 * 128 * 256 * 2
     packed = ModelBytes.from_reader(reader).bytes_per_expert
     device = plan_for(reader, EngineConfig(hbm_budget="1GiB", dequant="device",
                                            workspace_floor=0, max_len=24, batch_capacity=2))

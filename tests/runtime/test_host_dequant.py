@@ -24,7 +24,8 @@ def test_matches_reference_rounded_to_bf16(threads):
     dq = HostDequantizer(threads=threads)
     out = dq.dequantize(packed, scales)
     assert out.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(out, ref.astype(np.float32).astype(ml_dtypes.bfloat16))
+    # output-major [N, K]: the packed bytes' order (the slots transpose it on the device)
+    np.testing.assert_array_equal(out, ref.T.astype(np.float32).astype(ml_dtypes.bfloat16))
     many = dq.dequantize_many([(packed, scales)] * 3)
     assert all(np.array_equal(m, out) for m in many)
     dq.close()

@@ -30,6 +30,18 @@ def test_admit_evict_and_page_table():
         pool.evict(1, 3)
 
 
+def test_transposed_arrays_are_installed_in_slot_order():
+    cfg = tiny_config()
+    _, _, experts = random_arrays(cfg)
+    pool = SlotPool(expert_arrays(cfg), cfg.num_layers, cfg.num_experts, 3, 1,
+                    transposed=("w1", "w2"))
+    one = {k: v[0, 2] for k, v in experts.items()}
+    sent = {k: (np.swapaxes(v, -1, -2) if k in ("w1", "w2") else v) for k, v in one.items()}
+    slot = pool.admit(0, 2, sent)
+    for k in ("w1", "w3", "w2"):  # w3 arrives as the slot holds it
+        np.testing.assert_array_equal(np.asarray(getattr(pool.arrays, k)[slot]), one[k])
+
+
 def test_full_pool_refuses_admission():
     cfg = tiny_config()
     _, _, experts = random_arrays(cfg)
