@@ -3,8 +3,10 @@
 A stripped copy of `strata_jax/int4_kernel.py`'s gate/up kernel (one CTA per entry and row block)
 whose step body can skip parts: `stream` (pipeline only), `nowgmma` (dequantize + scale, fold
 into a register sum instead of wgmma), `nodequant` (wgmma on a constant A operand), `noscale`,
-and `full`. Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each), 8 layers.
-With MOSAIC_GPU_DUMP_TO set for the `full` compile: ptxas report and SASS under $OUT/dump.
+and `full`; `postscale`, `perm`, `perm_magic` (the session-6 designs, see ../README.md); and
+`pstreamN` (a persistent grid of N CTAs per SM streaming the tiles with an empty body: the
+pipeline's ceiling). Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each),
+8 layers.
 
     python3 benchmarks/exploration/int4_diag.py [mode:rows:stages:groups,...]  ->  $OUT/int4_diag.json
 """
@@ -177,6 +179,47 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
     return kernel(slots, x, w1, s1, w3, s3, xs)
 
 
+def stream_persistent(x, w1, s1, w3, s3, *, per_sm, stages=2, groups=2, rows=64):
+    """Pipeline-only ceiling of a persistent grid: per_sm CTAs per SM, each streaming the
+    gate/up tiles p, p + P, ... (x, w1, w3 and their scales) through one pipeline, empty body."""
+    c_n, r, k = x.shape
+    o, bo, bk = w1.shape[1], rows, G * groups
+    blocks, tiles = o // bo, c_n * (o // bo)
+    ctas = min(tiles, per_sm * int(getattr(jax.devices()[0], "core_count", 132)))
+    w1f, w3f = w1.reshape(-1, k), w3.reshape(-1, k)
+    s1f, s3f = s1.reshape(-1, o), s3.reshape(-1, o)
+
+    def body(x_gmem, w1g, s1g, w3g, s3g, out_gmem):
+        p = lax.axis_index("p")
+        mine = lax.div(tiles - p + ctas - 1, ctas)
+
+        def entry_block(i):
+            t = p + i * ctas
+            return lax.div(t, blocks), lax.rem(t, blocks)
+
+        def w_index(i, kk):
+            e, b = entry_block(i)
+            return e * blocks + b, kk
+
+        def s_index(i, kk):
+            e, b = entry_block(i)
+            return e * (k // bk) + kk, b
+
+        specs = [plgpu.BlockSpec((r, bk), lambda i, kk: (entry_block(i)[0], kk),
+                                 transforms=_swizzled(G, 16))]
+        for _ in range(2):
+            specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(G, 4)),
+                      plgpu.BlockSpec((groups, bo), s_index)]
+        plgpu.emit_pipeline(lambda *_: None, grid=(mine, k // bk), in_specs=specs,
+                            max_concurrent_steps=stages)(x_gmem, w1g, s1g, w3g, s3g)
+
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((1,), jnp.float32), grid=(ctas,), grid_names=("p",),
+        kernel_name=f"diag_pstream{per_sm}",
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
+    return kernel(x.reshape(-1, k), w1f, s1f, w3f, s3f)
+
+
 def main():
     out = os.environ.get("OUT", "/tmp/out")
     d, f, e, layers, r = 4096, 14336, 8, 8, 16
@@ -211,11 +254,17 @@ def main():
         one = lambda x, xs, w1, w3, s, i, mode=mode, t=(rows, stages, groups): gate_up(  # noqa
             x, jnp.arange(e, dtype=jnp.int32) + i * e, w1, s, w3, s, rows=t[0], stages=t[1],
             groups=t[2], mode=mode, xs=xs)
+        if mode.startswith("pstream"):  # pstreamN: N persistent CTAs per SM, layer i's experts
+            one = lambda x, xs, w1, w3, s, i, n=int(mode[7:]), t=(rows, stages, groups): (  # noqa
+                stream_persistent(x, w1[i * e:(i + 1) * e], s[i * e:(i + 1) * e],
+                                  w3[i * e:(i + 1) * e], s[i * e:(i + 1) * e], per_sm=n,
+                                  rows=t[0], stages=t[1], groups=t[2]))
         fn = jax.jit(lambda *a, one=one: sum(one(*a, i).astype(jnp.float32).sum()
                                             for i in range(layers)))
         try:
             got = jax.jit(one, static_argnums=5)(xin, xs, w1, w3, s, 0).astype(jnp.float32)
-            err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+            err = (float(jnp.abs(got - want).max() / jnp.abs(want).max())
+                   if got.shape == want.shape else None)  # stream modes compute nothing
             fn(xin, xs, w1, w3, s).block_until_ready()
         except Exception as ex:
             results.append({"mode": mode, "tiles": (rows, stages, groups), "error": repr(ex)[:400]})
