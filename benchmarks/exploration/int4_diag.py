@@ -5,7 +5,8 @@ whose step body can skip parts: `stream` (pipeline only), `nowgmma` (dequantize 
 into a register sum instead of wgmma), `nodequant` (wgmma on a constant A operand), `noscale`,
 and `full`; `postscale`, `perm`, `perm_magic` (the session-6 designs, see ../README.md); and
 `pstreamN` (a persistent grid of N CTAs per SM streaming the tiles with an empty body: the
-pipeline's ceiling). Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each),
+pipeline's ceiling), `tstream` (stream, but each step's weight tile is contiguous in memory, as
+a tile-major storage format would make it). Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each),
 8 layers.
 
     python3 benchmarks/exploration/int4_diag.py [mode:rows:stages:groups,...]  ->  $OUT/int4_diag.json
@@ -130,7 +131,7 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
             pairs = list(zip(ws[::2], ws[1::2], accs))
             for g, (w_smem, s_smem, acc) in itertools.product(range(groups), pairs):
                 cols = pl.ds(g * G, G)
-                if mode == "stream":
+                if mode in ("stream", "tstream"):
                     continue
                 if mode == "nodequant":
                     w = plgpu.layout_cast(jnp.full((bo, G), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
@@ -152,8 +153,11 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
             body_fn = (functools.partial(step_postscale, accs=accs, temps=temps)
                        if temps else functools.partial(step, accs=accs))
             specs = [plgpu.BlockSpec((r, bk), lambda kk: (0, kk), transforms=_swizzled(G, 16))]
+            # tstream: each step's tile is 64 x bk/2 contiguous bytes (a tile-major layout)
+            w_index = ((lambda kk: (j * (k // bk) + kk, 0)) if mode == "tstream"
+                       else (lambda kk: (j, kk)))
             for _ in range(2):
-                specs += [plgpu.BlockSpec((bo, bk), lambda kk: (j, kk), transforms=_swizzled(G, 4)),
+                specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(G, 4)),
                           plgpu.BlockSpec((groups, bo), lambda kk: (kk, j))]
             gm = [x_gmem.at[c], w1g.at[slot], s1g.at[slot], w3g.at[slot], s3g.at[slot]]
             if magic:
@@ -176,6 +180,8 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     if xs is None:
         xs = jnp.zeros((c_n, k // G, r), jnp.float32)
+    if mode == "tstream":  # the same bytes seen as [E, N * K / bk, bk]
+        w1, w3 = (w.reshape(w.shape[0], -1, bk) for w in (w1, w3))
     return kernel(slots, x, w1, s1, w3, s3, xs)
 
 
