@@ -152,15 +152,13 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
             lambda x, s, p, i, v: ek.grouped_swiglu_xla(x, s, p, v)),
         f"XLA dequant + lax.ragged_dot ({shape.tokens * shape.top_k} rows)": None,
     }
-    tuned = int4_kernel.TUNED_TILES  # the engine path runs the sweep's best
-    int4_kernel.TUNED_TILES = {**tuned, (shape.d, shape.f): tiles}
     if shape.tokens > ek.ROW_TILE:  # the engine's path, routing glue included
         for chunks, label in ((False, "all rows per expert"), (True, "own rows per expert")):
             variants[f"mosaic int4 via routed_outputs, {label}"] = over_layers(
                 lambda x, s, p, i, v, chunks=chunks: routed_outputs(
                     x, Routing(jnp.asarray(sels[i]), None, None), p,
                     jnp.arange(shape.experts, dtype=jnp.int32) + i * shape.experts,
-                    jnp.ones(shape.experts, bool), row_chunks=chunks))
+                    jnp.ones(shape.experts, bool), row_chunks=chunks, int4_tiles=tiles))
     results = []
     for name, fn in variants.items():
         if fn is None:
@@ -185,7 +183,6 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
                                kernel_over_hbm=nbytes / shape.layers / us / 1e3 / bw,
                                device_kernels=kernels)
         print(results[-1], flush=True)
-    int4_kernel.TUNED_TILES = tuned
     return results, sweep
 
 

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import api
+from strata_jax import api, int4_kernel
 from strata_jax import model as mdl
 from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
+from strata_jax.int4_kernel import Int4Tiles
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore, StoreStats
 from strata_runtime.heat import load_heat, ranked, save_heat
@@ -76,6 +77,17 @@ class EngineConfig:
     # each expert multiplies only the rows routed to it (chunks of 16) instead of the whole
     # batch; None = on the GPU kernel's path above 16 rows (`expert_kernels.use_row_chunks`)
     row_chunks: bool | None = None
+    # tiles of the Mosaic int4 expert kernel (int4 experts, dequant="device", Hopper GPU);
+    # None = `int4_kernel.tiles_for` (the tuned tiles of the expert shape, else the default)
+    int4_tiles: Int4Tiles | None = None
+
+
+def check_int4_tiles(tiles: Int4Tiles | None, cfg: ModelConfig) -> None:
+    """Refuse int4 kernel tiles that do not divide the model's expert dims."""
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    if tiles is not None and not int4_kernel.fits(d, f, tiles):
+        raise ValueError(f"EngineConfig.int4_tiles={tiles} does not tile the experts "
+                         f"(hidden {d}, intermediate {f}): see int4_kernel.fits")
 
 
 def placement(cfg: ModelConfig, pinned: int, host: int,
@@ -148,15 +160,15 @@ def _route(cfg, lp, x):
     return mdl.route_layer(cfg, lp, x)[1].experts
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _moe(cfg, lp, x, pool, slot_row, row_chunks):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6))
+def _moe(cfg, lp, x, pool, slot_row, row_chunks, int4_tiles):
     """The layer's MoE output and its routed experts (one program for every budget)."""
-    return mdl.moe_block(cfg, lp, x, pool, slot_row, row_chunks)
+    return mdl.moe_block(cfg, lp, x, pool, slot_row, row_chunks, int4_tiles)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=6)
-def _moe_pass(cfg, lp, x, pool, slot_row, take, picks, row_chunks):
-    return mdl.moe_pass(cfg, lp, x, pool, slot_row, take, picks, row_chunks)
+@functools.partial(jax.jit, static_argnums=(0, 7, 8), donate_argnums=6)
+def _moe_pass(cfg, lp, x, pool, slot_row, take, picks, row_chunks, int4_tiles):
+    return mdl.moe_pass(cfg, lp, x, pool, slot_row, take, picks, row_chunks, int4_tiles)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -188,6 +200,7 @@ class Engine:
         check_policy(config.policy)
         self.cfg, self.config = reader.config, config
         cfg = self.cfg
+        check_int4_tiles(config.int4_tiles, cfg)
         self.device = jax.devices()[0]
         self.timeline = Timeline(config.timeline)
         self.numa = plan_binding(gpu_pci_bus_id(self.device))
@@ -447,7 +460,8 @@ class Engine:
             self._resident_rows[layer] = jnp.asarray(self.pool.page_table[layer])
         row = self._resident_rows[layer]
         if decode:  # the expert program also returns the routing: one dispatch, not two
-            out, ids = _moe(self.cfg, lp, x, self.pool.arrays, row, self.config.row_chunks)
+            out, ids = _moe(self.cfg, lp, x, self.pool.arrays, row, self.config.row_chunks,
+                            self.config.int4_tiles)
             self._deferred.append((layer, ids))
             return out
         self._deferred.append((layer, _route(self.cfg, lp, x)))
@@ -496,7 +510,8 @@ class Engine:
         chunk = sorted(transfers)
         row = self._install(layer, chunk, transfers, users)
         self._prefetch(layer + 1, gate)
-        out = _moe(self.cfg, lp, x, self.pool.arrays, row, self.config.row_chunks)[0]
+        out = _moe(self.cfg, lp, x, self.pool.arrays, row, self.config.row_chunks,
+                   self.config.int4_tiles)[0]
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))
         self._cache_admit(layer, chunk, row)
         return out
@@ -526,7 +541,7 @@ class Engine:
             if i == 0:
                 take |= self.pool.page_table[layer] >= 0
             picks = _moe_pass(cfg, lp, x, self.pool.arrays, row, take, picks,
-                              self.config.row_chunks)
+                              self.config.row_chunks, self.config.int4_tiles)
             self._cache_admit(layer, chunk, row)
         out = _moe_finish(cfg, lp, x, picks)  # (the passes donate `picks`: watch the result)
         self.transfers.computed(f"experts L{layer}", out, tuple(transfers.values()))

@@ -200,13 +200,14 @@ def use_row_chunks(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bf
     return n > ROW_TILE and use_pallas(n, d, f, quantized, dtype)
 
 
-def grouped_swiglu(x, slots, pool: ExpertPool, valid=None):
+def grouped_swiglu(x, slots, pool: ExpertPool, valid=None, int4_tiles=None):
     """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
     output; zeros where `valid` [C] is false), by the path `use_pallas` picks. x is [N, D],
-    or [C, N, D] with each entry's own rows."""
+    or [C, N, D] with each entry's own rows. `int4_tiles`: the Mosaic int4 kernel's tiles
+    (default `int4_kernel.tiles_for`)."""
     d, f = x.shape[-1], pool.intermediate_size
     if not use_pallas(x.shape[-2], d, f, pool.quantized, x.dtype):
         return grouped_swiglu_xla(x, slots, pool, valid)
     if pool.quantized:
-        return int4_kernel.grouped_swiglu_int4(x, slots, pool, valid)
+        return int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, int4_tiles)
     return grouped_swiglu_pallas(x, slots, pool, tiles=tiles_for(d, f), valid=valid)

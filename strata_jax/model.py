@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.config import ModelConfig
+from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
 from strata_jax.moe import (
     ExpertPool,
@@ -94,23 +95,24 @@ def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, 
 
 def moe_block(
     cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array,
-    row_chunks: bool | None = None,
+    row_chunks: bool | None = None, int4_tiles: Int4Tiles | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Residual MoE FFN (routed + optional gated shared expert); also the selected experts.
-    `row_chunks`: see `moe.routed_outputs`."""
+    `row_chunks`, `int4_tiles`: see `moe.routed_outputs`."""
     h, routing = route_layer(cfg, lp, x)
-    out = apply_experts(h, routing, pool, slot_row, row_chunks)
+    out = apply_experts(h, routing, pool, slot_row, row_chunks, int4_tiles)
     return x + _with_shared(cfg, lp, h, out).reshape(x.shape), routing.experts
 
 
 def moe_pass(
     cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array,
     take: jax.Array, picks: jax.Array, row_chunks: bool | None = None,
+    int4_tiles: Int4Tiles | None = None,
 ) -> jax.Array:
     """`picks` [N, K, D] float32 with the outputs of the experts marked in `take` filled in:
     moe_block in several passes when one layer's experts do not fit the pool at once."""
     h, routing = route_layer(cfg, lp, x)
-    out = routed_outputs(h, routing, pool, slot_row, take, row_chunks)
+    out = routed_outputs(h, routing, pool, slot_row, take, row_chunks, int4_tiles)
     return jnp.where(take[routing.experts][..., None], out, picks)
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax import expert_kernels
+from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.pool import ExpertPool
 
 
@@ -72,6 +73,7 @@ def apply_experts(
     pool: ExpertPool,
     slot_of_expert: jax.Array,
     row_chunks: bool | None = None,
+    int4_tiles: Int4Tiles | None = None,
 ) -> jax.Array:
     """Weighted sum of the selected experts' SwiGLU outputs, reading each active expert once.
 
@@ -80,7 +82,7 @@ def apply_experts(
     several passes (the offload runtime's staging) gives the same bits.
     """
     take = jnp.ones(slot_of_expert.shape, jnp.bool_)
-    picks = routed_outputs(x, routing, pool, slot_of_expert, take, row_chunks)
+    picks = routed_outputs(x, routing, pool, slot_of_expert, take, row_chunks, int4_tiles)
     return combine_routed(routing, picks).astype(x.dtype)
 
 
@@ -91,6 +93,7 @@ def routed_outputs(
     slot_of_expert: jax.Array,
     take: jax.Array,
     row_chunks: bool | None = None,
+    int4_tiles: Int4Tiles | None = None,
 ) -> jax.Array:
     """Each pick's expert output [N, K, D] float32, for the experts marked in `take` [E] (bool);
     other picks are zero.
@@ -98,37 +101,37 @@ def routed_outputs(
     One layer's experts may then be computed in several passes over different pool contents
     and merged exactly (each pick is filled by exactly one pass): every expert's output comes
     from the same compiled code whatever else shares its pass. `row_chunks` (default: what
-    `expert_kernels.use_row_chunks` says) has each expert multiply only the rows routed to it.
+    `expert_kernels.use_row_chunks` says) has each expert multiply only the rows routed to it;
+    `int4_tiles` (default `int4_kernel.tiles_for`) tiles the Mosaic int4 kernel, where it runs.
     """
     n, d = x.shape
     if row_chunks is None:
         row_chunks = expert_kernels.use_row_chunks(n, d, pool.intermediate_size, pool.quantized,
                                                    x.dtype)
-    if row_chunks:
-        picked = _chunked_outputs(x, routing, pool, slot_of_expert, take)
-    else:
-        picked = _dense_outputs(x, routing, pool, slot_of_expert, take)
+    outputs = _chunked_outputs if row_chunks else _dense_outputs
+    picked = outputs(x, routing, pool, slot_of_expert, take, int4_tiles)
     return jnp.where(take[routing.experts][..., None], picked, 0.0)
 
 
-def _dense_outputs(x, routing, pool, slot_of_expert, take):
+def _dense_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
     """Every active expert applied to all N rows; picks read out of [C, N, D]."""
     n, num_experts = x.shape[0], slot_of_expert.shape[0]
     capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
     ids, valid = active_experts(routing.experts, num_experts, capacity, take)
-    outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid)
+    outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid, int4_tiles)
     per_expert = jnp.sum(outputs, axis=1)
     position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
     return per_expert[position, jnp.arange(n)[:, None]]
 
 
-def _chunked_outputs(x, routing, pool, slot_of_expert, take):
+def _chunked_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
     """Each expert applied to its own rows only, in chunks of ROW_TILE rows."""
     chunks = chunk_picks(routing.experts, take, slot_of_expert.shape[0],
                         expert_kernels.ROW_TILE)
     rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[chunks.rows]
     slots = slot_of_expert[jnp.minimum(chunks.expert, slot_of_expert.shape[0] - 1)]
-    outputs = jnp.sum(expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid), axis=1)
+    outputs = jnp.sum(expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid, int4_tiles),
+                      axis=1)
     return outputs[chunks.pick_chunk, chunks.pick_row]
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from strata_jax.checkpoint import CheckpointReader
+from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.quantize import quantize_checkpoint
 from strata_runtime.engine import Engine, EngineConfig, plan_for
 from strata_runtime.ledger import ModelBytes
@@ -54,6 +55,18 @@ def test_host_and_device_dequant_agree(quantized):
     # the same bf16(q * s) weights, multiplied by different code paths
     np.testing.assert_allclose(host_logits, dev_logits, rtol=0,
                                atol=0.02 * np.abs(dev_logits).max())
+
+
+def test_int4_kernel_tiles_are_a_knob_and_must_tile_the_experts(quantized):
+    def run(**knobs):
+        engine = Engine.from_checkpoint(quantized, EngineConfig(
+            resident_experts=3, host_experts=1, batch_capacity=2, max_len=24, **knobs))
+        return engine.generate_with_logits(PROMPTS, 5)
+
+    tiles = Int4Tiles(64, stages=2, groups=1, down_splits=2)  # D = 128, F = 256 tile by it
+    assert run(int4_tiles=tiles)[0] == run()[0]
+    with pytest.raises(ValueError, match=r"int4_tiles=.*hidden 128, intermediate 256"):
+        run(int4_tiles=Int4Tiles(64, stages=2, groups=2))  # 256 inputs per step: not 128
 
 
 def test_unknown_dequant_is_refused(quantized):
