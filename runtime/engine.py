@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import api, int4_kernel
+from strata_jax import api
 from strata_jax import model as mdl
 from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
-from strata_jax.int4_kernel import Int4Tiles
+from strata_jax.int4_kernel import Int4Tiles, fits
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore, StoreStats
 from strata_runtime.heat import load_heat, ranked, save_heat
@@ -85,7 +85,7 @@ class EngineConfig:
 def check_int4_tiles(tiles: Int4Tiles | None, cfg: ModelConfig) -> None:
     """Refuse int4 kernel tiles that do not divide the model's expert dims."""
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
-    if tiles is not None and not int4_kernel.fits(d, f, tiles):
+    if tiles is not None and not fits(d, f, tiles):
         raise ValueError(f"EngineConfig.int4_tiles={tiles} does not tile the experts "
                          f"(hidden {d}, intermediate {f}): see int4_kernel.fits")
 
