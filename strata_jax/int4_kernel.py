@@ -161,16 +161,28 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     shared_x = x.shape[0] == 1
 
+    persistent = tiles.ctas_per_sm > 0
+
     def body(order_ref, n_ref, slots_ref, x_gmem, *refs):
         w_gmem, (out_gmem, o_smem) = refs[: 2 * nw], refs[2 * nw:]
         p = lax.axis_index("p")
-        mine = lax.div(jnp.maximum(n_ref[0] * per_entry - p + ctas - 1, 0), ctas)
+        total = n_ref[0] * per_entry
 
-        def tile(i):  # entry, its slot, row block, split
-            t = p + i * ctas
+        def tile_at(t):  # entry, its slot, row block, split of tile t
             entry = order_ref[lax.div(t, per_entry)]
             rest = lax.rem(t, per_entry)
             return entry, slots_ref[entry], lax.div(rest, splits), lax.rem(rest, splits)
+
+        if persistent:  # tiles p, p + P, ...: read at each step's index maps
+            mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
+
+            def tile(i):
+                return tile_at(p + i * ctas)
+        else:  # one tile: read once, and a static pipeline grid
+            mine, fixed = 1, tile_at(p)
+
+            def tile(_):
+                return fixed
 
         def x_index(i, kk):
             entry, _, _, split = tile(i)
@@ -238,7 +250,10 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 x_gmem, *w_gmem)
 
         # nw running sums, and two accumulators that the groups' wgmmas alternate between
-        pl.run_scoped(run, *[plgpu.ACC((bo, r)) for _ in range(nw + 2)])
+        @pl.when(persistent or p < total)
+        def _():
+            pl.run_scoped(run, *[plgpu.ACC((bo, r)) for _ in range(nw + 2)])
+
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
