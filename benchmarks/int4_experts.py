@@ -43,9 +43,10 @@ class Shape:
 
 T = Int4Tiles
 SWEEP = {  # per shape: candidates tried in order, the fastest is reported
-    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, 2), T(64, 2, 2)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 3, 2, 0, 2), T(64, 4, 2, 0, 2), T(64, 2, 2)),
     "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, 2)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4), T(64, 2, 2)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 3, 2, 4, 1, 2), T(64, 2, 2, 0, 1, 2),
+                      T(64, 2, 2)),
 }
 
 SHAPES = (
