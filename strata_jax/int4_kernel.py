@@ -33,10 +33,7 @@ class Int4Tiles:
     groups (128 inputs each) per pipeline step, persistent CTAs per SM (0: one CTA per tile),
     and the parts the gate/up and the down projections' reductions are split into (summed in
     float32 after; a split gate/up leaves SiLU(gate) * up to XLA). Splits make more, shorter
-    tiles: fewer CTAs idle in the last wave when few experts are active. `wide`: a step's
-    weight tile is one 128-byte-swizzled TMA box, loaded whole (needs `groups` >= 2);
-    `overlap`: a step's last wgmma is folded in the next step instead of waited for (needs an
-    even number of groups x weights); `down_rows`: the down projection's rows (0: `rows`)."""
+    tiles: fewer CTAs idle in the last wave when few experts are active."""
 
     rows: int = 64
     stages: int = 4
@@ -44,9 +41,6 @@ class Int4Tiles:
     ctas_per_sm: int = 0
     down_splits: int = 1
     up_splits: int = 1
-    wide: bool = False
-    overlap: bool = False
-    down_rows: int = 0
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -66,11 +60,8 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
-    down_rows = tiles.down_rows or tiles.rows
-    return (all(k % step == 0 for k in (d, f)) and f % tiles.rows == 0 and d % down_rows == 0
-            and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0
-            and not (tiles.wide and tiles.groups < 2)
-            and not (tiles.overlap and tiles.groups % 2))
+    return (all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
+            and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
 
 def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None:
@@ -136,29 +127,6 @@ def _as_wgmma_bf16(w):
         return ints.astype(ir.BF16Type.get())
 
     return view(w)
-
-
-def _split_groups(w):
-    """An int4 tile [rows, groups * 128] in the UPCAST_4X layout -> its groups' [rows, 128]
-    tiles in the same layout (the registers regrouped, no instructions)."""
-    from jax.experimental.mosaic import gpu as mgpu
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    groups = w.shape[1] // GROUP
-    part = plgpu.ShapeDtypeStruct((w.shape[0], GROUP), w.dtype,
-                                  layout=plgpu.Layout.WGMMA_UPCAST_4X)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-                       return_type=tuple(part for _ in range(groups)))
-    def split(_, words):
-        regs = words.registers
-        assert regs.shape[1] % groups == 0, regs.shape
-        per = regs.shape[1] // groups  # register columns are the layout's column tiles
-        return tuple(mgpu.FragmentedArray(_registers=regs[:, g * per:(g + 1) * per],
-                                          _layout=words.layout, _is_signed=words.is_signed)
-                     for g in range(groups))
-
-    return split(w)
 
 
 def sm_count() -> int:
@@ -235,20 +203,13 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                         + part * lax.broadcast_in_dim(scale, part.shape, [0]))
 
         def units(weight_smem, accs):
-            """Per scale group and weight: (its bf16 tile [rows, 128], its scales' smem, group,
-            running sum), the weights' int4 loaded a group or (`wide`) a whole step at once."""
+            """Per scale group and weight: its bf16 tile [rows, 128], its scales' smem, the
+            group, the weight's running sum."""
             weights_accs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
-            if not tiles.wide:
-                for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups),
-                                                                   weights_accs):
-                    w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
-                                   layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                    yield _as_wgmma_bf16(w), s_smem, g, acc
-                return
-            for w_smem, s_smem, acc in weights_accs:
-                words = _split_groups(plgpu.load(w_smem, (), layout=plgpu.Layout.WGMMA_UPCAST_4X))
-                for g, w in enumerate(words):
-                    yield _as_wgmma_bf16(w), s_smem, g, acc
+            for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
+                w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
+                               layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                yield _as_wgmma_bf16(w), s_smem, g, acc
 
         def finish(i, accs):  # the tile's epilogue and its TMA store
             entry, _, block, split = tile(i)
@@ -265,13 +226,10 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
                 plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
-        def step(idx, x_smem, *refs, accs, temps):
+        def step(idx, x_smem, *weight_smem, accs, temps):
             """Each group's wgmma into one of two temporaries, folded into its running sum
-            while the next group's runs. With `overlap` the step's last group is folded in the
-            next step (the x buffer is released a step late for it): the carry is its scales."""
-            weight_smem, carry = (refs[:-1], refs[-1]) if tiles.overlap else (refs, None)
+            while the next group's runs."""
             zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
-            last = idx[1] == k_steps - 1
             pending = None
             for i, (w, s_smem, g, acc) in enumerate(units(weight_smem, accs)):
                 temps[i % 2][...] = zero
@@ -279,37 +237,22 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
                 if pending is not None:  # the previous group's wgmma, while this one runs
                     fold(*pending, wait_n=1)
-                elif tiles.overlap:
-                    pl.when(idx[1] > 0)(lambda: fold(temps[1], carry, accs[-1], wait_n=1))
                 pending = (temps[i % 2], scale, acc)
-            if tiles.overlap:
-                @pl.when(last)
-                def _():
-                    fold(*pending, wait_n=0)
-                    finish(idx[0], accs)
-
-                return pending[1]
             # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
             # buffer the pipeline refills after this step.
             fold(*pending, wait_n=0)
-            pl.when(last)(lambda: finish(idx[0], accs))
-            return None
+            pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
 
         def run(*refs):
             accs, temps = refs[:nw], refs[nw:]
             # swizzles sized for one group, so that each group's columns are whole tiles
-            specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16),
-                                     delay_release=int(tiles.overlap))]
-            w_swizzle = _swizzled(bk if tiles.wide else GROUP, 4)
+            specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16))]
             for _ in range(nw):
-                specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=w_swizzle),
+                specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
                           plgpu.BlockSpec((tiles.groups, bo), s_index)]
-            carry = (plgpu.layout_cast(jnp.zeros((bo,), jnp.float32), row_layout)
-                     if tiles.overlap else None)
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
                                 grid=(mine, k_steps), in_specs=specs,
-                                max_concurrent_steps=tiles.stages, init_carry=carry)(
-                x_gmem, *w_gmem)
+                                max_concurrent_steps=tiles.stages)(x_gmem, *w_gmem)
 
         # nw running sums, and two accumulators that the groups' wgmmas alternate between
         @pl.when(persistent or p < total)
@@ -356,8 +299,7 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
                               splits=tiles.up_splits, name="int4_gate_up").sum(0)
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     h = permute_k(jnp.swapaxes(h_t, 1, 2))  # [C, n, F]: a few MB, fused into one XLA transpose
-    down = dataclasses.replace(tiles, rows=tiles.down_rows or tiles.rows)
-    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), down,
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down")
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

@@ -121,10 +121,7 @@ def _bf16_error(y, ref):
     int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2), int4_kernel.Int4Tiles(128, 4, 2),
     # persistent CTAs: 12 entries make more tiles than CTAs, so each CTA streams several
     int4_kernel.Int4Tiles(64, 3, 2, ctas_per_sm=1, down_splits=2),
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2),
-    # whole-step weight loads, a step's last wgmma folded in the next step, 128-row down tiles
-    int4_kernel.Int4Tiles(64, 2, 2, wide=True, overlap=True, down_rows=128),
-    int4_kernel.Int4Tiles(64, 3, 4, ctas_per_sm=1, wide=True, overlap=True, down_splits=2)])
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2)])
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     if not int4_kernel.fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
@@ -181,10 +178,6 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert int4_kernel.tiles_for(2048, 768, split).down_splits == 1  # 3 steps of 256 inputs
     assert int4_kernel.tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
     assert int4_kernel.tiles_for(64, 128) is None
-    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 1, wide=True))
-    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 1, overlap=True))
-    assert int4_kernel.fits(384, 1024, int4_kernel.Int4Tiles(64, 2, 1))
-    assert not int4_kernel.fits(384, 1024, int4_kernel.Int4Tiles(64, 2, 1, down_rows=256))
 
 
 def test_tiles_that_do_not_divide_are_rejected():
