@@ -2,12 +2,10 @@
 
 Each CTA owns `rows` output features of one active slot and streams that slot's int4 tiles
 (K-contiguous, the pool's own bytes seen as `int4 [S, out, in]`) through a TMA pipeline. Each
-128-input group is converted to bf16 q + 136 in registers (exact; two instructions a pair) and
-fed to wgmma as the A operand, out^T [rows, R] = (q_tile + 136) [rows, 128] @ x^T [128, R], into
-one of two alternating accumulators, where a second wgmma on a constant -136 operand takes the
-bias out again (float32 sums of exact products); the group's scales then multiply that
-[rows, R] result into the running sum, so the weights are never rescaled element by element
-and never round-trip through shared memory.
+128-input group is converted to bf16 in registers (exact: small ints) and fed to wgmma as the A
+operand, out^T [rows, R] = q_tile [rows, 128] @ x^T [128, R], into one of two alternating
+accumulators; the group's scales then multiply that [rows, R] result into the running sum, so
+the weights are never rescaled element by element and never round-trip through shared memory.
 The sum is sum_g scale_g * (q_g @ x_g): the dequantized weights' product without rounding
 q * scale to bf16 first (the XLA path rounds it; both agree to bf16 accuracy).
 """
@@ -92,62 +90,43 @@ def _swizzled(minor_elems: int, bits: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-BIAS = 136.0  # the conversion yields q + BIAS, exact in bf16; a wgmma on -BIAS takes it out
-
-
 def permute_k(x: jax.Array) -> jax.Array:
     """The input order the kernel's weights arrive in: within each block of 32 inputs, input
-    8c + a + 4b moves to 8a + 2c + b (c, a < 4, b < 2). See `_as_wgmma_biased`."""
+    8c + 2a + b moves to 8a + 2c + b (an involution). See `_as_wgmma_bf16`."""
     *lead, k = x.shape
-    blocks = x.reshape(*lead, k // 32, 4, 2, 4)  # [.., c, b, a]
-    return jnp.moveaxis(blocks, -1, -3).reshape(*lead, k)  # [.., a, c, b]
+    return x.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
 
 
-def _as_wgmma_biased(w):
-    """An int4 tile [rows, 128] loaded in Mosaic's UPCAST_4X layout -> bf16 q + BIAS in the
-    WGMMA register layout: two instructions a pair, no data moved between threads.
+def _as_wgmma_bf16(w):
+    """An int4 tile [rows, 128] loaded in Mosaic's UPCAST_4X layout -> bf16 in the WGMMA
+    register layout, with no data moved between threads.
 
     Both layouts give a thread the same rows; in each block of 32 inputs UPCAST_4X gives it the
-    8 consecutive inputs 8c..8c+7 (c = lane % 4) as one 32-bit word, WGMMA the 4 pairs
-    8a + 2c + {0, 1} (a < 4). Pair a is made of nibbles a and a + 4, which sit at bits 4a and
-    16 + 4a: one shift and one lop3 (mask, then set the exponent of 128 and flip the sign bit)
-    give the bf16 pair 136 + q (CUTLASS's int4 -> bf16 conversion without its subtraction).
-    So the kernel multiplies physical input 8c + a + 4b by logical 8a + 2c + b: the
-    activations are put in that order instead (`permute_k`), and the bias comes out through
-    one more wgmma on a constant -BIAS operand (`_bias_operand`)."""
+    8 consecutive inputs 8c..8c+7 (c = lane % 4), WGMMA the pairs 8a + 2c + {0, 1} (a < 4). So
+    the thread's 32-bit word is read as its 4 WGMMA pairs as is, which multiplies by the inputs
+    in `permute_k` order: the activations are permuted instead of shuffling the weights
+    (Mosaic's own relayout costs two warp shuffles per word). The ints convert exactly."""
     import numpy as np
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
         return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
     def view(_, words):
-        i32 = ir.IntegerType.get_signless(32)
-        pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
         shape = mgpu.WGMMA_LAYOUT.registers_shape(words.shape)
         assert shape[1] == 4 * words.registers.shape[1], (shape, words.registers.shape)
         pairs = np.empty(shape, dtype=object)
-        for (i, j, *rest), reg in np.ndenumerate(words.registers):
-            word = mgpu_utils.bitcast(reg, i32)
+        for (i, j, *rest), word in np.ndenumerate(words.registers):
             for a in range(4):
-                src = arith.shrui(word, arith.constant(i32, 4 * a)) if a else word
-                pair = llvm.inline_asm(  # (src & 0x000F000F) ^ 0x43084308
-                    i32, [src], "lop3.b32 $0, $1, 0x000F000F, 0x43084308, 0x6a;", "=r,r")
-                pairs[(i, 4 * j + a, *rest)] = mgpu_utils.bitcast(pair, pair_type)
-        return mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                pair = mgpu_utils.vector_slice(word, slice(2 * a, 2 * a + 2))
+                pairs[(i, 4 * j + a, *rest)] = pair
+        ints = mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
+        return ints.astype(ir.BF16Type.get())
 
     return view(w)
-
-
-def _bias_operand(rows: int):
-    """The constant -BIAS [rows, 128] in the WGMMA layout: its wgmma cancels the bias."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    return plgpu.layout_cast(jnp.full((rows, GROUP), -BIAS, jnp.bfloat16), plgpu.Layout.WGMMA)
 
 
 def sm_count() -> int:
@@ -230,7 +209,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
                 w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                yield _as_wgmma_biased(w), s_smem, g, acc
+                yield _as_wgmma_bf16(w), s_smem, g, acc
 
         def finish(i, accs):  # the tile's epilogue and its TMA store
             entry, _, block, split = tile(i)
@@ -248,19 +227,16 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
         def step(idx, x_smem, *weight_smem, accs, temps):
-            """Each group's wgmmas (its q + BIAS, then -BIAS, on its inputs) into one of two
-            temporaries, folded into its running sum while the next group's run."""
+            """Each group's wgmma into one of two temporaries, folded into its running sum
+            while the next group's runs."""
             zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
-            bias = _bias_operand(bo)
             pending = None
             for i, (w, s_smem, g, acc) in enumerate(units(weight_smem, accs)):
                 temps[i % 2][...] = zero
-                x_cols = x_smem.at[:, pl.ds(g * GROUP, GROUP)].T
-                plgpu.wgmma(temps[i % 2], w, x_cols)
-                plgpu.wgmma(temps[i % 2], bias, x_cols)
+                plgpu.wgmma(temps[i % 2], w, x_smem.at[:, pl.ds(g * GROUP, GROUP)].T)
                 scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
-                if pending is not None:  # the previous group's wgmmas, while this one's run
-                    fold(*pending, wait_n=2)
+                if pending is not None:  # the previous group's wgmma, while this one runs
+                    fold(*pending, wait_n=1)
                 pending = (temps[i % 2], scale, acc)
             # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
             # buffer the pipeline refills after this step.
