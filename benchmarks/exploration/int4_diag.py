@@ -8,6 +8,10 @@ and `full`; `postscale`, `perm`, `perm_magic` (the session-6 designs, see ../REA
 pipeline's ceiling). Prefixes (session 7): `t` reads each step's weight tile from contiguous
 memory, as a tile-major storage format would make it (`tstream`, `tperm`; the output then is
 not checked), `w` swizzles the weights' smem by the whole step (128 B) instead of one group.
+Register-lean variants of `perm` (session 7, for Nsight Compute's finding that 154 registers per
+thread hold gate/up to 3 CTAs per SM): `perm0` folds each group's result as soon as its wgmma is
+done (one group's converted weights live at a time), `permh` issues each group as two K = 64
+wgmmas and keeps at most two halves' registers live.
 Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each), 8 layers.
 
     python3 benchmarks/exploration/int4_diag.py [mode:rows:stages:groups,...]  ->  $OUT/int4_diag.json
@@ -40,13 +44,18 @@ def _swizzled(minor_elems, bits):
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def wgmma_view(w4x, magic=False):
+def wgmma_view(w4x, magic=False, halves=False):
     """int4 [rows, 128] loaded in the UPCAST_4X layout -> bf16 in the WGMMA layout with no data
     movement: thread t's 8 nibbles (physical cols 8c..8c+7 of a 32-block) become its 4 WGMMA
     pairs, i.e. logical col 8j + 2c + b <- physical 8c + 2j + b (x is permuted to match).
-    magic: bf16 136 + q by prmt + lop3 (CUTLASS's conversion without its subtraction)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,), return_type=plgpu.ShapeDtypeStruct(
-        w4x.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    magic: bf16 136 + q by prmt + lop3 (CUTLASS's conversion without its subtraction).
+    halves: the [rows, 64] halves as two arrays (for K = 64 wgmmas)."""
+    half = plgpu.ShapeDtypeStruct((w4x.shape[0], w4x.shape[1] // 2), jnp.bfloat16,
+                                  layout=plgpu.Layout.WGMMA)
+    whole = plgpu.ShapeDtypeStruct(w4x.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=(half, half) if halves else whole)
     def view(ctx, arr):
         i32 = ir.IntegerType.get_signless(32)
         out_ty = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -69,10 +78,16 @@ def wgmma_view(w4x, magic=False):
                 else:
                     out = mgpu_utils.vector_slice(reg, slice(2 * j, 2 * j + 2))
                 new[(idx[0], 4 * idx[1] + j, *idx[2:])] = out
-        if magic:
-            return mgpu.FragmentedArray(_registers=new, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-        ints = mgpu.FragmentedArray(_registers=new, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
-        return ints.astype(ir.BF16Type.get())
+        def convert(regs):
+            if magic:
+                return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT,
+                                            _is_signed=None)
+            ints = mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
+            return ints.astype(ir.BF16Type.get())
+        if halves:  # register columns are 8-column tiles
+            n = new.shape[1] // 2
+            return convert(new[:, :n]), convert(new[:, n:])
+        return convert(new)
     return view(w4x)
 
 
@@ -82,7 +97,8 @@ def permute_k(x):
     return x.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
 
 
-BASES = ("full", "stream", "nowgmma", "nodequant", "noscale", "postscale", "perm", "perm_magic")
+BASES = ("full", "stream", "nowgmma", "nodequant", "noscale", "postscale", "perm", "perm_magic",
+         "perm0", "permh")
 
 
 def parse_mode(mode):
@@ -129,17 +145,30 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
             for i, (w_smem, s_smem, acc, g) in enumerate(units):
                 w = plgpu.load(w_smem.at[:, pl.ds(g * G, G)], (),
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                if mode == "postscale":
-                    w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                else:  # perm, perm_magic
-                    w = wgmma_view(w, magic)
                 t = temps[i % 2]
                 t[...] = zero
+                if mode == "permh":  # K = 64 halves: at most two halves' A registers live
+                    h0, h1 = wgmma_view(w, halves=True)
+                    plgpu.wgmma(t, h0, x_smem.at[:, pl.ds(g * G, G // 2)].T)
+                    if prev is not None:  # the previous unit's second half is done
+                        fold(*prev, wait_n=1)
+                    plgpu.wgmma(t, h1, x_smem.at[:, pl.ds(g * G + G // 2, G // 2)].T)
+                    plgpu.wgmma_wait(1)  # this unit's first half is done
+                    prev = (t, s_smem, g, acc)
+                    continue
+                if mode == "postscale":
+                    w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                else:  # perm, perm_magic, perm0
+                    w = wgmma_view(w, magic)
                 plgpu.wgmma(t, w, x_smem.at[:, pl.ds(g * G, G)].T)
+                if mode == "perm0":  # no lag: one unit's A registers live at a time
+                    fold(t, s_smem, g, acc, wait_n=0)
+                    continue
                 if prev is not None:
                     fold(*prev, wait_n=1)
                 prev = (t, s_smem, g, acc)
-            fold(*prev, wait_n=0)
+            if prev is not None:
+                fold(*prev, wait_n=0)
 
         def step(_, x_smem, *ws, accs):
             pairs = list(zip(ws[::2], ws[1::2], accs))
