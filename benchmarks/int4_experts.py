@@ -43,9 +43,11 @@ class Shape:
 
 T = Int4Tiles
 SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
-    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 3, 2, 0, 2), T(64, 2, 2)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, 2)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 0, 1, 2), T(64, 2, 2)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, fold_lag=0),
+                     T(64, 3, 2, 0, 2, fold_lag=0), T(64, 3, 1, 0, 2, fold_lag=0), T(64, 2, 2)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, fold_lag=0)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 2, fold_lag=0),
+                      T(64, 2, 2, 0, 1, 2, fold_lag=0), T(64, 2, 2)),
 }
 
 SHAPES = (

@@ -33,7 +33,10 @@ class Int4Tiles:
     groups (128 inputs each) per pipeline step, persistent CTAs per SM (0: one CTA per tile),
     and the parts the gate/up and the down projections' reductions are split into (summed in
     float32 after; a split gate/up leaves SiLU(gate) * up to XLA). Splits make more, shorter
-    tiles: fewer CTAs idle in the last wave when few experts are active."""
+    tiles: fewer CTAs idle in the last wave when few experts are active. `fold_lag`: groups a
+    wgmma result waits before it is folded into its running sum (1: the next group's wgmma
+    runs meanwhile; 0: folded at once, so only one group's converted weights are live, which
+    saves ~30 registers per thread: more CTAs per SM)."""
 
     rows: int = 64
     stages: int = 4
@@ -41,6 +44,7 @@ class Int4Tiles:
     ctas_per_sm: int = 0
     down_splits: int = 1
     up_splits: int = 1
+    fold_lag: int = 1
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -60,7 +64,7 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
-    return (all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
+    return (tiles.fold_lag in (0, 1) and all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
             and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
 
@@ -235,12 +239,16 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 temps[i % 2][...] = zero
                 plgpu.wgmma(temps[i % 2], w, x_smem.at[:, pl.ds(g * GROUP, GROUP)].T)
                 scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
+                if not tiles.fold_lag:
+                    fold(temps[i % 2], scale, acc, wait_n=0)
+                    continue
                 if pending is not None:  # the previous group's wgmma, while this one runs
                     fold(*pending, wait_n=1)
                 pending = (temps[i % 2], scale, acc)
             # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
             # buffer the pipeline refills after this step.
-            fold(*pending, wait_n=0)
+            if pending is not None:
+                fold(*pending, wait_n=0)
             pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
 
         def run(*refs):

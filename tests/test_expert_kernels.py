@@ -121,7 +121,10 @@ def _bf16_error(y, ref):
     int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2), int4_kernel.Int4Tiles(128, 4, 2),
     # persistent CTAs: 12 entries make more tiles than CTAs, so each CTA streams several
     int4_kernel.Int4Tiles(64, 3, 2, ctas_per_sm=1, down_splits=2),
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2)])
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2),
+    # each group folded as soon as its wgmma is done
+    int4_kernel.Int4Tiles(64, 2, 2, down_splits=2, fold_lag=0),
+    int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, fold_lag=0)])
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     if not int4_kernel.fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
@@ -178,6 +181,7 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert int4_kernel.tiles_for(2048, 768, split).down_splits == 1  # 3 steps of 256 inputs
     assert int4_kernel.tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
     assert int4_kernel.tiles_for(64, 128) is None
+    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(fold_lag=2))
 
 
 def test_tiles_that_do_not_divide_are_rejected():
