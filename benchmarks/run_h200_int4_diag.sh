@@ -2,7 +2,7 @@
 # One device call: the gate/up diag kernels (MODES, see exploration/int4_diag.py) with each
 # kernel's registers from ptxas, then Nsight Compute on the library's two int4 kernels.
 source "$(dirname "$0")/device_env.sh"
-MODES=${MODES:-perm:64:2:2,perm0:64:2:2,permh:64:2:2,perm0:64:3:2,twstream:64:2:2}
+MODES=${MODES:-perm:64:2:2,perm0:64:2:2,permh:64:2:2,perm0_magic:64:2:2,perm0:64:3:2,twstream:64:2:2}
 rm -rf /tmp/mdump && mkdir -p /tmp/mdump
 MOSAIC_GPU_DUMP_TO=/tmp/mdump MOSAIC_GPU_DUMP_PTXAS=1 timeout "${DIAG_LIMIT:-200}" \
   python3 benchmarks/exploration/int4_diag.py "$MODES" 2>&1 | grep -v "^W0" | tee "$OUT/diag_log.txt"

@@ -11,7 +11,8 @@ not checked), `w` swizzles the weights' smem by the whole step (128 B) instead o
 Register-lean variants of `perm` (session 7, for Nsight Compute's finding that 154 registers per
 thread hold gate/up to 3 CTAs per SM): `perm0` folds each group's result as soon as its wgmma is
 done (one group's converted weights live at a time), `permh` issues each group as two K = 64
-wgmmas and keeps at most two halves' registers live.
+wgmmas and keeps at most two halves' registers live; `perm0_magic` is `perm0` with
+`perm_magic`'s conversion.
 Device kernel time at Mixtral gate/up shapes (8 experts, 16 rows each), 8 layers.
 
     python3 benchmarks/exploration/int4_diag.py [mode:rows:stages:groups,...]  ->  $OUT/int4_diag.json
@@ -98,7 +99,7 @@ def permute_k(x):
 
 
 BASES = ("full", "stream", "nowgmma", "nodequant", "noscale", "postscale", "perm", "perm_magic",
-         "perm0", "permh")
+         "perm0", "permh", "perm0_magic")
 
 
 def parse_mode(mode):
@@ -116,7 +117,7 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
     o, bo, bk = w1.shape[1], rows, G * groups
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    magic = mode == "perm_magic"
+    magic = mode in ("perm_magic", "perm0_magic")
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def body(slots_ref, x_gmem, w1g, s1g, w3g, s3g, xs_gmem, out_gmem, o_smem):
@@ -158,10 +159,10 @@ def gate_up(x, slots, w1, s1, w3, s3, *, rows=64, stages=3, groups=2, mode="full
                     continue
                 if mode == "postscale":
                     w = plgpu.layout_cast(w, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                else:  # perm, perm_magic, perm0
+                else:  # perm, perm_magic, perm0, perm0_magic
                     w = wgmma_view(w, magic)
                 plgpu.wgmma(t, w, x_smem.at[:, pl.ds(g * G, G)].T)
-                if mode == "perm0":  # no lag: one unit's A registers live at a time
+                if mode.startswith("perm0"):  # no lag: one unit's A registers live at a time
                     fold(t, s_smem, g, acc, wait_n=0)
                     continue
                 if prev is not None:

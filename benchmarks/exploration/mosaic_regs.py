@@ -19,7 +19,8 @@ CUDA toolkit's `ptxas` on the PATH:
         lib:64:2:2 diag:perm:64:2:2 diag:perm0:64:2:2
 
 A config is `lib:rows:stages:groups[:field=value...]` (the library's kernels at Mixtral shapes,
-8 entries x 16 rows, other `Int4Tiles` fields as given) or `diag:mode:rows:stages:groups` (`int4_diag.py`'s gate/up kernel).
+8 entries x 16 rows, other `Int4Tiles` fields as given) or `diag:mode:rows:stages:groups`
+(`int4_diag.py`'s gate/up kernel); `--ptx DIR` keeps the PTX.
 """
 import argparse
 import ctypes
@@ -27,6 +28,7 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,7 +111,7 @@ def cuda_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.realpath(ptxas)))
 
 
-def report(config: str, plugins: str, stub_dir: str) -> list[str]:
+def report(config: str, plugins: str, stub_dir: str, keep: str | None) -> list[str]:
     plugin = glob.glob(os.path.join(plugins, "jax_plugins", "xla_cuda*", "xla_cuda_plugin.so"))[0]
     runtime = glob.glob(os.path.join(plugins, "jax_cuda*_plugin", "libmosaic_gpu_runtime.so"))[0]
     lines = []
@@ -126,6 +128,9 @@ def report(config: str, plugins: str, stub_dir: str) -> list[str]:
             subprocess.run([sys.executable, os.path.abspath(__file__), "--compile", plugin, blob],
                            env=env, cwd=dump, capture_output=True, timeout=600)
             text = "".join(open(p).read() for p in glob.glob(os.path.join(dump, "*.ptxas")))
+            for ptx in glob.glob(os.path.join(dump, "*.ptx")) if keep else ():
+                shutil.copy(ptx, os.path.join(keep, config.replace(":", "_") + "." +
+                                              os.path.basename(ptx)))
         found = re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores.*?Used (\d+) "
                            r"registers", text, re.S)
         for kernel, spills, regs in found or [(name, "?", "?")]:
@@ -139,6 +144,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plugins", required=True, help="folder with the unpacked plugin wheels")
+    parser.add_argument("--ptx", help="keep each kernel's PTX in this folder")
     parser.add_argument("configs", nargs="+")
     args = parser.parse_args()
     stub_dir = tempfile.mkdtemp()
@@ -149,7 +155,7 @@ def main() -> None:
                     source], check=True)
     print("| config | kernel | registers/thread | spill bytes |\n|---|---|---|---|")
     for config in args.configs:
-        print("\n".join(report(config, args.plugins, stub_dir)), flush=True)
+        print("\n".join(report(config, args.plugins, stub_dir, args.ptx)), flush=True)
 
 
 if __name__ == "__main__":
