@@ -42,12 +42,16 @@ class Shape:
 
 
 T = Int4Tiles
+NO_LAG, NO_LAG_BIASED = dict(fold_lag=0), dict(fold_lag=0, biased=True)
 SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
-    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, fold_lag=0),
-                     T(64, 3, 2, 0, 2, fold_lag=0), T(64, 3, 1, 0, 2, fold_lag=0), T(64, 2, 2)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, fold_lag=0)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 2, fold_lag=0),
-                      T(64, 2, 2, 0, 1, 2, fold_lag=0), T(64, 2, 2)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, **NO_LAG),
+                     T(64, 2, 2, 0, 2, **NO_LAG_BIASED), T(64, 3, 2, 0, 2, **NO_LAG_BIASED),
+                     T(64, 3, 1, 0, 2, **NO_LAG), T(64, 2, 2)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, **NO_LAG),
+                                T(64, 2, 2, 0, 2, **NO_LAG_BIASED)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 2, **NO_LAG),
+                      T(64, 2, 2, 4, 1, 2, **NO_LAG_BIASED), T(64, 2, 2, 0, 1, 2, **NO_LAG),
+                      T(64, 2, 2)),
 }
 
 SHAPES = (

@@ -36,7 +36,9 @@ class Int4Tiles:
     tiles: fewer CTAs idle in the last wave when few experts are active. `fold_lag`: groups a
     wgmma result waits before it is folded into its running sum (1: the next group's wgmma
     runs meanwhile; 0: folded at once, so only one group's converted weights are live, which
-    saves ~30 registers per thread: more CTAs per SM)."""
+    saves ~30 registers per thread: more CTAs per SM). `biased`: convert each weight pair to
+    bf16 q + 136 (a prmt and a lop3, without the final subtraction) and take 136 * sum(x) of the
+    group out of its wgmma result instead (per-group activation sums are one more input)."""
 
     rows: int = 64
     stages: int = 4
@@ -45,6 +47,7 @@ class Int4Tiles:
     down_splits: int = 1
     up_splits: int = 1
     fold_lag: int = 1
+    biased: bool = False
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -101,7 +104,10 @@ def permute_k(x: jax.Array) -> jax.Array:
     return x.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
 
 
-def _as_wgmma_bf16(w):
+BIAS = 136.0  # `biased` conversion: q + BIAS, exact in bf16 (128 + the sign-flipped nibble)
+
+
+def _as_wgmma_bf16(w, biased: bool = False):
     """An int4 tile [rows, 128] loaded in Mosaic's UPCAST_4X layout -> bf16 in the WGMMA
     register layout, with no data moved between threads.
 
@@ -109,12 +115,14 @@ def _as_wgmma_bf16(w):
     8 consecutive inputs 8c..8c+7 (c = lane % 4), WGMMA the pairs 8a + 2c + {0, 1} (a < 4). So
     the thread's 32-bit word is read as its 4 WGMMA pairs as is, which multiplies by the inputs
     in `permute_k` order: the activations are permuted instead of shuffling the weights
-    (Mosaic's own relayout costs two warp shuffles per word). The ints convert exactly."""
+    (Mosaic's own relayout costs two warp shuffles per word). The ints convert exactly.
+    `biased`: q + BIAS per value, Mosaic's conversion without its subtraction."""
     import numpy as np
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
@@ -123,10 +131,24 @@ def _as_wgmma_bf16(w):
         shape = mgpu.WGMMA_LAYOUT.registers_shape(words.shape)
         assert shape[1] == 4 * words.registers.shape[1], (shape, words.registers.shape)
         pairs = np.empty(shape, dtype=object)
+        i32 = ir.IntegerType.get_signless(32)
         for (i, j, *rest), word in np.ndenumerate(words.registers):
+            if biased:
+                bits = mgpu_utils.bitcast(word, i32)
+                high = arith.shrui(bits, arith.constant(i32, 4))
             for a in range(4):
-                pair = mgpu_utils.vector_slice(word, slice(2 * a, 2 * a + 2))
+                if biased:  # nibbles 2a, 2a + 1 into the low bits of each half, then | 0x4300
+                    pair = llvm.inline_asm(  # and flip the sign bit: 136 + q
+                        i32, [bits, high],
+                        f"{{ .reg .b32 t; prmt.b32 t, $1, $2, 0xF{a + 4}F{a}; "
+                        "lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a; }", "=r,r,r")
+                    pair = mgpu_utils.bitcast(pair, ir.VectorType.get((2,), ir.BF16Type.get()))
+                else:
+                    pair = mgpu_utils.vector_slice(word, slice(2 * a, 2 * a + 2))
                 pairs[(i, 4 * j + a, *rest)] = pair
+        if biased:
+            return mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT,
+                                        _is_signed=None)
         ints = mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
         return ints.astype(ir.BF16Type.get())
 
@@ -162,13 +184,15 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     out_dtype = out_dtype or x.dtype
     n_out = 1 if epilogue else nw
     epilogue = epilogue or (lambda *accs: accs)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     shared_x = x.shape[0] == 1
+    n_in = 2 * nw + tiles.biased  # weights and scales, and the activations' group sums
+    sums_width = -(-r // 32) * 32  # TMA copies whole 128-byte rows: the sums are padded
 
     persistent = tiles.ctas_per_sm > 0
 
     def body(order_ref, n_ref, slots_ref, x_gmem, *refs):
-        w_gmem, (out_gmem, o_smem) = refs[: 2 * nw], refs[2 * nw:]
+        in_gmem, (out_gmem, o_smem) = refs[:n_in], refs[n_in:]
         p = lax.axis_index("p")
         total = n_ref[0] * per_entry
 
@@ -200,9 +224,15 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             _, slot, block, split = tile(i)
             return slot * (k // bk) + split * k_steps + kk, block
 
-        def fold(temp, scale, acc, wait_n):
+        def sums_index(i, kk):
+            entry, _, _, split = tile(i)
+            return (0 if shared_x else entry) * (k // bk) + split * k_steps + kk, 0
+
+        def fold(temp, scale, sums, acc, wait_n):
             # acc += scale[row] * (a group's q @ x^T), once its wgmma is done
             part = plgpu.wgmma_accumulator_load(temp, wait_n=wait_n)
+            if sums is not None:  # the wgmma multiplied q + BIAS
+                part = part - BIAS * lax.broadcast_in_dim(sums, part.shape, [1])
             acc[...] = (plgpu.wgmma_accumulator_load(acc, wait_n=None)
                         + part * lax.broadcast_in_dim(scale, part.shape, [0]))
 
@@ -213,7 +243,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
                 w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                yield _as_wgmma_bf16(w), s_smem, g, acc
+                yield _as_wgmma_bf16(w, tiles.biased), s_smem, g, acc
 
         def finish(i, accs):  # the tile's epilogue and its TMA store
             entry, _, block, split = tile(i)
@@ -230,21 +260,24 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
                 plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
-        def step(idx, x_smem, *weight_smem, accs, temps):
+        def step(idx, x_smem, *in_smem, accs, temps):
             """Each group's wgmma into one of two temporaries, folded into its running sum
             while the next group's runs."""
+            weight_smem, sums_smem = in_smem[: 2 * nw], in_smem[2 * nw:]
             zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
             pending = None
             for i, (w, s_smem, g, acc) in enumerate(units(weight_smem, accs)):
                 temps[i % 2][...] = zero
                 plgpu.wgmma(temps[i % 2], w, x_smem.at[:, pl.ds(g * GROUP, GROUP)].T)
                 scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
+                sums = (plgpu.load(sums_smem[0].at[g, pl.ds(0, r)], (), layout=col_layout)
+                        if tiles.biased else None)
                 if not tiles.fold_lag:
-                    fold(temps[i % 2], scale, acc, wait_n=0)
+                    fold(temps[i % 2], scale, sums, acc, wait_n=0)
                     continue
                 if pending is not None:  # the previous group's wgmma, while this one runs
                     fold(*pending, wait_n=1)
-                pending = (temps[i % 2], scale, acc)
+                pending = (temps[i % 2], scale, sums, acc)
             # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
             # buffer the pipeline refills after this step.
             if pending is not None:
@@ -258,9 +291,11 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             for _ in range(nw):
                 specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
                           plgpu.BlockSpec((tiles.groups, bo), s_index)]
+            if tiles.biased:
+                specs.append(plgpu.BlockSpec((tiles.groups, sums_width), sums_index))
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
                                 grid=(mine, k_steps), in_specs=specs,
-                                max_concurrent_steps=tiles.stages)(x_gmem, *w_gmem)
+                                max_concurrent_steps=tiles.stages)(x_gmem, *in_gmem)
 
         # nw running sums, and two accumulators that the groups' wgmmas alternate between
         @pl.when(persistent or p < total)
@@ -276,6 +311,10 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
     args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
+    if tiles.biased:  # each entry's activations summed per group: [C * K / GROUP, R'] float32
+        sums = x.astype(jnp.float32).reshape(x.shape[0], r, k // GROUP, GROUP).sum(-1)
+        sums = jnp.pad(jnp.swapaxes(sums, 1, 2), ((0, 0), (0, 0), (0, sums_width - r)))
+        args.append(sums.reshape(-1, sums_width))
     out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
                  slots.astype(jnp.int32), x.reshape(-1, k), *args)
     return out.reshape(splits, c_n, n_out, o, r)
