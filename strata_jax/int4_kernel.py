@@ -262,7 +262,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
 
         def step(idx, x_smem, *in_smem, accs, temps):
             """Each group's wgmma into one of two temporaries, folded into its running sum
-            while the next group's runs."""
+            while the next group's runs (`fold_lag=1`) or as soon as it is done (0)."""
             weight_smem, sums_smem = in_smem[: 2 * nw], in_smem[2 * nw:]
             zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
             pending = None
