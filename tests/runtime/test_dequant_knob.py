@@ -25,13 +25,18 @@ def quantized(tmp_path_factory):
     return root / "q"
 
 
+def _generate(checkpoint, resident_experts=3, **knobs):
+    """An engine on the checkpoint with 1 host expert, and its tokens and logits for PROMPTS."""
+    engine = Engine.from_checkpoint(checkpoint, EngineConfig(
+        resident_experts=resident_experts, host_experts=1, batch_capacity=2, max_len=24,
+        **knobs))
+    return engine.generate_with_logits(PROMPTS, 5), engine
+
+
 @pytest.mark.parametrize(("dequant", "cache"), [("device", 0), ("host", 0), ("host", "1MiB")])
 def test_dequant_settings_are_exact_across_budgets(quantized, dequant, cache):
     def run(resident):
-        engine = Engine.from_checkpoint(quantized, EngineConfig(
-            resident_experts=resident, host_experts=1, batch_capacity=2, max_len=24,
-            dequant=dequant, host_dequant_cache=cache))
-        return engine.generate_with_logits(PROMPTS, 5), engine
+        return _generate(quantized, resident, dequant=dequant, host_dequant_cache=cache)
 
     (ref_tokens, ref_logits), full = run(None)
     assert full.pool.arrays.w1.dtype.name == ("uint8" if dequant == "device" else "bfloat16")
@@ -45,12 +50,8 @@ def test_dequant_settings_are_exact_across_budgets(quantized, dequant, cache):
 
 
 def test_host_and_device_dequant_agree(quantized):
-    def run(dequant):
-        engine = Engine.from_checkpoint(quantized, EngineConfig(
-            resident_experts=3, host_experts=1, batch_capacity=2, max_len=24, dequant=dequant))
-        return engine.generate_with_logits(PROMPTS, 5)
-
-    (dev_tokens, dev_logits), (host_tokens, host_logits) = run("device"), run("host")
+    (dev_tokens, dev_logits), _ = _generate(quantized, dequant="device")
+    (host_tokens, host_logits), _ = _generate(quantized, dequant="host")
     assert host_tokens == dev_tokens
     # the same bf16(q * s) weights, multiplied by different code paths
     np.testing.assert_allclose(host_logits, dev_logits, rtol=0,
@@ -58,15 +59,10 @@ def test_host_and_device_dequant_agree(quantized):
 
 
 def test_int4_kernel_tiles_are_a_knob_and_must_tile_the_experts(quantized):
-    def run(**knobs):
-        engine = Engine.from_checkpoint(quantized, EngineConfig(
-            resident_experts=3, host_experts=1, batch_capacity=2, max_len=24, **knobs))
-        return engine.generate_with_logits(PROMPTS, 5)
-
     tiles = Int4Tiles(64, stages=2, groups=1, down_splits=2)  # D = 128, F = 256 tile by it
-    assert run(int4_tiles=tiles)[0] == run()[0]
+    assert _generate(quantized, int4_tiles=tiles)[0][0] == _generate(quantized)[0][0]
     with pytest.raises(ValueError, match=r"int4_tiles=.*hidden 128, intermediate 256"):
-        run(int4_tiles=Int4Tiles(64, stages=2, groups=2))  # 256 inputs per step: not 128
+        _generate(quantized, int4_tiles=Int4Tiles(64, stages=2, groups=2))  # 256 per step
 
 
 def test_unknown_dequant_is_refused(quantized):
