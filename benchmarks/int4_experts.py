@@ -42,16 +42,16 @@ class Shape:
 
 
 T = Int4Tiles
-NO_LAG, NO_LAG_BIASED = dict(fold_lag=0), dict(fold_lag=0, biased=True)
+NO_LAG, F16, F16_NO_LAG = dict(fold_lag=0), dict(f16=True), dict(fold_lag=0, f16=True)
 SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
-    "mixtral-8x7b": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, **NO_LAG),
-                     T(64, 2, 2, 0, 2, **NO_LAG_BIASED), T(64, 3, 2, 0, 2, **NO_LAG_BIASED),
-                     T(64, 3, 1, 0, 2, **NO_LAG), T(64, 2, 2)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 2, **NO_LAG),
-                                T(64, 2, 2, 0, 2, **NO_LAG_BIASED)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 2, **NO_LAG),
-                      T(64, 2, 2, 4, 1, 2, **NO_LAG_BIASED), T(64, 2, 2, 0, 1, 2, **NO_LAG),
-                      T(64, 2, 2)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2, **F16_NO_LAG),
+                     T(64, 2, 2, 0, 2, **F16), T(64, 3, 2, 0, 2, **F16_NO_LAG),
+                     T(64, 4, 2, 0, 2, **F16_NO_LAG), T(64, 2, 2, 0, 1, **F16_NO_LAG)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2, **F16_NO_LAG),
+                                T(64, 2, 2, 0, 2, **F16)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 2, **F16),
+                      T(64, 2, 2, 4, 1, 2, **F16_NO_LAG), T(64, 2, 2, 5, 1, 2, **F16_NO_LAG),
+                      T(64, 2, 2, 0, 1, 2, **F16_NO_LAG), T(64, 2, 1, 4, 1, 1, **F16_NO_LAG)),
 }
 
 SHAPES = (

@@ -36,9 +36,11 @@ class Int4Tiles:
     tiles: fewer CTAs idle in the last wave when few experts are active. `fold_lag`: groups a
     wgmma result waits before it is folded into its running sum (1: the next group's wgmma
     runs meanwhile; 0: folded at once, so only one group's converted weights are live, which
-    saves ~30 registers per thread: more CTAs per SM). `biased`: convert each weight pair to
-    bf16 q + 136 (a prmt and a lop3, without the final subtraction) and take 136 * sum(x) of the
-    group out of its wgmma result instead (per-group activation sums are one more input)."""
+    saves ~30 registers per thread: more CTAs per SM). `f16`: multiply in float16 instead of
+    bfloat16: each weight word converts with one shift and four lop3 (float16's 10-bit mantissa
+    holds a nibble at bits 4-7, bfloat16's 7 bits do not, hence its four extra prmt), and the
+    activations are scaled by a power of two into float16's range (exact: bfloat16 values have
+    8 significant bits, float16 11), the scale taken out of the result."""
 
     rows: int = 64
     stages: int = 4
@@ -47,7 +49,7 @@ class Int4Tiles:
     down_splits: int = 1
     up_splits: int = 1
     fold_lag: int = 1
-    biased: bool = False
+    f16: bool = False
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -97,26 +99,42 @@ def _swizzled(minor_elems: int, bits: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def permute_k(x: jax.Array) -> jax.Array:
-    """The input order the kernel's weights arrive in: within each block of 32 inputs, input
-    8c + 2a + b moves to 8a + 2c + b (an involution). See `_as_wgmma_bf16`."""
+def permute_k(x: jax.Array, f16: bool = False) -> jax.Array:
+    """The input order the kernel's weights arrive in (see `_as_wgmma`): within each block of
+    32 inputs, input 8c + 2a + b moves to 8a + 2c + b (bf16 pairing, an involution), or with
+    `f16`, input 8c + a + 4b moves to 8a + 2c + b."""
     *lead, k = x.shape
+    if f16:  # [c, b, a] -> [a, c, b]
+        return jnp.moveaxis(x.reshape(*lead, k // 32, 4, 2, 4), -1, -3).reshape(*lead, k)
     return x.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
 
 
-BIAS = 136.0  # `biased` conversion: q + BIAS, exact in bf16 (128 + the sign-flipped nibble)
+F16_LIMIT_EXP = 15  # activations are scaled below 2**15, inside float16's range (max 65504)
 
 
-def _as_wgmma_bf16(w, biased: bool = False):
-    """An int4 tile [rows, 128] loaded in Mosaic's UPCAST_4X layout -> bf16 in the WGMMA
-    register layout, with no data moved between threads.
+def as_f16(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x (bfloat16) * 2**s as float16, and 2**-s (float32 [1]): s puts max |x| below 2**15.
+    Exact: a power of two, and bfloat16's 8 significant bits fit float16's 11 (values more than
+    2**29 below the largest one lose bits as float16 subnormals: far below the sum's rounding)."""
+    _, e = jnp.frexp(jnp.max(jnp.abs(x)).astype(jnp.float32))
+    s = jnp.clip(F16_LIMIT_EXP - e, -100, 100)
+    return (x.astype(jnp.float32) * jnp.ldexp(1.0, s)).astype(jnp.float16), \
+        jnp.ldexp(jnp.ones((1,), jnp.float32), -s)
+
+
+def _as_wgmma(w, f16: bool = False):
+    """An int4 tile [rows, 128] loaded in Mosaic's UPCAST_4X layout -> bf16 (or f16) in the
+    WGMMA register layout, with no data moved between threads.
 
     Both layouts give a thread the same rows; in each block of 32 inputs UPCAST_4X gives it the
     8 consecutive inputs 8c..8c+7 (c = lane % 4), WGMMA the pairs 8a + 2c + {0, 1} (a < 4). So
-    the thread's 32-bit word is read as its 4 WGMMA pairs as is, which multiplies by the inputs
-    in `permute_k` order: the activations are permuted instead of shuffling the weights
-    (Mosaic's own relayout costs two warp shuffles per word). The ints convert exactly.
-    `biased`: q + BIAS per value, Mosaic's conversion without its subtraction."""
+    the thread's 32-bit word is read as its 4 WGMMA pairs in place, which multiplies by the
+    inputs in `permute_k` order: the activations are permuted instead of shuffling the weights
+    (Mosaic's own relayout costs two warp shuffles per word). bf16: pair a is nibbles 2a, 2a + 1
+    (Mosaic's conversion: a prmt, a lop3 and a subtraction per pair). f16: pair a is nibbles a,
+    a + 4, which lie in float16's mantissa as they are (a < 2) or after one shift of the word
+    by 8 (a >= 2): a lop3 per pair makes 1024 + 16^(a % 2) * (q + 8), and one sub or fma gives
+    q. The ints convert exactly either way."""
     import numpy as np
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -126,27 +144,26 @@ def _as_wgmma_bf16(w, biased: bool = False):
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.float16 if f16 else jnp.bfloat16,
+                                           layout=plgpu.Layout.WGMMA))
     def view(_, words):
         shape = mgpu.WGMMA_LAYOUT.registers_shape(words.shape)
         assert shape[1] == 4 * words.registers.shape[1], (shape, words.registers.shape)
         pairs = np.empty(shape, dtype=object)
         i32 = ir.IntegerType.get_signless(32)
         for (i, j, *rest), word in np.ndenumerate(words.registers):
-            if biased:
+            if f16:
                 bits = mgpu_utils.bitcast(word, i32)
-                high = arith.shrui(bits, arith.constant(i32, 4))
+                high = arith.shrui(bits, arith.constant(i32, 8))
             for a in range(4):
-                if biased:  # nibbles 2a, 2a + 1 into the low bits of each half, then | 0x4300
-                    pair = llvm.inline_asm(  # and flip the sign bit: 136 + q
-                        i32, [bits, high],
-                        f"{{ .reg .b32 t; prmt.b32 t, $1, $2, 0xF{a + 4}F{a}; "
-                        "lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a; }", "=r,r,r")
-                    pair = mgpu_utils.bitcast(pair, ir.VectorType.get((2,), ir.BF16Type.get()))
+                if f16:
+                    pair = llvm.inline_asm(i32, [high if a >= 2 else bits], _F16_PAIR[a % 2],
+                                           "=r,r")
+                    pair = mgpu_utils.bitcast(pair, ir.VectorType.get((2,), ir.F16Type.get()))
                 else:
                     pair = mgpu_utils.vector_slice(word, slice(2 * a, 2 * a + 2))
                 pairs[(i, 4 * j + a, *rest)] = pair
-        if biased:
+        if f16:
             return mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT,
                                         _is_signed=None)
         ints = mgpu.FragmentedArray(_registers=pairs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=True)
@@ -155,18 +172,30 @@ def _as_wgmma_bf16(w, biased: bool = False):
     return view(w)
 
 
+# lop3 immLut 0x6a is (b ? a ^ c : c): the masked nibbles with their sign bit flipped (q + 8),
+# under float16 1024.0 (0x6400); then - 1032 (0x6408), or * 1/16 (0x2C00) - 72 (0xD480)
+_F16_PAIR = (
+    "{ .reg .b32 t, c; lop3.b32 t, $1, 0x000F000F, 0x64086408, 0x6a; mov.b32 c, 0x64086408; "
+    "sub.f16x2 $0, t, c; }",
+    "{ .reg .b32 t, m, c; lop3.b32 t, $1, 0x00F000F0, 0x64806480, 0x6a; "
+    "mov.b32 m, 0x2C002C00; mov.b32 c, 0xD480D480; fma.rn.f16x2 $0, t, m, c; }",
+)
+
+
 def sm_count() -> int:
     """Streaming multiprocessors of the first device (132 on an H100/H200, the fallback)."""
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TILES,
-                  epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul"):
+                  epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul",
+                  x_scale=None):
     """out^T [splits, C, n, O, R]: epilogue(W_1[slot_c] @ x[c]^T, ...) (n = 1), or without an
     epilogue the n = len(weights) products, for the first `n_valid` entries c of `order` (the
     others are left unwritten), each reduction split in `splits`.
 
-    x bf16 [C, R, K] (or [1, R, K] shared by all entries); weights: tuple of (int4 [S, O, K],
+    x bf16 [C, R, K] (or [1, R, K] shared by all entries; f16 with `tiles.f16`, the products
+    then multiplied by `x_scale` [1] before the epilogue); weights: tuple of (int4 [S, O, K],
     bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
     CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
     (`ctas_per_sm`) the next tile's loads overlap this tile's last steps."""
@@ -181,17 +210,16 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     ctas = c_n * per_entry
     if tiles.ctas_per_sm:
         ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
-    out_dtype = out_dtype or x.dtype
+    out_dtype = out_dtype or jnp.bfloat16
     n_out = 1 if epilogue else nw
     epilogue = epilogue or (lambda *accs: accs)
-    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
     shared_x = x.shape[0] == 1
-    n_in = 2 * nw + tiles.biased  # weights and scales, and the activations' group sums
-    sums_width = -(-r // 32) * 32  # TMA copies whole 128-byte rows: the sums are padded
+    n_in = 2 * nw  # weights and their scales
 
     persistent = tiles.ctas_per_sm > 0
 
-    def body(order_ref, n_ref, slots_ref, x_gmem, *refs):
+    def body(order_ref, n_ref, slots_ref, x_scale_ref, x_gmem, *refs):
         in_gmem, (out_gmem, o_smem) = refs[:n_in], refs[n_in:]
         p = lax.axis_index("p")
         total = n_ref[0] * per_entry
@@ -224,15 +252,9 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             _, slot, block, split = tile(i)
             return slot * (k // bk) + split * k_steps + kk, block
 
-        def sums_index(i, kk):
-            entry, _, _, split = tile(i)
-            return (0 if shared_x else entry) * (k // bk) + split * k_steps + kk, 0
-
-        def fold(temp, scale, sums, acc, wait_n):
+        def fold(temp, scale, acc, wait_n):
             # acc += scale[row] * (a group's q @ x^T), once its wgmma is done
             part = plgpu.wgmma_accumulator_load(temp, wait_n=wait_n)
-            if sums is not None:  # the wgmma multiplied q + BIAS
-                part = part - BIAS * lax.broadcast_in_dim(sums, part.shape, [1])
             acc[...] = (plgpu.wgmma_accumulator_load(acc, wait_n=None)
                         + part * lax.broadcast_in_dim(scale, part.shape, [0]))
 
@@ -243,11 +265,11 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
                 w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                yield _as_wgmma_bf16(w, tiles.biased), s_smem, g, acc
+                yield _as_wgmma(w, tiles.f16), s_smem, g, acc
 
         def finish(i, accs):  # the tile's epilogue and its TMA store
             entry, _, block, split = tile(i)
-            results = epilogue(*(acc[...] for acc in accs))
+            results = epilogue(*(acc[...] * x_scale_ref[0] for acc in accs))
             results = results if isinstance(results, tuple) else (results,)
             for acc in accs:
                 acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
@@ -260,24 +282,21 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
                 plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
-        def step(idx, x_smem, *in_smem, accs, temps):
+        def step(idx, x_smem, *weight_smem, accs, temps):
             """Each group's wgmma into one of two temporaries, folded into its running sum
             while the next group's runs (`fold_lag=1`) or as soon as it is done (0)."""
-            weight_smem, sums_smem = in_smem[: 2 * nw], in_smem[2 * nw:]
             zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
             pending = None
             for i, (w, s_smem, g, acc) in enumerate(units(weight_smem, accs)):
                 temps[i % 2][...] = zero
                 plgpu.wgmma(temps[i % 2], w, x_smem.at[:, pl.ds(g * GROUP, GROUP)].T)
                 scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
-                sums = (plgpu.load(sums_smem[0].at[g, pl.ds(0, r)], (), layout=col_layout)
-                        if tiles.biased else None)
                 if not tiles.fold_lag:
-                    fold(temps[i % 2], scale, sums, acc, wait_n=0)
+                    fold(temps[i % 2], scale, acc, wait_n=0)
                     continue
                 if pending is not None:  # the previous group's wgmma, while this one runs
                     fold(*pending, wait_n=1)
-                pending = (temps[i % 2], scale, sums, acc)
+                pending = (temps[i % 2], scale, acc)
             # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
             # buffer the pipeline refills after this step.
             if pending is not None:
@@ -291,8 +310,6 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             for _ in range(nw):
                 specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
                           plgpu.BlockSpec((tiles.groups, bo), s_index)]
-            if tiles.biased:
-                specs.append(plgpu.BlockSpec((tiles.groups, sums_width), sums_index))
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
                                 grid=(mine, k_steps), in_specs=specs,
                                 max_concurrent_steps=tiles.stages)(x_gmem, *in_gmem)
@@ -311,13 +328,18 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
     args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
-    if tiles.biased:  # each entry's activations summed per group: [C * K / GROUP, R'] float32
-        sums = x.astype(jnp.float32).reshape(x.shape[0], r, k // GROUP, GROUP).sum(-1)
-        sums = jnp.pad(jnp.swapaxes(sums, 1, 2), ((0, 0), (0, 0), (0, sums_width - r)))
-        args.append(sums.reshape(-1, sums_width))
+    x_scale = jnp.ones((1,), jnp.float32) if x_scale is None else x_scale
     out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
-                 slots.astype(jnp.int32), x.reshape(-1, k), *args)
+                 slots.astype(jnp.int32), x_scale, x.reshape(-1, k), *args)
     return out.reshape(splits, c_n, n_out, o, r)
+
+
+def _operand(x: jax.Array, f16: bool) -> tuple[jax.Array, jax.Array | None]:
+    """Activations [C, n, K] as the kernel reads them: in `permute_k` order, and with `f16`
+    scaled into float16 (`as_f16`), with the scale that takes it out again."""
+    if not f16:
+        return permute_k(x), None
+    return as_f16(permute_k(x, f16=True))
 
 
 @functools.partial(jax.jit, static_argnames=("tiles",))
@@ -332,21 +354,24 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     x3 = x if x.ndim == 3 else x[None]
     n0 = x3.shape[1]
     n = -(-n0 // ROW_MULTIPLE) * ROW_MULTIPLE
-    xp = permute_k(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))))
+    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))), tiles.f16)
     valid = jnp.ones(slots.shape, bool) if valid is None else valid != 0
     order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
     n_valid = jnp.sum(valid, dtype=jnp.int32)
     gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
     if tiles.up_splits == 1:
         h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
-                            epilogue=lambda a1, a3: jax.nn.silu(a1) * a3,
-                            name="int4_gate_up")[0, :, 0]
+                            epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, out_dtype=x.dtype,
+                            name="int4_gate_up", x_scale=x_scale)[0, :, 0]
     else:
         parts = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles, out_dtype=jnp.float32,
-                              splits=tiles.up_splits, name="int4_gate_up").sum(0)
+                              splits=tiles.up_splits, name="int4_gate_up",
+                              x_scale=x_scale).sum(0)
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
-    h = permute_k(jnp.swapaxes(h_t, 1, 2))  # [C, n, F]: a few MB, fused into one XLA transpose
+    # [C, n, F]: a few MB, fused into one XLA transpose
+    h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16)
     y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
-                        out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down")
+                        out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
+                        x_scale=h_scale)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

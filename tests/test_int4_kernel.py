@@ -3,31 +3,33 @@
 The Mosaic kernel itself runs on Hopper only (tests/test_expert_kernels.py, against float64)."""
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
+import pytest
 
-from strata_jax.int4_kernel import BIAS, permute_k
+from strata_jax.int4_kernel import _F16_PAIR, as_f16, permute_k
 
 
-def _view_columns() -> np.ndarray:
+def _view_columns(f16: bool = False) -> np.ndarray:
     """For each physical input p of a 32-block, the logical input the kernel multiplies it by:
     lane c (of 4 per row) loads physical 8c .. 8c+7 as one word (UPCAST_4X) and wgmma reads its
-    pair a as logical 8a + 2c + {0, 1} (WGMMA layout)."""
+    pair a as logical 8a + 2c + {0, 1} (WGMMA layout); pair a holds the word's elements 2a, 2a + 1
+    (bf16) or a, a + 4 (f16)."""
     logical = np.empty(32, np.int64)
-    for c in range(4):
-        for e in range(8):  # element e of lane c's word: pair a = e // 2, half b = e % 2
-            logical[8 * c + e] = 8 * (e // 2) + 2 * c + e % 2
+    for c, e in np.ndindex(4, 8):  # element e of lane c's word: its pair a and half b
+        a, b = (e % 4, e // 4) if f16 else (e // 2, e % 2)
+        logical[8 * c + e] = 8 * a + 2 * c + b
     return logical
 
 
-def test_permute_k_feeds_each_weight_its_own_input():
+@pytest.mark.parametrize("f16", [False, True])
+def test_permute_k_feeds_each_weight_its_own_input(f16):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 128)).astype(np.float32)
     w = rng.normal(size=(5, 128)).astype(np.float32)
-    logical = np.concatenate([_view_columns() + 32 * b for b in range(4)])
+    logical = np.concatenate([_view_columns(f16) + 32 * b for b in range(4)])
     w_view = np.empty_like(w)
     w_view[:, logical] = w  # the weights as the kernel's wgmma sees them
-    x_in = np.asarray(permute_k(jnp.asarray(x)))
+    x_in = np.asarray(permute_k(jnp.asarray(x), f16=f16))
     np.testing.assert_array_equal(x_in[:, logical], x)
     np.testing.assert_allclose(x_in @ w_view.T, x @ w.T, rtol=0, atol=1e-4)
 
@@ -41,27 +43,40 @@ def test_permute_k_is_an_involution_within_32_blocks():
     np.testing.assert_array_equal(np.sort(blocks, axis=-1), np.asarray(x).reshape(2, 3, 32))
 
 
-def _prmt(a: int, b: int, selector: int) -> int:
-    """PTX prmt.b32 (default mode): result byte i is byte (selector nibble i & 7) of {b, a},
-    or with bit 3 of the nibble set, that byte's sign bit replicated."""
-    source = (b << 32 | a).to_bytes(8, "little")
-    out = 0
-    for i in range(4):
-        nibble = (selector >> (4 * i)) & 0xF
-        byte = source[nibble & 7]
-        out |= ((0xFF if byte & 0x80 else 0) if nibble & 8 else byte) << (8 * i)
-    return out
+def _lop3_6a(a: int, b: int, c: int) -> int:
+    """PTX lop3.b32 with immLut 0x6a: (b ? a ^ c : c), bit by bit."""
+    return (b & (a ^ c)) | (~b & c) & 0xFFFFFFFF
 
 
-def test_biased_conversion_gives_q_plus_bias_for_every_pair():
-    """`Int4Tiles(biased=True)`'s prmt + lop3, bit for bit: pair a of a word is its nibbles
-    2a and 2a + 1 as bf16 q + BIAS (the kernel takes BIAS * sum(x) out of the product)."""
+def _f16_pair(bits: int, program: str) -> list[float]:
+    """The two float16 halves of one `_F16_PAIR` program run on a 32-bit word."""
+    _, lop3, *_ = program.split(";")
+    mask, magic = (int(v, 16) for v in lop3.replace(",", " ").split()[3:5])
+    t = np.array([_lop3_6a(bits, mask, magic)], np.uint32).view(np.float16).astype(np.float64)
+    if "sub.f16x2" in program:
+        return list(t - 1032.0)
+    return list(t * (1 / 16) - 72.0)  # fma.rn, exact here: the result is a small int
+
+
+def test_f16_conversion_gives_each_pair_its_two_nibbles():
+    """`Int4Tiles(f16=True)`'s shift + lop3 + sub/fma, bit for bit: pair a of a word is the
+    int4 values of its nibbles a and a + 4 as float16."""
     rng = np.random.default_rng(1)
     for word in [0, 0xFFFFFFFF, 0x76543210, 0x89ABCDEF, *map(int, rng.integers(0, 2**32, 20))]:
         nibbles = [(word >> (4 * e)) & 0xF for e in range(8)]
         q = [n - 16 if n >= 8 else n for n in nibbles]  # two's complement int4
         for a in range(4):
-            t = _prmt(word, word >> 4, 0xF0F0 | (a + 4) << 8 | a)
-            bits = (t & 0x000F000F) ^ 0x43084308  # lop3 immLut 0x6a: (t & b) ^ c
-            halves = np.array([bits & 0xFFFF, bits >> 16], np.uint16).view(ml_dtypes.bfloat16)
-            assert list(halves.astype(np.float64)) == [q[2 * a] + BIAS, q[2 * a + 1] + BIAS]
+            bits = word >> 8 if a >= 2 else word
+            assert _f16_pair(bits, _F16_PAIR[a % 2]) == [q[a], q[a + 4]], (hex(word), a)
+
+
+def test_f16_operand_is_exact_and_inside_float16_range():
+    rng = np.random.default_rng(2)
+    for magnitude in (1e-3, 1.0, 3e4, 1e30):
+        x = jnp.asarray(rng.normal(size=(2, 5, 64)) * magnitude, jnp.bfloat16)
+        h, inv = as_f16(x)
+        assert h.dtype == jnp.float16 and float(jnp.max(jnp.abs(h))) < 2.0**15
+        np.testing.assert_array_equal(np.asarray(h, np.float32) * float(inv[0]),
+                                      np.asarray(x, np.float32))
+    h, inv = as_f16(jnp.zeros((3, 8), jnp.bfloat16))  # all zero: no NaN
+    assert np.all(np.asarray(h) == 0) and np.isfinite(inv).all()
