@@ -50,6 +50,8 @@ class Int4Tiles:
     up_splits: int = 1
     fold_lag: int = 1
     f16: bool = False
+    stream: bool = False
+    down_ctas_per_sm: int = 0
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -69,7 +71,8 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
-    return (tiles.fold_lag in (0, 1) and all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
+    return (tiles.fold_lag in (0, 1) and (tiles.ctas_per_sm > 0 or not tiles.stream)
+            and all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
             and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
 
@@ -196,9 +199,10 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
 
     x bf16 [C, R, K] (or [1, R, K] shared by all entries; f16 with `tiles.f16`, the products
     then multiplied by `x_scale` [1] before the epilogue); weights: tuple of (int4 [S, O, K],
-    bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
-    CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
-    (`ctas_per_sm`) the next tile's loads overlap this tile's last steps."""
+    bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split,
+    `k_steps` pipeline steps. One CTA per tile, or `ctas_per_sm` persistent CTAs: CTA p streams
+    tiles p, p + P, ..., or with `stream` an equal share of all tiles' steps in order (a tile
+    cut between two CTAs is summed from their two parts after), through one TMA pipeline."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -210,8 +214,11 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     ctas = c_n * per_entry
     if tiles.ctas_per_sm:
         ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
+    if tiles.stream and (epilogue or not tiles.ctas_per_sm):
+        raise ValueError(f"{tiles}: a streamed schedule needs persistent CTAs, no epilogue")
     out_dtype = out_dtype or jnp.bfloat16
     n_out = 1 if epilogue else nw
+    parts = 2 if tiles.stream else 1
     epilogue = epilogue or (lambda *accs: accs)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     shared_x = x.shape[0] == 1
@@ -229,27 +236,39 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             rest = lax.rem(t, per_entry)
             return entry, slots_ref[entry], lax.div(rest, splits), lax.rem(rest, splits)
 
-        if persistent:  # tiles p, p + P, ...: read at each step's index maps
-            mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
+        if tiles.stream:  # steps [start, end) of all tiles' steps in order
+            users = jnp.maximum(jnp.minimum(total, ctas), 1)  # each gets >= k_steps steps
+            start = lax.div(p * total * k_steps, users)
+            end = jnp.where(p < users, lax.div((p + 1) * total * k_steps, users), start)
+            grid = (end - start,)
 
-            def tile(i):
-                return tile_at(p + i * ctas)
+            def where(idx):  # tile, its step, and which part of it this CTA holds
+                s = start + idx[0]
+                t = lax.div(s, k_steps)
+                first = (t == lax.div(start, k_steps)) & (lax.rem(start, k_steps) != 0)
+                last = (lax.rem(s, k_steps) == k_steps - 1) | (idx[0] == grid[0] - 1)
+                return tile_at(t), lax.rem(s, k_steps), first.astype(jnp.int32), last
+        elif persistent:  # tiles p, p + P, ...: read at each step's index maps
+            grid = (lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas), k_steps)
+
+            def where(idx):
+                return tile_at(p + idx[0] * ctas), idx[1], 0, idx[1] == k_steps - 1
         else:  # one tile: read once, and a static pipeline grid
-            mine, fixed = 1, tile_at(p)
+            grid, fixed = (1, k_steps), tile_at(p)
 
-            def tile(_):
-                return fixed
+            def where(idx):
+                return fixed, idx[1], 0, idx[1] == k_steps - 1
 
-        def x_index(i, kk):
-            entry, _, _, split = tile(i)
+        def x_index(*idx):
+            (entry, _, _, split), kk, _, _ = where(idx)
             return (0 if shared_x else entry), split * k_steps + kk
 
-        def w_index(i, kk):
-            _, slot, block, split = tile(i)
+        def w_index(*idx):
+            (_, slot, block, split), kk, _, _ = where(idx)
             return slot * blocks + block, split * k_steps + kk
 
-        def s_index(i, kk):
-            _, slot, block, split = tile(i)
+        def s_index(*idx):
+            (_, slot, block, split), kk, _, _ = where(idx)
             return slot * (k // bk) + split * k_steps + kk, block
 
         def fold(temp, scale, acc, wait_n):
@@ -267,8 +286,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 yield _as_wgmma(w, tiles.f16), s_smem, g, acc
 
-        def finish(i, accs):  # the tile's epilogue and its TMA store
-            entry, _, block, split = tile(i)
+        def finish(idx, accs):  # the tile's (part's) epilogue and its TMA store
+            (entry, _, block, split), _, part, _ = where(idx)
             results = epilogue(*(acc[...] * x_scale_ref[0] for acc in accs))
             results = results if isinstance(results, tuple) else (results,)
             for acc in accs:
@@ -279,7 +298,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 o_smem[j] = result.astype(out_dtype)
             plgpu.commit_smem()
             for j in range(n_out):
-                row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
+                row = ((((part * splits + split) * c_n + entry) * n_out + j) * blocks
+                       + block) * bo
                 plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
         def step(idx, x_smem, *weight_smem, accs, temps):
@@ -301,7 +321,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             # buffer the pipeline refills after this step.
             if pending is not None:
                 fold(*pending, wait_n=0)
-            pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
+            pl.when(where(idx)[3])(lambda: finish(idx, accs))
 
         def run(*refs):
             accs, temps = refs[:nw], refs[nw:]
@@ -311,7 +331,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
                           plgpu.BlockSpec((tiles.groups, bo), s_index)]
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
-                                grid=(mine, k_steps), in_specs=specs,
+                                grid=grid, in_specs=specs,
                                 max_concurrent_steps=tiles.stages)(x_gmem, *in_gmem)
 
         # nw running sums, and two accumulators that the groups' wgmmas alternate between
@@ -322,23 +342,43 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits * c_n * n_out * o, r), out_dtype),
+        body, out_type=jax.ShapeDtypeStruct((parts * splits * c_n * n_out * o, r), out_dtype),
         scratch_types=[plgpu.SMEM((n_out, bo, r), out_dtype)],
         grid=(ctas,), grid_names=("p",), kernel_name=name,
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
     args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
     x_scale = jnp.ones((1,), jnp.float32) if x_scale is None else x_scale
-    out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
-                 slots.astype(jnp.int32), x_scale, x.reshape(-1, k), *args)
+    n_valid = jnp.reshape(n_valid, (1,)).astype(jnp.int32)
+    out = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale,
+                 x.reshape(-1, k), *args).reshape(parts, splits, c_n, n_out, blocks, bo, r)
+    if tiles.stream:  # the second parts, where a CTA began mid-tile (the rest are unwritten)
+        cut = stream_cuts(n_valid[0] * per_entry, ctas, k_steps, c_n * per_entry)
+        cut = jnp.zeros((c_n, per_entry), bool).at[order].set(cut.reshape(c_n, per_entry))
+        cut = jnp.moveaxis(cut.reshape(c_n, blocks, splits), -1, 0)[:, :, None, :, None, None]
+        out = out[0] + jnp.where(cut, out[1], jnp.zeros((), out.dtype))
     return out.reshape(splits, c_n, n_out, o, r)
 
 
-def _operand(x: jax.Array, f16: bool) -> tuple[jax.Array, jax.Array | None]:
+def stream_cuts(total, ctas: int, k_steps: int, tiles_max: int) -> jax.Array:
+    """bool [tiles_max]: which of the `total` tiles a streamed schedule cuts between two CTAs
+    (the kernel's own arithmetic: CTA p of min(total, ctas) begins at step p * S // P)."""
+    users = jnp.maximum(jnp.minimum(total, ctas), 1)
+    p = jnp.arange(ctas, dtype=jnp.int32)
+    start = p * total * k_steps // users
+    mid = (p < users) & (p > 0) & (start % k_steps != 0)
+    return jnp.zeros((tiles_max,), bool).at[start // k_steps].max(mid, mode="drop")
+
+
+def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Activations [C, n, K] as the kernel reads them: in `permute_k` order, and with `f16`
-    scaled into float16 (`as_f16`), with the scale that takes it out again."""
+    scaled into float16 (`as_f16`), with the scale that takes it out again. Entries not
+    `valid` are zeroed first: the gate/up kernel leaves theirs unwritten, and garbage must not
+    set the scale."""
     if not f16:
         return permute_k(x), None
+    if x.shape[0] > 1:
+        x = jnp.where(valid[:, None, None], x, jnp.zeros((), x.dtype))
     return as_f16(permute_k(x, f16=True))
 
 
@@ -354,12 +394,12 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     x3 = x if x.ndim == 3 else x[None]
     n0 = x3.shape[1]
     n = -(-n0 // ROW_MULTIPLE) * ROW_MULTIPLE
-    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))), tiles.f16)
     valid = jnp.ones(slots.shape, bool) if valid is None else valid != 0
+    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))), tiles.f16, valid)
     order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
     n_valid = jnp.sum(valid, dtype=jnp.int32)
     gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
-    if tiles.up_splits == 1:
+    if tiles.up_splits == 1 and not tiles.stream:  # SiLU(gate) * up in the kernel
         h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
                             epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, out_dtype=x.dtype,
                             name="int4_gate_up", x_scale=x_scale)[0, :, 0]
@@ -369,8 +409,9 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
                               x_scale=x_scale).sum(0)
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
-    h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16)
-    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
+    h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
+    down = dataclasses.replace(tiles, ctas_per_sm=tiles.down_ctas_per_sm or tiles.ctas_per_sm)
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), down,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
                         x_scale=h_scale)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
