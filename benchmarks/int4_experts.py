@@ -46,7 +46,8 @@ F16, F16_NO_LAG = dict(f16=True), dict(fold_lag=0, f16=True)
 
 
 def streamed(ctas: int, down_ctas: int, **kw) -> Int4Tiles:
-    return T(64, 2, 2, ctas, stream=True, down_ctas_per_sm=down_ctas, **(F16_NO_LAG | kw))
+    kw = dict(rows=64, stages=2, groups=2, stream=True) | F16_NO_LAG | kw
+    return T(ctas_per_sm=ctas, down_ctas_per_sm=down_ctas, **kw)
 
 
 SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
