@@ -42,21 +42,14 @@ class Shape:
 
 
 T = Int4Tiles
-F16, F16_NO_LAG = dict(f16=True), dict(fold_lag=0, f16=True)
-
-
-def streamed(ctas: int, down_ctas: int, **kw) -> Int4Tiles:
-    kw = dict(rows=64, stages=2, groups=2, stream=True) | F16_NO_LAG | kw
-    return T(ctas_per_sm=ctas, down_ctas_per_sm=down_ctas, **kw)
-
-
+NO_LAG, BF16, BF16_NO_LAG = dict(fold_lag=0), dict(f16=False), dict(fold_lag=0, f16=False)
 SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
-    "mixtral-8x7b": (T(64, 2, 2, 0, 2, **F16_NO_LAG), streamed(4, 6), streamed(4, 5),
-                     streamed(4, 4), streamed(3, 6, fold_lag=1), streamed(4, 6, stages=3)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2, **F16), streamed(4, 6),
-                                streamed(3, 6, fold_lag=1)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2, **F16), streamed(4, 6), streamed(4, 5),
-                      streamed(4, 4), streamed(3, 6, fold_lag=1), streamed(4, 6, stages=3)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2, **BF16_NO_LAG),
+                     T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 4, **NO_LAG), T(64, 2, 2, 0, 1, **NO_LAG)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2),
+                                T(64, 2, 2, 0, 2, **BF16)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 2, **BF16),
+                      T(64, 2, 2, 4, 1, 2, **NO_LAG), T(64, 2, 2, 0, 1, 2, **NO_LAG)),
 }
 
 SHAPES = (

@@ -36,11 +36,12 @@ class Int4Tiles:
     tiles: fewer CTAs idle in the last wave when few experts are active. `fold_lag`: groups a
     wgmma result waits before it is folded into its running sum (1: the next group's wgmma
     runs meanwhile; 0: folded at once, so only one group's converted weights are live, which
-    saves ~30 registers per thread: more CTAs per SM). `f16`: multiply in float16 instead of
-    bfloat16: each weight word converts with one shift and four lop3 (float16's 10-bit mantissa
-    holds a nibble at bits 4-7, bfloat16's 7 bits do not, hence its four extra prmt), and the
-    activations are scaled by a power of two into float16's range (exact: bfloat16 values have
-    8 significant bits, float16 11), the scale taken out of the result."""
+    saves ~30 registers per thread: more CTAs per SM). `f16`: multiply in float16 (the
+    activations scaled by a power of two into its range, exact: bfloat16 values have 8
+    significant bits, float16 11; the scale is taken out of the result), so that each weight
+    word converts with one shift and four lop3: float16's 10-bit mantissa holds a nibble at
+    bits 4-7, bfloat16's 7 bits do not, which costs the bfloat16 conversion (`f16=False`) four
+    more prmt per word, on the integer pipe that binds."""
 
     rows: int = 64
     stages: int = 4
@@ -49,15 +50,13 @@ class Int4Tiles:
     down_splits: int = 1
     up_splits: int = 1
     fold_lag: int = 1
-    f16: bool = False
-    stream: bool = False
-    down_ctas_per_sm: int = 0
+    f16: bool = True
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
 # the fastest measured per expert shape (D, F) on the H200: benchmarks/results/int4_experts.md
 TUNED_TILES = {
-    (4096, 14336): Int4Tiles(64, 2, 2, down_splits=2),  # Mixtral-8x7B
+    (4096, 14336): Int4Tiles(64, 2, 2, down_splits=2, fold_lag=0),  # Mixtral-8x7B
     (2048, 768): Int4Tiles(64, 2, 2, ctas_per_sm=4, up_splits=2),  # Qwen3-30B-A3B
 }
 
@@ -71,8 +70,7 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
-    return (tiles.fold_lag in (0, 1) and (tiles.ctas_per_sm > 0 or not tiles.stream)
-            and all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
+    return (tiles.fold_lag in (0, 1) and all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
             and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
 
@@ -199,10 +197,9 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
 
     x bf16 [C, R, K] (or [1, R, K] shared by all entries; f16 with `tiles.f16`, the products
     then multiplied by `x_scale` [1] before the epilogue); weights: tuple of (int4 [S, O, K],
-    bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split,
-    `k_steps` pipeline steps. One CTA per tile, or `ctas_per_sm` persistent CTAs: CTA p streams
-    tiles p, p + P, ..., or with `stream` an equal share of all tiles' steps in order (a tile
-    cut between two CTAs is summed from their two parts after), through one TMA pipeline."""
+    bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
+    CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
+    (`ctas_per_sm`) the next tile's loads overlap this tile's last steps."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -214,11 +211,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     ctas = c_n * per_entry
     if tiles.ctas_per_sm:
         ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
-    if tiles.stream and (epilogue or not tiles.ctas_per_sm):
-        raise ValueError(f"{tiles}: a streamed schedule needs persistent CTAs, no epilogue")
     out_dtype = out_dtype or jnp.bfloat16
     n_out = 1 if epilogue else nw
-    parts = 2 if tiles.stream else 1
     epilogue = epilogue or (lambda *accs: accs)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     shared_x = x.shape[0] == 1
@@ -236,39 +230,27 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             rest = lax.rem(t, per_entry)
             return entry, slots_ref[entry], lax.div(rest, splits), lax.rem(rest, splits)
 
-        if tiles.stream:  # steps [start, end) of all tiles' steps in order
-            users = jnp.maximum(jnp.minimum(total, ctas), 1)  # each gets >= k_steps steps
-            start = lax.div(p * total * k_steps, users)
-            end = jnp.where(p < users, lax.div((p + 1) * total * k_steps, users), start)
-            grid = (end - start,)
+        if persistent:  # tiles p, p + P, ...: read at each step's index maps
+            mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
 
-            def where(idx):  # tile, its step, and which part of it this CTA holds
-                s = start + idx[0]
-                t = lax.div(s, k_steps)
-                first = (t == lax.div(start, k_steps)) & (lax.rem(start, k_steps) != 0)
-                last = (lax.rem(s, k_steps) == k_steps - 1) | (idx[0] == grid[0] - 1)
-                return tile_at(t), lax.rem(s, k_steps), first.astype(jnp.int32), last
-        elif persistent:  # tiles p, p + P, ...: read at each step's index maps
-            grid = (lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas), k_steps)
-
-            def where(idx):
-                return tile_at(p + idx[0] * ctas), idx[1], 0, idx[1] == k_steps - 1
+            def tile(i):
+                return tile_at(p + i * ctas)
         else:  # one tile: read once, and a static pipeline grid
-            grid, fixed = (1, k_steps), tile_at(p)
+            mine, fixed = 1, tile_at(p)
 
-            def where(idx):
-                return fixed, idx[1], 0, idx[1] == k_steps - 1
+            def tile(_):
+                return fixed
 
-        def x_index(*idx):
-            (entry, _, _, split), kk, _, _ = where(idx)
+        def x_index(i, kk):
+            entry, _, _, split = tile(i)
             return (0 if shared_x else entry), split * k_steps + kk
 
-        def w_index(*idx):
-            (_, slot, block, split), kk, _, _ = where(idx)
+        def w_index(i, kk):
+            _, slot, block, split = tile(i)
             return slot * blocks + block, split * k_steps + kk
 
-        def s_index(*idx):
-            (_, slot, block, split), kk, _, _ = where(idx)
+        def s_index(i, kk):
+            _, slot, block, split = tile(i)
             return slot * (k // bk) + split * k_steps + kk, block
 
         def fold(temp, scale, acc, wait_n):
@@ -286,8 +268,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 yield _as_wgmma(w, tiles.f16), s_smem, g, acc
 
-        def finish(idx, accs):  # the tile's (part's) epilogue and its TMA store
-            (entry, _, block, split), _, part, _ = where(idx)
+        def finish(i, accs):  # the tile's epilogue and its TMA store
+            entry, _, block, split = tile(i)
             results = epilogue(*(acc[...] * x_scale_ref[0] for acc in accs))
             results = results if isinstance(results, tuple) else (results,)
             for acc in accs:
@@ -298,8 +280,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 o_smem[j] = result.astype(out_dtype)
             plgpu.commit_smem()
             for j in range(n_out):
-                row = ((((part * splits + split) * c_n + entry) * n_out + j) * blocks
-                       + block) * bo
+                row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
                 plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
 
         def step(idx, x_smem, *weight_smem, accs, temps):
@@ -321,7 +302,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             # buffer the pipeline refills after this step.
             if pending is not None:
                 fold(*pending, wait_n=0)
-            pl.when(where(idx)[3])(lambda: finish(idx, accs))
+            pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
 
         def run(*refs):
             accs, temps = refs[:nw], refs[nw:]
@@ -331,7 +312,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
                           plgpu.BlockSpec((tiles.groups, bo), s_index)]
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
-                                grid=grid, in_specs=specs,
+                                grid=(mine, k_steps), in_specs=specs,
                                 max_concurrent_steps=tiles.stages)(x_gmem, *in_gmem)
 
         # nw running sums, and two accumulators that the groups' wgmmas alternate between
@@ -342,32 +323,16 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((parts * splits * c_n * n_out * o, r), out_dtype),
+        body, out_type=jax.ShapeDtypeStruct((splits * c_n * n_out * o, r), out_dtype),
         scratch_types=[plgpu.SMEM((n_out, bo, r), out_dtype)],
         grid=(ctas,), grid_names=("p",), kernel_name=name,
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
     args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
     x_scale = jnp.ones((1,), jnp.float32) if x_scale is None else x_scale
-    n_valid = jnp.reshape(n_valid, (1,)).astype(jnp.int32)
-    out = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale,
-                 x.reshape(-1, k), *args).reshape(parts, splits, c_n, n_out, blocks, bo, r)
-    if tiles.stream:  # the second parts, where a CTA began mid-tile (the rest are unwritten)
-        cut = stream_cuts(n_valid[0] * per_entry, ctas, k_steps, c_n * per_entry)
-        cut = jnp.zeros((c_n, per_entry), bool).at[order].set(cut.reshape(c_n, per_entry))
-        cut = jnp.moveaxis(cut.reshape(c_n, blocks, splits), -1, 0)[:, :, None, :, None, None]
-        out = out[0] + jnp.where(cut, out[1], jnp.zeros((), out.dtype))
+    out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
+                 slots.astype(jnp.int32), x_scale, x.reshape(-1, k), *args)
     return out.reshape(splits, c_n, n_out, o, r)
-
-
-def stream_cuts(total, ctas: int, k_steps: int, tiles_max: int) -> jax.Array:
-    """bool [tiles_max]: which of the `total` tiles a streamed schedule cuts between two CTAs
-    (the kernel's own arithmetic: CTA p of min(total, ctas) begins at step p * S // P)."""
-    users = jnp.maximum(jnp.minimum(total, ctas), 1)
-    p = jnp.arange(ctas, dtype=jnp.int32)
-    start = p * total * k_steps // users
-    mid = (p < users) & (p > 0) & (start % k_steps != 0)
-    return jnp.zeros((tiles_max,), bool).at[start // k_steps].max(mid, mode="drop")
 
 
 def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -399,7 +364,7 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
     n_valid = jnp.sum(valid, dtype=jnp.int32)
     gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
-    if tiles.up_splits == 1 and not tiles.stream:  # SiLU(gate) * up in the kernel
+    if tiles.up_splits == 1:
         h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
                             epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, out_dtype=x.dtype,
                             name="int4_gate_up", x_scale=x_scale)[0, :, 0]
@@ -410,8 +375,7 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
-    down = dataclasses.replace(tiles, ctas_per_sm=tiles.down_ctas_per_sm or tiles.ctas_per_sm)
-    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), down,
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
                         x_scale=h_scale)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten

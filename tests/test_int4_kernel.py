@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax.int4_kernel import _F16_PAIR, _operand, as_f16, permute_k, stream_cuts
+from strata_jax.int4_kernel import _F16_PAIR, _operand, as_f16, permute_k
 
 
 def _view_columns(f16: bool = False) -> np.ndarray:
@@ -81,21 +81,6 @@ def test_f16_operand_is_exact_and_inside_float16_range():
     h, inv = as_f16(jnp.zeros((3, 8), jnp.bfloat16))  # all zero: no NaN
     assert np.all(np.asarray(h) == 0) and np.isfinite(inv).all()
 
-
-@pytest.mark.parametrize(("total", "ctas", "k_steps"),
-                         [(1792, 528, 32), (1234, 528, 4), (5, 528, 3), (0, 16, 4), (97, 96, 7)])
-def test_stream_cuts_mark_the_tiles_two_ctas_share(total, ctas, k_steps):
-    """Brute force: CTA p of P = min(total, ctas) streams steps [p S / P, (p + 1) S / P); each
-    tile is covered whole, by at most two CTAs, and is cut exactly where the kernel sums two."""
-    users = max(min(total, ctas), 1)
-    owners = [set() for _ in range(total)]
-    for p in range(users):
-        for s in range(p * total * k_steps // users, (p + 1) * total * k_steps // users):
-            owners[s // k_steps].add(p)
-    assert all(1 <= len(o) <= 2 for o in owners)
-    cuts = np.asarray(stream_cuts(jnp.int32(total), ctas, k_steps, total + 3))
-    np.testing.assert_array_equal(cuts[:total], [len(o) == 2 for o in owners])
-    assert not cuts[total:].any()
 
 
 def test_operand_ignores_invalid_entries_when_scaling():
