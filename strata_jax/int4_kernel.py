@@ -2,8 +2,9 @@
 
 Each CTA owns `rows` output features of one active slot and streams that slot's int4 tiles
 (K-contiguous, the pool's own bytes seen as `int4 [S, out, in]`) through a TMA pipeline. Each
-128-input group is converted to bf16 in registers (exact: small ints) and fed to wgmma as the A
-operand, out^T [rows, R] = q_tile [rows, 128] @ x^T [128, R], into one of two alternating
+128-input group is converted to float16 (or bfloat16) in registers (exact: small ints) and fed
+to wgmma as the A operand, out^T [rows, R] = q_tile [rows, 128] @ x^T [128, R] (x scaled into
+float16's range by a power of two, taken out again at the end), into one of two alternating
 accumulators; the group's scales then multiply that [rows, R] result into the running sum, so
 the weights are never rescaled element by element and never round-trip through shared memory.
 The sum is sum_g scale_g * (q_g @ x_g): the dequantized weights' product without rounding
