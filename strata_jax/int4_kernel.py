@@ -42,7 +42,10 @@ class Int4Tiles:
     significant bits, float16 11; the scale is taken out of the result), so that each weight
     word converts with one shift and four lop3: float16's 10-bit mantissa holds a nibble at
     bits 4-7, bfloat16's 7 bits do not, which costs the bfloat16 conversion (`f16=False`) four
-    more prmt per word, on the integer pipe that binds."""
+    more prmt per word, on the integer pipe that binds. `compute_wgs` > 1: a warp-specialized
+    CTA, one warpgroup issuing the TMA loads and `compute_wgs` computing, each on `rows` (64) of
+    a tile of `rows * compute_wgs` output features: the activations are loaded once for all of
+    them (less L2 traffic per weight byte); one tile per CTA."""
 
     rows: int = 64
     stages: int = 4
@@ -52,6 +55,7 @@ class Int4Tiles:
     up_splits: int = 1
     fold_lag: int = 1
     f16: bool = True
+    compute_wgs: int = 1
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -71,7 +75,10 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
-    return (tiles.fold_lag in (0, 1) and all(k % step == 0 and k % tiles.rows == 0 for k in (d, f))
+    ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm == 0)
+    block = tiles.rows * tiles.compute_wgs
+    return (tiles.fold_lag in (0, 1) and ws_ok and tiles.compute_wgs >= 1
+            and all(k % step == 0 and k % block == 0 for k in (d, f))
             and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
 
@@ -200,14 +207,17 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     then multiplied by `x_scale` [1] before the epilogue); weights: tuple of (int4 [S, O, K],
     bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
     CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
-    (`ctas_per_sm`) the next tile's loads overlap this tile's last steps."""
+    (`ctas_per_sm`) the next tile's loads overlap this tile's last steps; with `compute_wgs`
+    > 1, CTA p's tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c_n, (_, r, k) = slots.shape[0], x.shape
     o, nw, bo = weights[0][0].shape[1], len(weights), tiles.rows
     bk = GROUP * tiles.groups
-    k_steps, blocks = k // bk // splits, o // bo
+    wgs = tiles.compute_wgs
+    bo_cta = bo * wgs  # a CTA's output features: each compute warpgroup's `rows`
+    k_steps, blocks = k // bk // splits, o // bo_cta
     per_entry = blocks * splits
     ctas = c_n * per_entry
     if tiles.ctas_per_sm:
@@ -242,17 +252,17 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             def tile(_):
                 return fixed
 
-        def x_index(i, kk):
-            entry, _, _, split = tile(i)
-            return (0 if shared_x else entry), split * k_steps + kk
+        def x_index(*idx):  # (tile of this CTA, step), or (step,) with one tile
+            entry, _, _, split = tile(idx[0] if len(idx) == 2 else 0)
+            return (0 if shared_x else entry), split * k_steps + idx[-1]
 
-        def w_index(i, kk):
-            _, slot, block, split = tile(i)
-            return slot * blocks + block, split * k_steps + kk
+        def w_index(*idx):
+            _, slot, block, split = tile(idx[0] if len(idx) == 2 else 0)
+            return slot * blocks + block, split * k_steps + idx[-1]
 
-        def s_index(i, kk):
-            _, slot, block, split = tile(i)
-            return slot * (k // bk) + split * k_steps + kk, block
+        def s_index(*idx):
+            _, slot, block, split = tile(idx[0] if len(idx) == 2 else 0)
+            return slot * (k // bk) + split * k_steps + idx[-1], block
 
         def fold(temp, scale, acc, wait_n):
             # acc += scale[row] * (a group's q @ x^T), once its wgmma is done
@@ -269,7 +279,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                                layout=plgpu.Layout.WGMMA_UPCAST_4X)
                 yield _as_wgmma(w, tiles.f16), s_smem, g, acc
 
-        def finish(i, accs):  # the tile's epilogue and its TMA store
+        def finish(i, accs, wg=0):  # the tile's (warpgroup's rows') epilogue and TMA store
             entry, _, block, split = tile(i)
             results = epilogue(*(acc[...] * x_scale_ref[0] for acc in accs))
             results = results if isinstance(results, tuple) else (results,)
@@ -278,13 +288,17 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                                              plgpu.Layout.WGMMA)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read
             for j, result in enumerate(results):
-                o_smem[j] = result.astype(out_dtype)
+                o_smem[wg, j] = result.astype(out_dtype)
             plgpu.commit_smem()
             for j in range(n_out):
-                row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo
-                plgpu.copy_smem_to_gmem(o_smem.at[j], out_gmem.at[pl.ds(row, bo)])
+                row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo_cta + wg * bo
+                plgpu.copy_smem_to_gmem(o_smem.at[wg, j], out_gmem.at[pl.ds(row, bo)])
 
         def step(idx, x_smem, *weight_smem, accs, temps):
+            multiply(x_smem, weight_smem, accs, temps)
+            pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
+
+        def multiply(x_smem, weight_smem, accs, temps):
             """Each group's wgmma into one of two temporaries, folded into its running sum
             while the next group's runs (`fold_lag=1`) or as soon as it is done (0)."""
             zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
@@ -303,30 +317,57 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             # buffer the pipeline refills after this step.
             if pending is not None:
                 fold(*pending, wait_n=0)
-            pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
+
+        # swizzles sized for one group, so that each group's columns are whole tiles
+        specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16))]
+        for _ in range(nw):
+            specs += [plgpu.BlockSpec((bo_cta, bk), w_index, transforms=_swizzled(GROUP, 4)),
+                      plgpu.BlockSpec((tiles.groups, bo_cta), s_index)]
+        # nw running sums, and two accumulators that the groups' wgmmas alternate between
+        accumulators = [plgpu.ACC((bo, r)) for _ in range(nw + 2)]
 
         def run(*refs):
             accs, temps = refs[:nw], refs[nw:]
-            # swizzles sized for one group, so that each group's columns are whole tiles
-            specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16))]
-            for _ in range(nw):
-                specs += [plgpu.BlockSpec((bo, bk), w_index, transforms=_swizzled(GROUP, 4)),
-                          plgpu.BlockSpec((tiles.groups, bo), s_index)]
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
                                 grid=(mine, k_steps), in_specs=specs,
                                 max_concurrent_steps=tiles.stages)(x_gmem, *in_gmem)
 
-        # nw running sums, and two accumulators that the groups' wgmmas alternate between
-        @pl.when(persistent or p < total)
-        def _():
-            pl.run_scoped(run, *[plgpu.ACC((bo, r)) for _ in range(nw + 2)])
+        def warp_specialized():
+            wg = lax.axis_index("wg")
 
+            def own(weight_smem):  # this warpgroup's rows of the weight tiles and scales
+                rows = pl.ds(wg * bo, bo)
+                return [ref.at[rows] if i % 2 == 0 else ref.at[:, rows]
+                        for i, ref in enumerate(weight_smem)]
+
+            def ws_step(_, x_smem, *refs):
+                *weight_smem, (accs, temps) = refs
+                multiply(x_smem, own(weight_smem), accs, temps)
+                return accs, temps
+
+            def context(eval_pipeline):
+                def scoped(*refs):
+                    accs, temps = refs[:nw], refs[nw:]
+                    eval_pipeline((accs, temps))
+                    finish(0, accs, wg)
+                pl.run_scoped(scoped, *accumulators)
+
+            plgpu.emit_pipeline_warp_specialized(
+                ws_step, grid=(k_steps,), memory_registers=40, in_specs=specs,
+                max_concurrent_steps=tiles.stages, wg_axis="wg", num_compute_wgs=wgs,
+                compute_context=context)(x_gmem, *in_gmem)
+
+        if wgs == 1:
+            pl.when(persistent or p < total)(lambda: pl.run_scoped(run, *accumulators))
+        else:
+            pl.when(p < total)(warp_specialized)
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((splits * c_n * n_out * o, r), out_dtype),
-        scratch_types=[plgpu.SMEM((n_out, bo, r), out_dtype)],
+        scratch_types=[plgpu.SMEM((wgs, n_out, bo, r), out_dtype)],
         grid=(ctas,), grid_names=("p",), kernel_name=name,
+        **(dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
     args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]

@@ -127,7 +127,10 @@ def _bf16_error(y, ref):
     int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, fold_lag=0),
     # bfloat16 products
     int4_kernel.Int4Tiles(64, 2, 2, f16=False), int4_kernel.Int4Tiles(128, 4, 2, f16=False),
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2, fold_lag=0, f16=False)])
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2, fold_lag=0, f16=False),
+    # warp-specialized: compute warpgroups sharing one activation tile
+    int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4),
+    int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2)])
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     if not int4_kernel.fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
@@ -185,6 +188,12 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert int4_kernel.tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
     assert int4_kernel.tiles_for(64, 128) is None
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(fold_lag=2))
+    # warp-specialized CTAs: tiles of 64 rows per compute warpgroup, one tile per CTA
+    four = int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4)
+    assert int4_kernel.fits(4096, 14336, four) and int4_kernel.fits(2048, 768, four)
+    assert not int4_kernel.fits(256, 384, four)  # 384 is not a multiple of 4 x 64 rows
+    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
+    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
 
 
 def test_tiles_that_do_not_divide_are_rejected():
