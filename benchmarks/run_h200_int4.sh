@@ -2,13 +2,15 @@
 # The int4 GPU tests (kernel, row chunks, the engine's exactness matrix on the Mosaic path, the
 # dequant knob), then the int4 expert benchmark and its tile sweep. Together they take longer
 # than one 600 s device call on a fresh machine (tests ~420 s, benchmark ~150 s): PART=tests or
-# PART=bench runs one of them.
+# PART=bench runs one of them; TESTS narrows the tests (e.g. to the kernel's own files, ~80 s).
 source "$(dirname "$0")/device_env.sh"
 PART=${PART:-all}
+TESTS=${TESTS:-tests/test_expert_kernels.py tests/test_int4_kernel.py tests/test_moe.py \
+  tests/runtime/test_exactness_matrix.py tests/runtime/test_dequant_knob.py}
 if [[ $PART != bench ]]; then
-  timeout "${TEST_LIMIT:-450}" python3 -m pytest -q -x -p no:warnings tests/test_expert_kernels.py \
-    tests/test_int4_kernel.py tests/test_moe.py tests/runtime/test_exactness_matrix.py \
-    tests/runtime/test_dequant_knob.py 2>&1 | tail -15 | tee "$OUT/gpu_tests_int4.txt"
+  # shellcheck disable=SC2086
+  timeout "${TEST_LIMIT:-450}" python3 -m pytest -q -x -p no:warnings $TESTS 2>&1 | tail -15 \
+    | tee "$OUT/gpu_tests_int4.txt"
 fi
 if [[ $PART != tests ]]; then
   timeout "${BENCH_LIMIT:-300}" python3 -m benchmarks.int4_experts --out "$OUT" 2>&1 \
