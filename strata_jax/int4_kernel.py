@@ -196,6 +196,54 @@ def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
+def _fold(temp, scale, acc, wait_n):
+    """acc += scale[row] * (a group's q @ x^T), once its wgmma is done."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    part = plgpu.wgmma_accumulator_load(temp, wait_n=wait_n)
+    acc[...] = (plgpu.wgmma_accumulator_load(acc, wait_n=None)
+                + part * lax.broadcast_in_dim(scale, part.shape, [0]))
+
+
+def _units(weight_smem, accs, tiles: Int4Tiles):
+    """Per scale group and weight: its converted tile [rows, 128], its scales' smem, the group,
+    the weight's running sum."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    weights_accs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
+    for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
+        w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
+                       layout=plgpu.Layout.WGMMA_UPCAST_4X)
+        yield _as_wgmma(w, tiles.f16), s_smem, g, acc
+
+
+def multiply_step(operand, weight_smem, accs, temps, tiles: Int4Tiles) -> None:
+    """One pipeline step of the int4 kernels: each group's wgmma (weights converted in
+    registers, times `operand(g)`, the group's activations as the B operand [128, R]) into one of
+    two temporaries, folded into its running sum while the next group's runs (`fold_lag=1`) or
+    as soon as it is done (0). weight_smem: (int4 tile, scales) per weight; accs: their sums."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    zero = plgpu.layout_cast(jnp.zeros(temps[0].shape, jnp.float32), plgpu.Layout.WGMMA)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    pending = None
+    for i, (w, s_smem, g, acc) in enumerate(_units(weight_smem, accs, tiles)):
+        temps[i % 2][...] = zero
+        plgpu.wgmma(temps[i % 2], w, operand(g))
+        scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
+        if not tiles.fold_lag:
+            _fold(temps[i % 2], scale, acc, wait_n=0)
+            continue
+        if pending is not None:  # the previous group's wgmma, while this one runs
+            _fold(*pending, wait_n=1)
+        pending = (temps[i % 2], scale, acc)
+    # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a buffer
+    # the pipeline refills after this step.
+    if pending is not None:
+        _fold(*pending, wait_n=0)
+
+
 def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TILES,
                   epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul",
                   x_scale=None):
@@ -225,7 +273,6 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     out_dtype = out_dtype or jnp.bfloat16
     n_out = 1 if epilogue else nw
     epilogue = epilogue or (lambda *accs: accs)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
     shared_x = x.shape[0] == 1
     n_in = 2 * nw  # weights and their scales
 
@@ -264,21 +311,6 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             _, slot, block, split = tile(idx[0] if len(idx) == 2 else 0)
             return slot * (k // bk) + split * k_steps + idx[-1], block
 
-        def fold(temp, scale, acc, wait_n):
-            # acc += scale[row] * (a group's q @ x^T), once its wgmma is done
-            part = plgpu.wgmma_accumulator_load(temp, wait_n=wait_n)
-            acc[...] = (plgpu.wgmma_accumulator_load(acc, wait_n=None)
-                        + part * lax.broadcast_in_dim(scale, part.shape, [0]))
-
-        def units(weight_smem, accs):
-            """Per scale group and weight: its bf16 tile [rows, 128], its scales' smem, the
-            group, the weight's running sum."""
-            weights_accs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
-            for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
-                w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
-                               layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                yield _as_wgmma(w, tiles.f16), s_smem, g, acc
-
         def finish(i, accs, wg=0):  # the tile's (warpgroup's rows') epilogue and TMA store
             entry, _, block, split = tile(i)
             results = epilogue(*(acc[...] * x_scale_ref[0] for acc in accs))
@@ -299,24 +331,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
 
         def multiply(x_smem, weight_smem, accs, temps):
-            """Each group's wgmma into one of two temporaries, folded into its running sum
-            while the next group's runs (`fold_lag=1`) or as soon as it is done (0)."""
-            zero = plgpu.layout_cast(jnp.zeros((bo, r), jnp.float32), plgpu.Layout.WGMMA)
-            pending = None
-            for i, (w, s_smem, g, acc) in enumerate(units(weight_smem, accs)):
-                temps[i % 2][...] = zero
-                plgpu.wgmma(temps[i % 2], w, x_smem.at[:, pl.ds(g * GROUP, GROUP)].T)
-                scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
-                if not tiles.fold_lag:
-                    fold(temps[i % 2], scale, acc, wait_n=0)
-                    continue
-                if pending is not None:  # the previous group's wgmma, while this one runs
-                    fold(*pending, wait_n=1)
-                pending = (temps[i % 2], scale, acc)
-            # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a
-            # buffer the pipeline refills after this step.
-            if pending is not None:
-                fold(*pending, wait_n=0)
+            multiply_step(lambda g: x_smem.at[:, pl.ds(g * GROUP, GROUP)].T, weight_smem, accs,
+                          temps, tiles)
 
         # swizzles sized for one group, so that each group's columns are whole tiles
         specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16))]
