@@ -72,7 +72,27 @@ def mnb_kernel():
     return jax.jit(kernel), (f16((64, 128), jnp.float16), f16((128, 16), jnp.float16))
 
 
-PROBES = {"sem": sem_kernel, "mnb": mnb_kernel}
+def fused_kernel(d: int = 2048, f: int = 768, entries: int = 64, rows: int = 8):
+    """int4_fused.py's one-launch layer at Qwen3-30B-A3B shapes (lowering only)."""
+    import importlib.util
+    import os
+
+    from strata_jax.pool import ExpertPool
+
+    path = os.path.join(os.path.dirname(__file__), "int4_fused.py")
+    spec = importlib.util.spec_from_file_location("int4_fused", path)
+    fused = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fused)
+    sds = jax.ShapeDtypeStruct
+    u8, bf16 = jnp.uint8, jnp.bfloat16
+    pool = ExpertPool(sds((entries, f, d // 2), u8), sds((entries, f, d // 2), u8),
+                      sds((entries, d, f // 2), u8), sds((entries, d // 128, f), bf16),
+                      sds((entries, d // 128, f), bf16), sds((entries, f // 128, d), bf16))
+    fn = jax.jit(lambda x, s, p, v: fused.fused_swiglu_int4(x, s, p, v))
+    return fn, (sds((rows, d), bf16), sds((entries,), jnp.int32), pool, sds((entries,), bool))
+
+
+PROBES = {"sem": sem_kernel, "mnb": mnb_kernel, "fused": fused_kernel}
 
 
 def lower(name: str) -> None:
