@@ -115,9 +115,7 @@ def _bf16_error(y, ref):
     return np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max()
 
 
-@pytest.mark.skipif(not int4_kernel.is_hopper(), reason="the Mosaic GPU int4 kernel needs Hopper")
-@pytest.mark.parametrize(("d", "f"), [(512, 1024), (256, 384)])
-@pytest.mark.parametrize("tiles", [
+MOSAIC_TILES = [
     int4_kernel.Int4Tiles(), int4_kernel.Int4Tiles(64, 3, 2), int4_kernel.Int4Tiles(128, 4, 2),
     # persistent CTAs: 12 entries make more tiles than CTAs, so each CTA streams several
     int4_kernel.Int4Tiles(64, 3, 2, ctas_per_sm=1, down_splits=2),
@@ -130,7 +128,29 @@ def _bf16_error(y, ref):
     int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2, fold_lag=0, f16=False),
     # warp-specialized: compute warpgroups sharing one activation tile
     int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4),
-    int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2)])
+    int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2)]
+
+
+@pytest.mark.parametrize("tiles", MOSAIC_TILES)
+def test_int4_mosaic_kernel_lowers_for_cuda(tiles):
+    """Without a GPU: every tile setting the GPU test runs lowers to the two Mosaic GPU kernels
+    (layouts, the register view, smem slicing and pipelines are checked by Mosaic here)."""
+    d, f, c, rows = 512, 1024, 4, 16
+    sds = jax.ShapeDtypeStruct
+    packed = lambda *s: sds(s, jnp.uint8)  # noqa: E731
+    scales = lambda *s: sds(s, jnp.bfloat16)  # noqa: E731
+    pool = ExpertPool(packed(c, f, d // 2), packed(c, f, d // 2), packed(c, d, f // 2),
+                      scales(c, d // 128, f), scales(c, d // 128, f), scales(c, f // 128, d))
+    lowered = int4_kernel.grouped_swiglu_int4.trace(
+        sds((c, rows, d), jnp.bfloat16), sds((c,), jnp.int32), pool, None, tiles=tiles,
+    ).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("custom_call @mosaic_gpu") == 2
+    assert "int4_gate_up" in lowered and "int4_down" in lowered
+
+
+@pytest.mark.skipif(not int4_kernel.is_hopper(), reason="the Mosaic GPU int4 kernel needs Hopper")
+@pytest.mark.parametrize(("d", "f"), [(512, 1024), (256, 384)])
+@pytest.mark.parametrize("tiles", MOSAIC_TILES)
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     if not int4_kernel.fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
