@@ -45,7 +45,8 @@ class Int4Tiles:
     more prmt per word, on the integer pipe that binds. `compute_wgs` > 1: a warp-specialized
     CTA, one warpgroup issuing the TMA loads and `compute_wgs` computing, each on `rows` (64) of
     a tile of `rows * compute_wgs` output features: the activations are loaded once for all of
-    them (less L2 traffic per weight byte); one tile per CTA."""
+    them (less L2 traffic per weight byte); one tile per CTA, or with `ctas_per_sm=1` one
+    persistent CTA per SM."""
 
     rows: int = 64
     stages: int = 4
@@ -75,7 +76,8 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
-    ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm == 0)
+    # a warp-specialized CTA takes the SM's registers: persistent, it is the SM's only CTA
+    ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm <= 1)
     block = tiles.rows * tiles.compute_wgs
     return (tiles.fold_lag in (0, 1) and ws_ok and tiles.compute_wgs >= 1
             and all(k % step == 0 and k % block == 0 for k in (d, f))
@@ -256,7 +258,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
     CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
     (`ctas_per_sm`) the next tile's loads overlap this tile's last steps; with `compute_wgs`
-    > 1, CTA p's tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline."""
+    > 1, a tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -356,27 +358,24 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 return [ref.at[rows] if i % 2 == 0 else ref.at[:, rows]
                         for i, ref in enumerate(weight_smem)]
 
-            def ws_step(_, x_smem, *refs):
+            def ws_step(idx, x_smem, *refs):
                 *weight_smem, (accs, temps) = refs
                 multiply(x_smem, own(weight_smem), accs, temps)
+                pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs, wg))
                 return accs, temps
 
             def context(eval_pipeline):
-                def scoped(*refs):
-                    accs, temps = refs[:nw], refs[nw:]
-                    eval_pipeline((accs, temps))
-                    finish(0, accs, wg)
+                def scoped(*refs):  # the compute warpgroups' sums, carried through the steps
+                    eval_pipeline((refs[:nw], refs[nw:]))
                 pl.run_scoped(scoped, *accumulators)
 
             plgpu.emit_pipeline_warp_specialized(
-                ws_step, grid=(k_steps,), memory_registers=40, in_specs=specs,
+                ws_step, grid=(mine, k_steps), memory_registers=40, in_specs=specs,
                 max_concurrent_steps=tiles.stages, wg_axis="wg", num_compute_wgs=wgs,
                 compute_context=context)(x_gmem, *in_gmem)
 
-        if wgs == 1:
-            pl.when(persistent or p < total)(lambda: pl.run_scoped(run, *accumulators))
-        else:
-            pl.when(p < total)(warp_specialized)
+        work = pl.when(persistent or p < total)
+        work(lambda: pl.run_scoped(run, *accumulators) if wgs == 1 else warp_specialized())
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(

@@ -128,7 +128,8 @@ MOSAIC_TILES = [
     int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2, fold_lag=0, f16=False),
     # warp-specialized: compute warpgroups sharing one activation tile
     int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4),
-    int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2)]
+    int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2),
+    int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2)]
 
 
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
@@ -213,7 +214,8 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert int4_kernel.fits(4096, 14336, four) and int4_kernel.fits(2048, 768, four)
     assert not int4_kernel.fits(256, 384, four)  # 384 is not a multiple of 4 x 64 rows
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
-    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
+    assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
+    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
 
 
 def test_tiles_that_do_not_divide_are_rejected():
