@@ -48,7 +48,7 @@ SWEEP = {  # per shape: candidates tried in order, the fastest kernels are repor
     "mixtral-8x7b": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2, **BF16),
                      T(64, 2, 2, 0, 1, **WS_NO_LAG), T(64, 2, 2, 0, 1, **WS),
                      T(64, 4, 1, 0, 1, **WS_NO_LAG), T(64, 2, 2, 0, 2, **WS_NO_LAG),
-                     T(64, 2, 2, 1, 1, **WS_NO_LAG)),
+                     T(64, 2, 2, 1, 1, **WS_NO_LAG), T(64, 2, 2, 1, 1, 2, **WS_NO_LAG)),
     "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 1, **WS_NO_LAG),
                                 T(64, 2, 2, 0, 1, **WS)),
     "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 0, 1, 1, **WS_NO_LAG),
