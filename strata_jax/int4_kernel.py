@@ -301,17 +301,17 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             def tile(_):
                 return fixed
 
-        def x_index(*idx):  # (tile of this CTA, step), or (step,) with one tile
-            entry, _, _, split = tile(idx[0] if len(idx) == 2 else 0)
-            return (0 if shared_x else entry), split * k_steps + idx[-1]
+        def x_index(i, kk):
+            entry, _, _, split = tile(i)
+            return (0 if shared_x else entry), split * k_steps + kk
 
-        def w_index(*idx):
-            _, slot, block, split = tile(idx[0] if len(idx) == 2 else 0)
-            return slot * blocks + block, split * k_steps + idx[-1]
+        def w_index(i, kk):
+            _, slot, block, split = tile(i)
+            return slot * blocks + block, split * k_steps + kk
 
-        def s_index(*idx):
-            _, slot, block, split = tile(idx[0] if len(idx) == 2 else 0)
-            return slot * (k // bk) + split * k_steps + idx[-1], block
+        def s_index(i, kk):
+            _, slot, block, split = tile(i)
+            return slot * (k // bk) + split * k_steps + kk, block
 
         def finish(i, accs, wg=0):  # the tile's (warpgroup's rows') epilogue and TMA store
             entry, _, block, split = tile(i)
