@@ -374,8 +374,13 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 max_concurrent_steps=tiles.stages, wg_axis="wg", num_compute_wgs=wgs,
                 compute_context=context)(x_gmem, *in_gmem)
 
-        work = pl.when(persistent or p < total)
-        work(lambda: pl.run_scoped(run, *accumulators) if wgs == 1 else warp_specialized())
+        @pl.when(persistent or p < total)
+        def _():
+            if wgs == 1:
+                pl.run_scoped(run, *accumulators)
+            else:
+                warp_specialized()
+
         plgpu.wait_smem_to_gmem(0)
 
     kernel = plgpu.kernel(

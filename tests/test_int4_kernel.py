@@ -82,7 +82,6 @@ def test_f16_operand_is_exact_and_inside_float16_range():
     assert np.all(np.asarray(h) == 0) and np.isfinite(inv).all()
 
 
-
 def test_operand_ignores_invalid_entries_when_scaling():
     x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 8, 64)), jnp.bfloat16)
     garbage = x.at[1].set(jnp.nan).at[2].set(1e30)

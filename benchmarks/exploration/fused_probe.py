@@ -7,7 +7,6 @@ machine without a GPU (and `python3 fused_probe.py NAME` runs them on one).
 - `mnb`: a wgmma whose B operand is an activation block stored [K, N] (N = 16 rows, 32-byte
   swizzle), as gate/up writes h^T, so that the down phase needs no transpose.
 """
-import functools
 import sys
 
 import jax
@@ -120,4 +119,4 @@ def run(name: str) -> None:
 
 if __name__ == "__main__":
     for probe in sys.argv[1:] or PROBES:
-        functools.partial(run, probe)()
+        run(probe)

@@ -40,7 +40,6 @@ ROWS = 16  # activation rows padded to 16: h's rows are 32 bytes, the smallest w
 def store_rows_for_down(h, ref):
     """Store h [64, R] (WGMMA layout) into ref [64, R] with row 8c + 2a + b of each block of 32
     at 8a + 2c + b: `permute_k`'s bf16 order, the order the down kernel multiplies inputs in."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa  # noqa: F401
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, vector
