@@ -43,7 +43,7 @@ class Shape:
 
 T = Int4Tiles
 NO_LAG, BF16 = dict(fold_lag=0), dict(f16=False)
-WS, WS_NO_LAG = dict(compute_wgs=4), dict(compute_wgs=4, fold_lag=0)  # 1 CTA/SM at most
+WS, WS_NO_LAG = dict(compute_wgs=2), dict(compute_wgs=2, fold_lag=0)  # 1 CTA/SM at most
 SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
     "mixtral-8x7b": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2, **BF16),
                      T(64, 2, 2, 0, 1, **WS_NO_LAG), T(64, 2, 2, 0, 1, **WS),

@@ -72,12 +72,28 @@ def is_hopper() -> bool:
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
+MEMORY_REGISTERS = 40  # per thread of a warp-specialized CTA's TMA warpgroup
+
+
+def ws_registers_fit(compute_wgs: int) -> bool:
+    """Whether Pallas' register split of a warp-specialized CTA fits what it is launched with.
+
+    The CTA is compiled to take the whole register file, floor8(512 / warpgroups) per thread;
+    the TMA warpgroup gives back to MEMORY_REGISTERS and each compute warpgroup asks for
+    floor8((512 - MEMORY_REGISTERS) / compute_wgs) (`setmaxnreg`). If the asks exceed the
+    launch allocation, `setmaxnreg.inc` waits forever: 4 compute warpgroups hang (488 > 480)."""
+    launch = 512 // (compute_wgs + 1) // 8 * 8
+    ask = min(256, (512 - MEMORY_REGISTERS) // compute_wgs) // 8 * 8
+    return MEMORY_REGISTERS + compute_wgs * ask <= (compute_wgs + 1) * launch
+
+
 def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in `down_splits` equal parts) and output dims."""
     step = GROUP * tiles.groups
     # a warp-specialized CTA takes the SM's registers: persistent, it is the SM's only CTA
-    ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm <= 1)
+    ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm <= 1
+                                       and ws_registers_fit(tiles.compute_wgs))
     block = tiles.rows * tiles.compute_wgs
     return (tiles.fold_lag in (0, 1) and ws_ok and tiles.compute_wgs >= 1
             and all(k % step == 0 and k % block == 0 for k in (d, f))
@@ -370,7 +386,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 pl.run_scoped(scoped, *accumulators)
 
             plgpu.emit_pipeline_warp_specialized(
-                ws_step, grid=(mine, k_steps), memory_registers=40, in_specs=specs,
+                ws_step, grid=(mine, k_steps), memory_registers=MEMORY_REGISTERS, in_specs=specs,
                 max_concurrent_steps=tiles.stages, wg_axis="wg", num_compute_wgs=wgs,
                 compute_context=context)(x_gmem, *in_gmem)
 

@@ -127,7 +127,7 @@ MOSAIC_TILES = [
     int4_kernel.Int4Tiles(64, 2, 2, f16=False), int4_kernel.Int4Tiles(128, 4, 2, f16=False),
     int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=3, up_splits=2, fold_lag=0, f16=False),
     # warp-specialized: compute warpgroups sharing one activation tile
-    int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4),
+    int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2)]
 
@@ -210,9 +210,14 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert int4_kernel.tiles_for(64, 128) is None
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(fold_lag=2))
     # warp-specialized CTAs: tiles of 64 rows per compute warpgroup, one tile per CTA
-    four = int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4)
-    assert int4_kernel.fits(4096, 14336, four) and int4_kernel.fits(2048, 768, four)
-    assert not int4_kernel.fits(256, 384, four)  # 384 is not a multiple of 4 x 64 rows
+    two = int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=2)
+    assert int4_kernel.fits(4096, 14336, two) and int4_kernel.fits(2048, 768, two)
+    three = int4_kernel.Int4Tiles(64, 2, 1, compute_wgs=3)
+    assert int4_kernel.fits(384, 768, three)
+    assert not int4_kernel.fits(256, 768, three)  # 256 is not a multiple of 3 x 64 rows
+    # 4 compute warpgroups ask for more registers than the CTA is launched with (a hang)
+    assert not int4_kernel.fits(4096, 14336, int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4))
+    assert [w for w in range(2, 8) if int4_kernel.ws_registers_fit(w)] == [2, 3, 5, 6, 7]
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
     assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
