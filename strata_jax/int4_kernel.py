@@ -264,7 +264,7 @@ def multiply_step(operand, weight_smem, accs, temps, tiles: Int4Tiles) -> None:
 
 def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TILES,
                   epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul",
-                  x_scale=None):
+                  x_scale=None, tile_major: bool = False):
     """out^T [splits, C, n, O, R]: epilogue(W_1[slot_c] @ x[c]^T, ...) (n = 1), or without an
     epilogue the n = len(weights) products, for the first `n_valid` entries c of `order` (the
     others are left unwritten), each reduction split in `splits`.
@@ -274,7 +274,9 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
     CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
     (`ctas_per_sm`) the next tile's loads overlap this tile's last steps; with `compute_wgs`
-    > 1, a tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline."""
+    > 1, a tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline.
+    `tile_major`: the weights' bytes are stored tile by tile (`to_tile_major`), so that each
+    step reads one contiguous block instead of `rows` strided row pieces."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -323,6 +325,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
 
         def w_index(i, kk):
             _, slot, block, split = tile(i)
+            if tile_major:
+                return (slot * blocks + block) * (k // bk) + split * k_steps + kk, 0
             return slot * blocks + block, split * k_steps + kk
 
         def s_index(i, kk):
@@ -406,11 +410,21 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         **(dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
     # 2-D views (free reshapes): rows of x by entry, weight rows by slot, scale rows by slot
-    args = [a for w, s in weights for a in (w.reshape(-1, k), s.reshape(-1, o))]
+    args = [a for w, s in weights for a in (w.reshape(-1, bk if tile_major else k),
+                                            s.reshape(-1, o))]
     x_scale = jnp.ones((1,), jnp.float32) if x_scale is None else x_scale
     out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
                  slots.astype(jnp.int32), x_scale, x.reshape(-1, k), *args)
     return out.reshape(splits, c_n, n_out, o, r)
+
+
+def to_tile_major(packed: jax.Array, tiles: Int4Tiles) -> jax.Array:
+    """Packed weights [S, O, K/2] with their bytes reordered tile by tile (a tile: the
+    `rows * compute_wgs` x `GROUP * groups` block that one kernel step reads), same shape."""
+    s, o, half = packed.shape
+    rows, width = tiles.rows * tiles.compute_wgs, GROUP * tiles.groups // 2
+    return (packed.reshape(s, o // rows, rows, half // width, width)
+            .transpose(0, 1, 3, 2, 4).reshape(s, o, half))
 
 
 def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -425,11 +439,13 @@ def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.
     return as_f16(permute_k(x, f16=True))
 
 
-@functools.partial(jax.jit, static_argnames=("tiles",))
-def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None):
+@functools.partial(jax.jit, static_argnames=("tiles", "tile_major"))
+def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None,
+                        tile_major: bool = False):
     """Partial sums [C, 1, N, D] float32 for the active slots of an int4 pool (the contract of
     `expert_kernels.grouped_swiglu`); x bf16 [N, D] or [C, N, D] (each entry's own rows).
-    `tiles` default: `tiles_for` the pool's expert dims."""
+    `tiles` default: `tiles_for` the pool's expert dims. `tile_major`: the pool's packed
+    weights are stored `to_tile_major` for these tiles."""
     tiles = tiles or tiles_for(x.shape[-1], pool.intermediate_size)
     if tiles is None or not fits(x.shape[-1], pool.intermediate_size, tiles):
         raise ValueError(f"int4 experts D={x.shape[-1]}, F={pool.intermediate_size} do not "
@@ -445,16 +461,16 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     if tiles.up_splits == 1:
         h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
                             epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, out_dtype=x.dtype,
-                            name="int4_gate_up", x_scale=x_scale)[0, :, 0]
+                            name="int4_gate_up", x_scale=x_scale, tile_major=tile_major)[0, :, 0]
     else:
         parts = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles, out_dtype=jnp.float32,
                               splits=tiles.up_splits, name="int4_gate_up",
-                              x_scale=x_scale).sum(0)
+                              x_scale=x_scale, tile_major=tile_major).sum(0)
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
     y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
-                        x_scale=h_scale)
+                        x_scale=h_scale, tile_major=tile_major)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

@@ -133,7 +133,8 @@ MOSAIC_TILES = [
 
 
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
-def test_int4_mosaic_kernel_lowers_for_cuda(tiles):
+@pytest.mark.parametrize("tile_major", [False, True])
+def test_int4_mosaic_kernel_lowers_for_cuda(tiles, tile_major):
     """Without a GPU: every tile setting the GPU test runs lowers to the two Mosaic GPU kernels
     (layouts, the register view, smem slicing and pipelines are checked by Mosaic here)."""
     d, f, c, rows = 512, 1024, 4, 16
@@ -144,6 +145,7 @@ def test_int4_mosaic_kernel_lowers_for_cuda(tiles):
                       scales(c, d // 128, f), scales(c, d // 128, f), scales(c, f // 128, d))
     lowered = int4_kernel.grouped_swiglu_int4.trace(
         sds((c, rows, d), jnp.bfloat16), sds((c,), jnp.int32), pool, None, tiles=tiles,
+        tile_major=tile_major,
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert lowered.count("custom_call @mosaic_gpu") == 2
     assert "int4_gate_up" in lowered and "int4_down" in lowered
@@ -163,6 +165,10 @@ def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     for x in (rng.normal(size=(5, d)), rng.normal(size=(12, 13, d))):
         x = x.astype(ml_dtypes.bfloat16)
         y = np.asarray(int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, tiles).sum(1))
+        tiled = pool._replace(**{k: int4_kernel.to_tile_major(getattr(pool, k), tiles)
+                                 for k in ("w1", "w3", "w2")})
+        y_tiled = int4_kernel.grouped_swiglu_int4(x, slots, tiled, valid, tiles, tile_major=True)
+        np.testing.assert_array_equal(np.asarray(y_tiled.sum(1)), y)  # same bytes, same sums
         assert y.shape == (12, x.shape[-2], d)
         assert np.all(y[~valid] == 0.0)
         for c in np.flatnonzero(valid):
@@ -221,6 +227,16 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
     assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
+
+
+def test_tile_major_stores_each_step_tile_contiguously():
+    tiles = int4_kernel.Int4Tiles(64, 2, 1, compute_wgs=2)  # a step: 128 rows x 128 inputs
+    packed = np.random.default_rng(3).integers(0, 256, (2, 256, 192), np.uint8)
+    flat = np.asarray(int4_kernel.to_tile_major(jnp.asarray(packed), tiles)).reshape(-1)
+    for s, block, step in [(0, 0, 0), (0, 1, 2), (1, 1, 1)]:
+        tile = packed[s, block * 128:(block + 1) * 128, step * 64:(step + 1) * 64]
+        start = ((s * 2 + block) * 3 + step) * tile.size
+        np.testing.assert_array_equal(flat[start:start + tile.size], tile.reshape(-1))
 
 
 def test_tiles_that_do_not_divide_are_rejected():
