@@ -22,7 +22,7 @@ from strata_jax import api
 from strata_jax import model as mdl
 from strata_jax.checkpoint import EXPERT_KINDS, CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
-from strata_jax.int4_kernel import Int4Tiles, fits
+from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.expert_store import ExpertStore, StoreStats
 from strata_runtime.heat import load_heat, ranked, save_heat
@@ -80,6 +80,10 @@ class EngineConfig:
     # tiles of the Mosaic int4 expert kernel (int4 experts, dequant="device", Hopper GPU);
     # None = `int4_kernel.tiles_for` (the tuned tiles of the expert shape, else the default)
     int4_tiles: Int4Tiles | None = None
+    # int4 experts in HBM (dequant="device"): "rows" as stored, "tiles" tile-major (each step
+    # of the int4 kernel reads one contiguous block: `pool.tile_major`; same bytes, same
+    # outputs), "auto" = "tiles" where the Mosaic int4 kernel runs (Hopper GPU)
+    weight_layout: str = "auto"
 
 
 def check_int4_tiles(tiles: Int4Tiles | None, cfg: ModelConfig) -> None:
@@ -107,6 +111,27 @@ def _dequantizes_on_host(kind: str, reader: CheckpointReader) -> bool:
     if kind not in DEQUANT:
         raise ValueError(f"dequant must be one of {DEQUANT}, got {kind!r}")
     return kind == "host" and reader.quantization["experts"] != "none"
+
+
+LAYOUTS = ("auto", "rows", "tiles")
+
+
+def slot_tile(reader: CheckpointReader, config: EngineConfig) -> tuple[int, int] | None:
+    """The (rows, inputs) tile of tile-major int4 slots (`weight_layout`), or None: row-major."""
+    if config.weight_layout not in LAYOUTS:
+        raise ValueError(f"weight_layout must be one of {LAYOUTS}, got {config.weight_layout!r}")
+    packed = (reader.quantization["experts"] != "none"
+              and not _dequantizes_on_host(config.dequant, reader))
+    if config.weight_layout == "rows" or (config.weight_layout == "auto" and not is_hopper()):
+        return None
+    cfg = reader.config
+    tiles = config.int4_tiles or tiles_for(cfg.hidden_size, cfg.expert_intermediate_size)
+    if packed and tiles is not None:
+        return weight_tile(tiles)
+    if config.weight_layout == "tiles":
+        raise ValueError("weight_layout='tiles' needs int4 experts dequantized on the device "
+                         "that the int4 kernel tiles")
+    return None
 
 
 def slot_specs(reader: CheckpointReader, dequant: str) -> dict:
@@ -223,7 +248,8 @@ class Engine:
         self.pool = SlotPool(slot_specs(reader, config.dequant), cfg.num_layers, cfg.num_experts,
                              permanent=max(resident, 1), staging=max(staging, 1),
                              device=self.device,
-                             transposed=EXPERT_KINDS if self._dequant else ())
+                             transposed=EXPERT_KINDS if self._dequant else (),
+                             tile=slot_tile(reader, config))
         self._place(tier0)
         self.pinned = set(tier0)
         self.cache = ExpertCache(config.policy, cache_slots)

@@ -16,20 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.checkpoint import numpy_dtype
-from strata_jax.pool import ExpertPool
+from strata_jax.checkpoint import EXPERT_KINDS, numpy_dtype
+from strata_jax.pool import ExpertPool, tile_major
 
 ABSENT = -1
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="transposed")
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("transposed", "tile"))
 def _install(pool: ExpertPool, slot: jax.Array, arrays: ExpertPool,
-             transposed: frozenset[str] = frozenset()) -> ExpertPool:
+             transposed: frozenset[str] = frozenset(),
+             tile: tuple[int, int] | None = None) -> ExpertPool:
     def put(name, buf, value):
         if buf is None:
             return None
         if name in transposed:
             value = jnp.swapaxes(value, -1, -2)
+        if tile and name in EXPERT_KINDS:
+            value = tile_major(value, *tile)
         return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
 
     return ExpertPool(*(put(n, b, v) for n, b, v in zip(pool._fields, pool, arrays, strict=True)))
@@ -48,7 +51,9 @@ def _copy(pool: ExpertPool, src: jax.Array, dst: jax.Array) -> ExpertPool:
 class SlotPool:
     """Expert slots on one device: [0, permanent) hot set, then `staging` staging slots.
     Arrays named in `transposed` arrive as the transpose of what their slots hold (host
-    dequantization writes them output-major) and are transposed on the device on install."""
+    dequantization writes them output-major) and are transposed on the device on install.
+    With a `tile` (rows, inputs), packed int4 weights are held tile-major (`pool.tile_major`),
+    reordered on the device on install."""
 
     def __init__(
         self,
@@ -59,21 +64,27 @@ class SlotPool:
         staging: int,
         device: jax.Device | None = None,
         transposed: Collection[str] = (),
+        tile: tuple[int, int] | None = None,
     ) -> None:
         self.permanent, self.staging = permanent, staging
-        self.transposed = frozenset(transposed)
+        self.transposed, self.tile = frozenset(transposed), tile
         self.num_slots = permanent + staging
         self.device = device or jax.devices()[0]
         fields = {
             name: jax.device_put(
-                np.zeros((self.num_slots, *shape), numpy_dtype(dtype)), self.device
-            )
+                np.zeros((self.num_slots, *self._held_shape(name, shape)), numpy_dtype(dtype)),
+                self.device)
             for name, (shape, dtype) in specs.items()
         }
         self.arrays = ExpertPool(**fields)
         self.page_table = np.full((num_layers, num_experts), ABSENT, np.int32)
         self._owner: dict[int, tuple[int, int]] = {}
         self._free = list(range(permanent - 1, -1, -1))
+
+    def _held_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if not self.tile or name not in EXPERT_KINDS:
+            return tuple(shape)
+        return tile_major(np.empty(shape, np.uint8), *self.tile).shape
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +102,7 @@ class SlotPool:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
         values = ExpertPool(**{k: arrays.get(k) for k in ExpertPool._fields if k in arrays})
-        self.arrays = _install(self.arrays, np.int32(slot), values, self.transposed)
+        self.arrays = _install(self.arrays, np.int32(slot), values, self.transposed, self.tile)
 
     def admit(self, layer: int, expert: int, arrays: Mapping[str, object]) -> int:
         """Give (layer, expert) a free permanent slot, install it, update the page table."""

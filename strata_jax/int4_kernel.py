@@ -275,7 +275,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
     (`ctas_per_sm`) the next tile's loads overlap this tile's last steps; with `compute_wgs`
     > 1, a tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline.
-    `tile_major`: the weights' bytes are stored tile by tile (`to_tile_major`), so that each
+    `tile_major`: the weights' bytes are stored tile by tile (`pool.tile_major`), so that each
     step reads one contiguous block instead of `rows` strided row pieces."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -418,13 +418,10 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     return out.reshape(splits, c_n, n_out, o, r)
 
 
-def to_tile_major(packed: jax.Array, tiles: Int4Tiles) -> jax.Array:
-    """Packed weights [S, O, K/2] with their bytes reordered tile by tile (a tile: the
-    `rows * compute_wgs` x `GROUP * groups` block that one kernel step reads), same shape."""
-    s, o, half = packed.shape
-    rows, width = tiles.rows * tiles.compute_wgs, GROUP * tiles.groups // 2
-    return (packed.reshape(s, o // rows, rows, half // width, width)
-            .transpose(0, 1, 3, 2, 4).reshape(s, o, half))
+def weight_tile(tiles: Int4Tiles) -> tuple[int, int]:
+    """(rows, inputs) of the weight block one kernel step reads: the tile of a tile-major pool
+    (`pool.tile_major`) that these tiles run on."""
+    return tiles.rows * tiles.compute_wgs, GROUP * tiles.groups
 
 
 def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -439,17 +436,19 @@ def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.
     return as_f16(permute_k(x, f16=True))
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "tile_major"))
-def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None,
-                        tile_major: bool = False):
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None):
     """Partial sums [C, 1, N, D] float32 for the active slots of an int4 pool (the contract of
     `expert_kernels.grouped_swiglu`); x bf16 [N, D] or [C, N, D] (each entry's own rows).
-    `tiles` default: `tiles_for` the pool's expert dims. `tile_major`: the pool's packed
-    weights are stored `to_tile_major` for these tiles."""
+    `tiles` default: `tiles_for` the pool's expert dims. A tile-major pool must be tiled by
+    these tiles' `weight_tile`."""
     tiles = tiles or tiles_for(x.shape[-1], pool.intermediate_size)
     if tiles is None or not fits(x.shape[-1], pool.intermediate_size, tiles):
         raise ValueError(f"int4 experts D={x.shape[-1]}, F={pool.intermediate_size} do not "
                          f"tile by {tiles or INT4_TILES}")
+    if pool.tiled and pool.tile != weight_tile(tiles):
+        raise ValueError(f"the pool's weights are tile-major by {pool.tile}, {tiles} reads "
+                         f"{weight_tile(tiles)} blocks")
     x3 = x if x.ndim == 3 else x[None]
     n0 = x3.shape[1]
     n = -(-n0 // ROW_MULTIPLE) * ROW_MULTIPLE
@@ -457,7 +456,11 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))), tiles.f16, valid)
     order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
     n_valid = jnp.sum(valid, dtype=jnp.int32)
-    gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
+    d, f = x.shape[-1], pool.intermediate_size
+    w1, w3, w2 = (as_int4(w).reshape(w.shape[0], o, k)  # tile-major: the same bytes
+                  for w, o, k in ((pool.w1, f, d), (pool.w3, f, d), (pool.w2, d, f)))
+    gate_up = ((w1, pool.w1_scale), (w3, pool.w3_scale))
+    tile_major = pool.tiled
     if tiles.up_splits == 1:
         h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
                             epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, out_dtype=x.dtype,
@@ -469,7 +472,7 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
-    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((w2, pool.w2_scale),), tiles,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
                         x_scale=h_scale, tile_major=tile_major)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten

@@ -14,7 +14,9 @@ class ExpertPool(NamedTuple):
 
     Float: w1/w3 [S, D, F] (gate/up), w2 [S, F, D]. Packed int4 (symmetric, g = 128 along the
     input dim, output-major K-pair nibbles, see docs/quantization.md): w1/w3 uint8 [S, F, D/2],
-    w2 uint8 [S, D, F/2], and bf16 scales *_scale [S, in/128, out].
+    w2 uint8 [S, D, F/2], and bf16 scales *_scale [S, in/128, out]. Packed weights may also be
+    tile-major, [S, out/r, in/b, r, b/2] (`tile_major`): the same bytes, each r x b tile that
+    one step of the int4 kernel reads stored contiguously.
     """
 
     w1: jax.Array
@@ -34,11 +36,44 @@ class ExpertPool(NamedTuple):
 
     @property
     def intermediate_size(self) -> int:
-        return self.w1.shape[-2] if self.quantized else self.w1.shape[-1]
+        if not self.quantized:
+            return self.w1.shape[-1]
+        return self.w1.shape[1] * self.w1.shape[3] if self.tiled else self.w1.shape[-2]
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the packed weights are tile-major."""
+        return self.w1.ndim == 5
+
+    @property
+    def tile(self) -> tuple[int, int] | None:
+        """(rows, inputs) of a tile of tile-major packed weights, else None."""
+        return (self.w1.shape[3], 2 * self.w1.shape[4]) if self.tiled else None
 
     def dense_weights(self, kind: str, slots: jax.Array, dtype) -> jax.Array:
         """The weights of `slots` as [C, in, out] in `dtype` (dequantized if packed)."""
         w = getattr(self, kind)[slots]
+        if self.tiled:
+            w = row_major(w)
         if not self.quantized:
             return w.astype(dtype)
         return dequantize_int4_jnp(w, getattr(self, f"{kind}_scale")[slots], dtype)
+
+
+def tile_major(packed: jax.Array, rows: int, inputs: int) -> jax.Array:
+    """Packed weights [..., out, in/2] -> [..., out/rows, in/inputs, rows, inputs/2]."""
+    *lead, o, half = packed.shape
+    if o % rows or (2 * half) % inputs:
+        raise ValueError(f"packed weights [{o}, {2 * half} inputs] do not tile by "
+                         f"{rows} x {inputs}")
+    n = len(lead)
+    tiles = packed.reshape(*lead, o // rows, rows, 2 * half // inputs, inputs // 2)
+    return tiles.transpose(*range(n), n, n + 2, n + 1, n + 3)
+
+
+def row_major(tiled: jax.Array) -> jax.Array:
+    """The inverse of `tile_major`."""
+    *lead, blocks, steps, rows, width = tiled.shape
+    n = len(lead)
+    return tiled.transpose(*range(n), n, n + 2, n + 1, n + 3).reshape(
+        *lead, blocks * rows, steps * width)

@@ -9,7 +9,7 @@ import pytest
 from strata_jax import expert_kernels as ek
 from strata_jax import int4_kernel
 from strata_jax.moe import Routing, active_experts, apply_experts
-from strata_jax.pool import ExpertPool
+from strata_jax.pool import ExpertPool, tile_major
 
 
 def _reference(x, slots, w1, w3, w2):
@@ -141,11 +141,13 @@ def test_int4_mosaic_kernel_lowers_for_cuda(tiles, tile_major):
     sds = jax.ShapeDtypeStruct
     packed = lambda *s: sds(s, jnp.uint8)  # noqa: E731
     scales = lambda *s: sds(s, jnp.bfloat16)  # noqa: E731
-    pool = ExpertPool(packed(c, f, d // 2), packed(c, f, d // 2), packed(c, d, f // 2),
+    r, b = int4_kernel.weight_tile(tiles)
+    gate_up, down = ((packed(c, f // r, d // b, r, b // 2), packed(c, d // r, f // b, r, b // 2))
+                     if tile_major else (packed(c, f, d // 2), packed(c, d, f // 2)))
+    pool = ExpertPool(gate_up, gate_up, down,
                       scales(c, d // 128, f), scales(c, d // 128, f), scales(c, f // 128, d))
     lowered = int4_kernel.grouped_swiglu_int4.trace(
         sds((c, rows, d), jnp.bfloat16), sds((c,), jnp.int32), pool, None, tiles=tiles,
-        tile_major=tile_major,
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert lowered.count("custom_call @mosaic_gpu") == 2
     assert "int4_gate_up" in lowered and "int4_down" in lowered
@@ -165,9 +167,9 @@ def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     for x in (rng.normal(size=(5, d)), rng.normal(size=(12, 13, d))):
         x = x.astype(ml_dtypes.bfloat16)
         y = np.asarray(int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, tiles).sum(1))
-        tiled = pool._replace(**{k: int4_kernel.to_tile_major(getattr(pool, k), tiles)
+        tiled = pool._replace(**{k: tile_major(getattr(pool, k), *int4_kernel.weight_tile(tiles))
                                  for k in ("w1", "w3", "w2")})
-        y_tiled = int4_kernel.grouped_swiglu_int4(x, slots, tiled, valid, tiles, tile_major=True)
+        y_tiled = int4_kernel.grouped_swiglu_int4(x, slots, tiled, valid, tiles)
         np.testing.assert_array_equal(np.asarray(y_tiled.sum(1)), y)  # same bytes, same sums
         assert y.shape == (12, x.shape[-2], d)
         assert np.all(y[~valid] == 0.0)
@@ -229,14 +231,27 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
 
 
-def test_tile_major_stores_each_step_tile_contiguously():
-    tiles = int4_kernel.Int4Tiles(64, 2, 1, compute_wgs=2)  # a step: 128 rows x 128 inputs
-    packed = np.random.default_rng(3).integers(0, 256, (2, 256, 192), np.uint8)
-    flat = np.asarray(int4_kernel.to_tile_major(jnp.asarray(packed), tiles)).reshape(-1)
-    for s, block, step in [(0, 0, 0), (0, 1, 2), (1, 1, 1)]:
-        tile = packed[s, block * 128:(block + 1) * 128, step * 64:(step + 1) * 64]
-        start = ((s * 2 + block) * 3 + step) * tile.size
+def test_tile_major_pool_computes_the_same_on_the_xla_path():
+    """A tile-major pool holds the same bytes: the jnp path gives the same sums, bit for bit,
+    and the layout is self-describing (the tile and the expert dims come from the shapes)."""
+    pool, _ = _int4_pool(4, d=512, f=768)
+    tiled = pool._replace(**{k: tile_major(getattr(pool, k), 128, 256)
+                             for k in ("w1", "w3", "w2")})
+    assert tiled.tiled and tiled.tile == (128, 256) and not pool.tiled
+    assert tiled.intermediate_size == pool.intermediate_size == 768
+    x = np.random.default_rng(5).normal(size=(3, 512)).astype(np.float32)
+    slots = np.array([3, 0, 2], np.int32)
+    np.testing.assert_array_equal(np.asarray(ek.grouped_swiglu_xla(x, slots, tiled)),
+                                  np.asarray(ek.grouped_swiglu_xla(x, slots, pool)))
+    flat = np.asarray(tiled.w2).reshape(-1)  # w2 [4, 512, 384]: tile (s, block, step) in order
+    for s, block, step in [(0, 0, 0), (1, 3, 1), (3, 2, 0)]:
+        tile = np.asarray(pool.w2)[s, block * 128:(block + 1) * 128, step * 128:(step + 1) * 128]
+        start = ((s * 4 + block) * 3 + step) * tile.size
         np.testing.assert_array_equal(flat[start:start + tile.size], tile.reshape(-1))
+    with pytest.raises(ValueError, match="do not tile by 100 x 256"):
+        tile_major(pool.w1, 100, 256)
+    with pytest.raises(ValueError, match="tile-major by"):
+        int4_kernel.grouped_swiglu_int4(x, slots, tiled, tiles=int4_kernel.INT4_TILES)
 
 
 def test_tiles_that_do_not_divide_are_rejected():

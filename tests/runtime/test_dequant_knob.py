@@ -65,6 +65,27 @@ def test_int4_kernel_tiles_are_a_knob_and_must_tile_the_experts(quantized):
         _generate(quantized, int4_tiles=Int4Tiles(64, stages=2, groups=2))  # 256 per step
 
 
+def test_tile_major_slots_are_exact_across_budgets(quantized):
+    """weight_layout="tiles": the slots hold the packed bytes tile-major (reordered on install,
+    by copies and by the resident placement alike); the outputs do not change by a bit."""
+    (ref_tokens, ref_logits), rows = _generate(quantized, None, weight_layout="rows")
+    assert rows.pool.arrays.w1.ndim == 3
+    for resident in (None, 1, 3):
+        (tokens, logits), engine = _generate(quantized, resident, weight_layout="tiles")
+        assert engine.pool.arrays.tile == (64, 128)  # D = 128: one group of inputs per step
+        assert tokens == ref_tokens
+        np.testing.assert_array_equal(logits, ref_logits)
+
+
+def test_weight_layout_is_checked(quantized):
+    with pytest.raises(ValueError, match="weight_layout must be one of"):
+        _generate(quantized, weight_layout="columns")
+    with pytest.raises(ValueError, match="dequantized on the device"):
+        _generate(quantized, weight_layout="tiles", dequant="host")
+    (tokens, _), engine = _generate(quantized, weight_layout="auto", dequant="host")
+    assert engine.pool.arrays.w1.ndim == 3 and tokens
+
+
 def test_unknown_dequant_is_refused(quantized):
     with pytest.raises(ValueError, match="dequant must be one of"):
         Engine.from_checkpoint(quantized, EngineConfig(dequant="gpu"))
