@@ -26,7 +26,7 @@ from strata_jax import expert_kernels as ek
 from strata_jax import int4_kernel
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.moe import Routing, routed_outputs
-from strata_jax.pool import ExpertPool
+from strata_jax.pool import ExpertPool, tile_major
 from strata_runtime.host_dequant import HostDequantizer
 
 
@@ -43,17 +43,15 @@ class Shape:
 
 T = Int4Tiles
 NO_LAG, BF16 = dict(fold_lag=0), dict(f16=False)
-WS, WS_NO_LAG = dict(compute_wgs=2), dict(compute_wgs=2, fold_lag=0)  # 1 CTA/SM at most
-SWEEP = {  # per shape: candidates tried in order, the fastest kernels are reported
-    "mixtral-8x7b": (T(64, 2, 2, 0, 2, **NO_LAG), T(64, 2, 2, 0, 2, **BF16),
-                     T(64, 2, 2, 0, 1, **WS_NO_LAG), T(64, 2, 2, 0, 1, **WS),
-                     T(64, 4, 1, 0, 1, **WS_NO_LAG), T(64, 2, 2, 0, 2, **WS_NO_LAG),
-                     T(64, 2, 2, 1, 1, **WS_NO_LAG), T(64, 2, 2, 1, 1, 2, **WS_NO_LAG)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 1, **WS_NO_LAG),
-                                T(64, 2, 2, 0, 1, **WS)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 0, 1, 1, **WS_NO_LAG),
-                      T(64, 2, 2, 0, 1, 2, **WS_NO_LAG), T(64, 2, 2, 1, 1, 2, **WS_NO_LAG),
-                      T(64, 4, 1, 1, 1, 1, **WS_NO_LAG), T(64, 2, 2, 1, 1, 1, **WS)),
+WS_NO_LAG = dict(compute_wgs=2, fold_lag=0)  # warp-specialized: 1 CTA/SM at most
+SWEEP = {  # per shape: candidates tried (on tile-major pools) in order; the fastest is reported
+    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 2, **NO_LAG),
+                     T(64, 4, 1, 0, 1, **NO_LAG), T(64, 4, 1, 0, 2, **NO_LAG),
+                     T(64, 3, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, **BF16),
+                     T(64, 2, 2, 1, 1, **WS_NO_LAG)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 2), T(64, 2, 2, 0, 1), T(64, 4, 1, 0, 1, **NO_LAG)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 4, 1, 4, 1, 2), T(64, 2, 2, 4, 1, 1),
+                      T(64, 2, 2, 3, 1, 2), T(64, 2, 2, 0, 1, 1)),
 }
 
 SHAPES = (
@@ -90,6 +88,15 @@ def random_int4_pool(key, slots: int, d: int, f: int) -> ExpertPool:
                       scales(d, f), scales(d, f), scales(f, d))
 
 
+def tiled(pool: ExpertPool, tiles: Int4Tiles, cache: dict) -> ExpertPool:
+    """`pool` tile-major for `tiles` (one copy per weight tile)."""
+    tile = int4_kernel.weight_tile(tiles)
+    if tile not in cache:
+        cache[tile] = pool._replace(**{k: tile_major(getattr(pool, k), *tile)
+                                       for k in ("w1", "w3", "w2")})
+    return cache[tile]
+
+
 def routing(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer: the active expert ids padded to capacity (padding marked invalid by a
     count of zero), the rows per expert, and the picks [tokens, top_k]."""
@@ -116,7 +123,9 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
     rows = jax.random.normal(jax.random.PRNGKey(4), (shape.tokens * shape.top_k, shape.d),
                              jnp.bfloat16)
 
-    def over_layers(one):
+    layouts: dict = {}
+
+    def over_layers(one, pool=pool):
         @jax.jit
         def run(x, slots, valid, pool):
             return sum(one(x, slots[i], pool, i, valid[i]).sum() for i in range(shape.layers))
@@ -133,8 +142,9 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
     nbytes = sum(active) * int4_expert_bytes(shape.d, shape.f)
     want = ek.grouped_swiglu_xla(x, slots[0], pool, valid[0]).sum(1)  # same weights, XLA path
 
-    def error(t):  # the candidate's layer-0 output against the XLA path's
-        got = int4_kernel.grouped_swiglu_int4(x, slots[0], pool, valid[0], tiles=t).sum(1)
+    def error(t):  # the candidate's layer-0 output (tile-major) against the XLA path's
+        got = int4_kernel.grouped_swiglu_int4(x, slots[0], tiled(pool, t, layouts), valid[0],
+                                              tiles=t).sum(1)
         return float(jnp.abs(got - want).max() / jnp.abs(want).max())
 
     best, sweep = None, []
@@ -142,7 +152,8 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
         if not int4_kernel.fits(shape.d, shape.f, t):
             continue
         fn = over_layers(
-            lambda x, s, p, i, v, t=t: int4_kernel.grouped_swiglu_int4(x, s, p, v, tiles=t))
+            lambda x, s, p, i, v, t=t: int4_kernel.grouped_swiglu_int4(x, s, p, v, tiles=t),
+            tiled(pool, t, layouts))
         try:
             err = error(t)
             dt = median_time(fn, reps=10, warmup=2) / shape.layers
@@ -162,20 +173,25 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
         if best is None or us < best[0]:
             best = (us, t)
     tiles = best[1]
+    fused = lambda x, s, p, i, v: int4_kernel.grouped_swiglu_int4(x, s, p, v, tiles=tiles)  # noqa: E731
     variants = {
-        f"mosaic int4 (fused dequant), {tiles}": over_layers(
-            lambda x, s, p, i, v: int4_kernel.grouped_swiglu_int4(x, s, p, v, tiles=tiles)),
+        f"mosaic int4 (fused dequant), {tiles}, tile-major": over_layers(
+            fused, tiled(pool, tiles, layouts)),
+        f"mosaic int4 (fused dequant), {tiles}, row-major": over_layers(fused),
         "XLA gather + dequant + einsum": over_layers(
             lambda x, s, p, i, v: ek.grouped_swiglu_xla(x, s, p, v)),
         f"XLA dequant + lax.ragged_dot ({shape.tokens * shape.top_k} rows)": None,
     }
     if shape.tokens > ek.ROW_TILE:  # the engine's path, routing glue included
         for chunks, label in ((False, "all rows per expert"), (True, "own rows per expert")):
-            variants[f"mosaic int4 via routed_outputs, {label}"] = over_layers(
-                lambda x, s, p, i, v, chunks=chunks: routed_outputs(
-                    x, Routing(jnp.asarray(sels[i]), None, None), p,
-                    jnp.arange(shape.experts, dtype=jnp.int32) + i * shape.experts,
-                    jnp.ones(shape.experts, bool), row_chunks=chunks, int4_tiles=tiles))
+            for major in (True, False):
+                variants[f"mosaic int4 via routed_outputs, {label}, "
+                         f"{'tile' if major else 'row'}-major"] = over_layers(
+                    lambda x, s, p, i, v, chunks=chunks: routed_outputs(
+                        x, Routing(jnp.asarray(sels[i]), None, None), p,
+                        jnp.arange(shape.experts, dtype=jnp.int32) + i * shape.experts,
+                        jnp.ones(shape.experts, bool), row_chunks=chunks, int4_tiles=tiles),
+                    tiled(pool, tiles, layouts) if major else pool)
     results = []
     for name, fn in variants.items():
         if fn is None:
