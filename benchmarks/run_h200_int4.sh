@@ -16,5 +16,5 @@ if [[ $PART != tests ]]; then
   timeout "${BENCH_LIMIT:-300}" python3 -m benchmarks.int4_experts --out "$OUT" 2>&1 \
     | grep -v "^W0" > "$OUT/int4_experts_log.txt"
   grep -A18 "^| shape | variant" "$OUT/int4_experts.md"
-  grep -A24 "Tile sweep" "$OUT/int4_experts.md"
+  grep -A28 "Tile sweep" "$OUT/int4_experts.md"
 fi

@@ -62,7 +62,7 @@ class Int4Tiles:
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
 # the fastest measured per expert shape (D, F) on the H200: benchmarks/results/int4_experts.md
 TUNED_TILES = {
-    (4096, 14336): Int4Tiles(64, 2, 2, down_splits=2, fold_lag=0),  # Mixtral-8x7B
+    (4096, 14336): Int4Tiles(64, 2, 2, fold_lag=0),  # Mixtral-8x7B
     (2048, 768): Int4Tiles(64, 2, 2, ctas_per_sm=4, up_splits=2),  # Qwen3-30B-A3B
 }
 
@@ -85,6 +85,20 @@ def ws_registers_fit(compute_wgs: int) -> bool:
     launch = 512 // (compute_wgs + 1) // 8 * 8
     ask = min(256, (512 - MEMORY_REGISTERS) // compute_wgs) // 8 * 8
     return MEMORY_REGISTERS + compute_wgs * ask <= (compute_wgs + 1) * launch
+
+
+SMEM_LIMIT = 227 * 1024  # shared memory one Hopper CTA may use
+SMEM_SLACK = 2048  # barriers and alignment beside the buffers
+
+
+def fitting_stages(tiles: Int4Tiles, rows: int, weights: int, out_bytes: int) -> int:
+    """`tiles.stages`, or fewer where the pipeline's buffers at `rows` activation rows would
+    not fit a CTA's shared memory (deep warp-specialized pipelines at 32 rows, say); 2 at
+    least. `weights`: weight matrices per step; `out_bytes`: output bytes per element."""
+    bk, bo = GROUP * tiles.groups, tiles.rows * tiles.compute_wgs
+    stage = rows * bk * 2 + weights * (bo * bk // 2 + tiles.groups * bo * 2)
+    room = SMEM_LIMIT - SMEM_SLACK - tiles.compute_wgs * tiles.rows * rows * out_bytes
+    return max(2, min(tiles.stages, room // stage))
 
 
 def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
@@ -292,6 +306,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
     out_dtype = out_dtype or jnp.bfloat16
     n_out = 1 if epilogue else nw
+    stages = fitting_stages(tiles, r, nw, n_out * jnp.dtype(out_dtype).itemsize)
     epilogue = epilogue or (lambda *accs: accs)
     shared_x = x.shape[0] == 1
     n_in = 2 * nw  # weights and their scales
@@ -368,7 +383,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             accs, temps = refs[:nw], refs[nw:]
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
                                 grid=(mine, k_steps), in_specs=specs,
-                                max_concurrent_steps=tiles.stages)(x_gmem, *in_gmem)
+                                max_concurrent_steps=stages)(x_gmem, *in_gmem)
 
         def warp_specialized():
             wg = lax.axis_index("wg")
@@ -391,7 +406,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
 
             plgpu.emit_pipeline_warp_specialized(
                 ws_step, grid=(mine, k_steps), memory_registers=MEMORY_REGISTERS, in_specs=specs,
-                max_concurrent_steps=tiles.stages, wg_axis="wg", num_compute_wgs=wgs,
+                max_concurrent_steps=stages, wg_axis="wg", num_compute_wgs=wgs,
                 compute_context=context)(x_gmem, *in_gmem)
 
         @pl.when(persistent or p < total)

@@ -129,7 +129,8 @@ MOSAIC_TILES = [
     # warp-specialized: compute warpgroups sharing one activation tile
     int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2),
-    int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2)]
+    int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2),
+    int4_kernel.Int4Tiles(64, 5, 2, ctas_per_sm=1, fold_lag=0, compute_wgs=2)]  # deep pipeline
 
 
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
@@ -229,6 +230,24 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
     assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
+
+
+def test_deep_pipelines_shrink_to_fit_shared_memory():
+    """A warp-specialized 5-stage pipeline fits a CTA's 227 KB at 16 activation rows, not at 32
+    (Mosaic refuses 254 KB): there it runs 4 stages, and lowers."""
+    deep = int4_kernel.Int4Tiles(64, 5, 2, ctas_per_sm=1, compute_wgs=2)
+    assert int4_kernel.fitting_stages(deep, 16, 2, 2) == 5
+    assert int4_kernel.fitting_stages(deep, 32, 2, 2) == 4
+    assert int4_kernel.fitting_stages(int4_kernel.INT4_TILES, 64, 2, 2) == 2
+    d, f, c = 1024, 512, 2
+    sds = jax.ShapeDtypeStruct
+    pool = ExpertPool(*(sds(s, jnp.uint8) for s in ((c, f, d // 2), (c, f, d // 2),
+                                                    (c, d, f // 2))),
+                      *(sds(s, jnp.bfloat16) for s in ((c, d // 128, f), (c, d // 128, f),
+                                                       (c, f // 128, d))))
+    int4_kernel.grouped_swiglu_int4.trace(
+        sds((32, d), jnp.bfloat16), sds((c,), jnp.int32), pool, None, tiles=deep,
+    ).lower(lowering_platforms=("cuda",))
 
 
 def test_tile_major_pool_computes_the_same_on_the_xla_path():
