@@ -56,7 +56,8 @@ SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools)
     "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, 1),
                       T(64, 4, 2, 1, 1, 1, **WS_NO_LAG), T(64, 5, 2, 1, 1, 1, **WS_NO_LAG),
                       T(64, 5, 2, 1, 1, 2, **WS_NO_LAG), T(64, 5, 2, 1, 1, 1, **WS),
-                      T(64, 8, 1, 1, 1, 1, **WS_NO_LAG)),
+                      T(64, 8, 1, 1, 1, 1, **WS_NO_LAG), T(64, 8, 1, 1, 2, 2, **WS_NO_LAG),
+                      T(64, 5, 2, 1, 3, 2, **WS_NO_LAG)),
 }
 
 SHAPES = (

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One device call (prepared in session 9): the Mosaic kernel tests (incl. the deep
-# warp-specialized pipeline and tile-major pools, each checked bit-identical to row-major), then
-# the int4 benchmark, whose sweep times the engine's path with the deep warp-specialized
-# candidates. Then, in a second call, `PART=tests bash benchmarks/run_h200_int4.sh`: the
-# exactness matrix with tile-major slots (the engine's default on Hopper since session 9).
+# warp-specialized pipeline and tile-major pools, each checked bit-identical to row-major), the
+# one-launch warp-specialized layer (`exploration/int4_fused_ws.py`, against XLA and the two
+# kernels), then the int4 benchmark, whose sweep times the engine's path with the deep
+# warp-specialized candidates. Each part has its own time limit (a wrong barrier or semaphore
+# hangs rather than fails). Then, in a second call, `PART=tests bash benchmarks/run_h200_int4.sh`:
+# the exactness matrix with tile-major slots (the engine's default on Hopper since session 9).
 source "$(dirname "$0")/device_env.sh"
-timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -p no:warnings -rfE \
+timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:warnings -rfE \
   tests/test_expert_kernels.py tests/test_int4_kernel.py 2>&1 | grep -v "^W0" | tail -12 \
   | cut -c1-400 | tee "$OUT/gpu_tests_kernels.txt"
-PART=bench BENCH_LIMIT="${BENCH_LIMIT:-330}" bash "$(dirname "$0")/run_h200_int4.sh"
+timeout "${FUSED_LIMIT:-120}" python3 benchmarks/exploration/int4_fused_ws.py 2>&1 \
+  | grep -v "^W0" | tail -12 | tee "$OUT/int4_fused_ws.txt"
+PART=bench BENCH_LIMIT="${BENCH_LIMIT:-300}" bash "$(dirname "$0")/run_h200_int4.sh"

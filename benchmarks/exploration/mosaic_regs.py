@@ -20,8 +20,8 @@ CUDA toolkit's `ptxas` on the PATH:
 
 A config is `lib:rows:stages:groups[:field=value...]` (the library's kernels at Mixtral shapes,
 8 entries x 16 rows, other `Int4Tiles` fields as given) or `diag:mode:rows:stages:groups`
-(`int4_diag.py`'s gate/up kernel) or `probe:name` (`fused_probe.py`); `--ptx DIR` keeps the
-PTX.
+(`int4_diag.py`'s gate/up kernel) or `probe:name` (`fused_probe.py`) or `script:module` (an
+exploration script's `lower()`, e.g. `script:int4_fused_ws`); `--ptx DIR` keeps the PTX.
 """
 import argparse
 import ctypes
@@ -73,6 +73,9 @@ def modules(config: str) -> list[tuple[str, bytes]]:
         int4_kernel.grouped_swiglu_int4.trace(
             bf16(ENTRIES, ROWS, D), jax.ShapeDtypeStruct((ENTRIES,), jnp.int32), pool, None,
             tiles=tiles).lower(lowering_platforms=("cuda",))
+    elif kind == "script":  # an exploration script's own `lower()`
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        importlib.import_module(rest[0]).lower()
     elif kind == "probe":  # fused_probe.py's building blocks
         path = os.path.join(os.path.dirname(__file__), "fused_probe.py")
         spec = importlib.util.spec_from_file_location("fused_probe", path)

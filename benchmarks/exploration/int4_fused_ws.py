@@ -1,0 +1,280 @@
+"""Exploration (session 9, not yet run on a GPU): gate/up and down of the int4 experts in ONE
+launch per layer, warp-specialized, with one pipeline streaming both phases.
+
+Why: the two-kernel layer of Qwen3-30B-A3B experts (83 MB gate/up, then 42 MB down) already
+costs the 0.8 target's 34 us as two plain reads (`read_floor.py`); `int4_fused.py` (one launch,
+two back-to-back pipelines, 3 CTAs per SM) was correct but slower (54.6 vs 44.2 us). Here:
+
+- one CTA per SM (all resident: a CTA may wait for others), warp-specialized: a TMA warpgroup
+  and two compute warpgroups, each on 64 rows of a 128-row tile (`compute_wgs=2`);
+- ONE hand-written pipeline of `stages` slots over this CTA's gate/up steps and then its down
+  steps: the TMA warpgroup never drains between the phases, it goes on to the first down tile's
+  weights while the compute warpgroups finish the last gate/up tile;
+- tile-major weights (`pool.tile_major`, one contiguous block per step);
+- gate/up tiles store h = silu(gate) * up as bf16 rows of h [C, F, 16] in the down kernel's
+  input order (`int4_fused.store_rows_for_down`) and count their entry's global semaphore up;
+  the TMA warpgroup waits for an entry's full count before it fetches the entry's first h block
+  (the wgmma B operand stored [K, N], N = 16 rows); down multiplies in bfloat16.
+
+Run on a Hopper GPU: `python3 benchmarks/exploration/int4_fused_ws.py` checks it against the XLA
+path on two inputs and times it beside the library's two kernels (device time). Without a GPU,
+`mosaic_regs.py script:int4_fused_ws` compiles it (registers, spills).
+"""
+import dataclasses
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from int4_fused import ROWS, store_rows_for_down  # noqa: E402
+
+from strata_jax.int4_kernel import (  # noqa: E402
+    GROUP, MEMORY_REGISTERS, Int4Tiles, _operand, _swizzled, as_int4, multiply_step, sm_count)
+from strata_jax.pool import ExpertPool, tile_major  # noqa: E402
+
+WGS = 2  # compute warpgroups, 64 rows each
+COMPUTE_REGISTERS = 232  # (512 - 40) / 2, rounded down to 8: what Pallas' own split asks
+
+
+def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4,
+                         groups: int = 2):
+    """Partial sums [C, 1, N, D] float32 (`grouped_swiglu_int4`'s contract) in one launch.
+    `pool` tile-major by (128, 128 * groups)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    d, f = x.shape[-1], pool.intermediate_size
+    bo, bk = 64 * WGS, GROUP * groups
+    assert pool.tile == (bo, bk), (pool.tile, (bo, bk))
+    up_tiles = Int4Tiles(64, stages, groups, fold_lag=0)
+    down_tiles = dataclasses.replace(up_tiles, f16=False)
+    x3 = x if x.ndim == 3 else x[None]
+    n0, c_n = x3.shape[1], slots.shape[0]
+    r = -(-n0 // ROWS) * ROWS
+    valid = jnp.ones(slots.shape, bool) if valid is None else valid != 0
+    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, r - n0), (0, 0))), True, valid)
+    order = jnp.argsort(~valid, stable=True)
+    n_valid = jnp.sum(valid, dtype=jnp.int32).reshape(1)
+    blocks1, blocks2, k1, k2 = f // bo, d // bo, d // bk, f // bk
+    ctas = sm_count()
+    shared_x = xp.shape[0] == 1
+    s = stages
+
+    def body(order_ref, n_ref, slots_ref, x_scale_ref, x_gmem, w1, s1, w3, s3, w2, s2,
+             y_gmem, h_gmem, xs, hs, wa, sa, wb, sb, o1, o2, loaded1, loaded2, consumed):
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((c_n,)))
+        p, wg = lax.axis_index("p"), lax.axis_index("wg")
+
+        def tiles_of(blocks, k):  # this CTA's steps in a phase, and step g's tile and kk
+            total = n_ref[0] * blocks
+            mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
+
+            def at(g):
+                t = p + lax.div(g, k) * ctas
+                entry = order_ref[lax.div(t, blocks)]
+                return entry, slots_ref[entry], lax.rem(t, blocks), lax.rem(g, k)
+            return mine * k, at
+
+        steps1, at1 = tiles_of(blocks1, k1)
+        steps2, at2 = tiles_of(blocks2, k2)
+
+        @pl.when(wg == WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def issue(g, carry):
+                slot = lax.rem(g, s)
+                pl.when(g >= s)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+
+                @pl.when(g < steps1)
+                def _():
+                    entry, slot_e, block, kk = at1(g)
+                    row = 0 if shared_x else entry * r
+                    plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(row, r), pl.ds(kk * bk, bk)],
+                                            xs.at[slot], loaded1.at[slot])
+                    tile = ((slot_e * blocks1 + block) * k1 + kk) * bo
+                    srow = (slot_e * k1 + kk) * groups
+                    for w, sc, wd, sd in ((w1, s1, wa, sa), (w3, s3, wb, sb)):
+                        plgpu.copy_gmem_to_smem(w.at[pl.ds(tile, bo)], wd.at[slot],
+                                                loaded1.at[slot])
+                        plgpu.copy_gmem_to_smem(sc.at[pl.ds(srow, groups), pl.ds(block * bo, bo)],
+                                                sd.at[slot], loaded1.at[slot])
+
+                @pl.when(g >= steps1)
+                def _():
+                    entry, slot_e, block, kk = at2(g - steps1)
+                    tile = ((slot_e * blocks2 + block) * k2 + kk) * bo
+                    srow = (slot_e * k2 + kk) * groups
+                    plgpu.copy_gmem_to_smem(w2.at[pl.ds(tile, bo)], wa.at[slot],
+                                            loaded2.at[slot])
+                    plgpu.copy_gmem_to_smem(s2.at[pl.ds(srow, groups), pl.ds(block * bo, bo)],
+                                            sa.at[slot], loaded2.at[slot])
+                    # the entry's h is complete (every gate/up tile's two halves stored)
+                    pl.when(kk == 0)(lambda: pl.semaphore_wait(
+                        sems.at[entry], blocks1 * WGS, decrement=False))
+                    plgpu.copy_gmem_to_smem(h_gmem.at[pl.ds(entry * f + kk * bk, bk)],
+                                            hs.at[slot], loaded2.at[slot])
+                return carry
+
+            lax.fori_loop(0, steps1 + steps2, issue, None)
+
+        def own(slot, *pairs):  # this warpgroup's rows of the slot's weight tiles and scales
+            rows = pl.ds(wg * 64, 64)
+            return [a for w, sc in pairs for a in (w.at[slot].at[rows], sc.at[slot].at[:, rows])]
+
+        def finish1(g, accs):
+            entry, _, block, _ = at1(g)
+            scale = x_scale_ref[0]
+            h = jax.nn.silu(accs[0][...] * scale) * (accs[1][...] * scale)
+            for acc in accs:
+                acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
+                                             plgpu.Layout.WGMMA)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_rows_for_down(h.astype(jnp.bfloat16), o1.at[wg])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o1.at[wg], h_gmem.at[pl.ds(entry * f + block * bo + wg * 64,
+                                                                64)])
+            plgpu.wait_smem_to_gmem(0)  # written before the entry's count goes up
+            pl.semaphore_signal(sems.at[entry], 1)
+
+        def finish2(g, acc):
+            entry, _, block, _ = at2(g)
+            y = acc[...]
+            acc[...] = plgpu.layout_cast(jnp.zeros(y.shape, y.dtype), plgpu.Layout.WGMMA)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o2[wg] = y
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o2.at[wg], y_gmem.at[pl.ds(entry * d + block * bo + wg * 64,
+                                                                 64)])
+
+        @pl.when(wg < WGS)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+
+            def scoped(a1, a3, t1, t2):
+                def step(g, carry):
+                    slot = lax.rem(g, s)
+
+                    @pl.when(g < steps1)
+                    def _():
+                        plgpu.barrier_wait(loaded1.at[slot])
+                        multiply_step(lambda gg: xs.at[slot].at[:, pl.ds(gg * GROUP, GROUP)].T,
+                                      own(slot, (wa, sa), (wb, sb)), (a1, a3), (t1, t2),
+                                      up_tiles)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        pl.when(lax.rem(g, k1) == k1 - 1)(lambda: finish1(g, (a1, a3)))
+
+                    @pl.when(g >= steps1)
+                    def _():
+                        plgpu.barrier_wait(loaded2.at[slot])
+                        multiply_step(lambda gg: hs.at[slot].at[pl.ds(gg * GROUP, GROUP)],
+                                      own(slot, (wa, sa)), (a1,), (t1, t2), down_tiles)
+                        plgpu.barrier_arrive(consumed.at[slot])
+                        g2 = g - steps1
+                        pl.when(lax.rem(g2, k2) == k2 - 1)(lambda: finish2(g2, a1))
+                    return carry
+
+                lax.fori_loop(0, steps1 + steps2, step, None)
+
+            pl.run_scoped(scoped, *[plgpu.ACC((64, r)) for _ in range(4)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((s, r, bk), jnp.float16, transforms=_swizzled(GROUP, 16)),
+        plgpu.SMEM((s, bk, r), jnp.bfloat16, transforms=_swizzled(r, 16)),
+        plgpu.SMEM((s, bo, bk), jnp.int4, transforms=_swizzled(GROUP, 4)),
+        plgpu.SMEM((s, groups, bo), jnp.bfloat16),
+        plgpu.SMEM((s, bo, bk), jnp.int4, transforms=_swizzled(GROUP, 4)),
+        plgpu.SMEM((s, groups, bo), jnp.bfloat16),
+        plgpu.SMEM((WGS, 64, r), jnp.bfloat16),
+        plgpu.SMEM((WGS, 64, r), jnp.float32),
+        plgpu.Barrier(num_arrivals=5, num_barriers=s),
+        plgpu.Barrier(num_arrivals=3, num_barriers=s),
+        plgpu.Barrier(num_arrivals=WGS, num_barriers=s),
+    ]
+    kernel = plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((c_n * d, r), jnp.float32),
+                        jax.ShapeDtypeStruct((c_n * f, r), jnp.bfloat16)),
+        scratch_types=scratch, grid=(ctas,), grid_names=("p",), num_threads=WGS + 1,
+        thread_name="wg", kernel_name="int4_fused_ws",
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
+    weights = [a for w, sc in ((pool.w1, pool.w1_scale), (pool.w3, pool.w3_scale),
+                               (pool.w2, pool.w2_scale))
+               for a in (as_int4(w).reshape(-1, bk), sc.reshape(-1, sc.shape[-1]))]
+    y, _ = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale,
+                  xp.reshape(-1, d), *weights)
+    y = jnp.where(valid[:, None, None], y.reshape(c_n, d, r), 0.0)
+    return jnp.swapaxes(y, 1, 2)[:, None, :n0]
+
+
+def tiled(pool: ExpertPool, groups: int = 2) -> ExpertPool:
+    return pool._replace(**{k: tile_major(getattr(pool, k), 64 * WGS, GROUP * groups)
+                            for k in ("w1", "w3", "w2")})
+
+
+def lower() -> None:
+    """Lower for CUDA on any machine (Qwen3 shapes, 64 entries x 8 rows)."""
+    d, f, c = 2048, 768, 64
+    sds = jax.ShapeDtypeStruct
+    bo, bk = 64 * WGS, 2 * GROUP
+    u8 = lambda *sh: sds(sh, jnp.uint8)  # noqa: E731
+    bf = lambda *sh: sds(sh, jnp.bfloat16)  # noqa: E731
+    pool = ExpertPool(u8(c, f // bo, d // bk, bo, bk // 2), u8(c, f // bo, d // bk, bo, bk // 2),
+                      u8(c, d // bo, f // bk, bo, bk // 2), bf(c, d // 128, f),
+                      bf(c, d // 128, f), bf(c, f // 128, d))
+    jax.jit(functools.partial(fused_ws_swiglu_int4)).trace(
+        bf(8, d), sds((c,), jnp.int32), pool, sds((c,), jnp.bool_)).lower(
+        lowering_platforms=("cuda",))
+
+
+def main() -> None:
+    from benchmarks.common import device_kernel_times, hbm_bandwidth
+    from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool
+    from strata_jax import expert_kernels as ek
+    from strata_jax import int4_kernel
+
+    bound = hbm_bandwidth()["read"]
+    for name, (d, f, entries, active, rows, layers) in {
+            "qwen3": (2048, 768, 64, 51, 8, 16), "mixtral": (4096, 14336, 8, 8, 16, 8)}.items():
+        pool = random_int4_pool(jax.random.PRNGKey(1), entries * layers, d, f)
+        pool_t = tiled(pool)
+        xs = [jax.random.normal(jax.random.PRNGKey(k), (rows, d), jnp.bfloat16) for k in (2, 3)]
+        slots = jnp.arange(entries * layers, dtype=jnp.int32).reshape(layers, entries)
+        valid = jnp.arange(entries) < active
+        wants = [ek.grouped_swiglu_xla(x, slots[0], pool, valid).sum(1) for x in xs]
+        nbytes = active * int4_expert_bytes(d, f)
+        two = int4_kernel.tiles_for(d, f)
+        variants = {
+            f"two kernels {two}": (lambda x, sl, p: int4_kernel.grouped_swiglu_int4(
+                x, sl, p, valid, two), int4_kernel.weight_tile(two)),
+            **{f"fused ws, {st} stages": (functools.partial(
+                lambda x, sl, p, st: fused_ws_swiglu_int4(x, sl, p, valid, stages=st), st=st),
+                (64 * WGS, 2 * GROUP)) for st in (3, 4)},
+        }
+        for label, (fn, tile) in variants.items():
+            p = pool._replace(**{k: tile_major(getattr(pool, k), *tile)
+                                 for k in ("w1", "w3", "w2")}) if tile != pool_t.tile else pool_t
+
+            @jax.jit
+            def run(x, p, fn=fn):
+                return [fn(x, slots[i], p).sum(1) for i in range(layers)]
+            try:  # two inputs: a stale semaphore count would show as an error
+                err = max(float(jnp.abs(run(x, p)[0] - want).max() / jnp.abs(want).max())
+                          for x, want in zip(xs, wants, strict=True))
+                kernels = device_kernel_times(lambda p=p, run=run: jax.block_until_ready(
+                    run(xs[0], p)))
+                us = sum(k["us"] for n, k in kernels.items() if n.startswith("int4")) / layers
+                print(f"{name} {label}: {us:.1f} us, {nbytes / us / 1e3 / bound:.3f} of HBM, "
+                      f"error vs XLA {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a failed variant is reported, not fatal
+                print(f"{name} {label}: failed {e!r:.400}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
