@@ -41,10 +41,39 @@ WGS = 2  # compute warpgroups, 64 rows each
 COMPUTE_REGISTERS = 232  # (512 - 40) / 2, rounded down to 8: what Pallas' own split asks
 
 
+def down_ranges(n_valid, ctas: int, blocks1: int, k1: int, blocks2: int, k2: int,
+                balanced: bool = True):
+    """[2, P] int32: the down tiles [lo, hi) of each CTA (entry-major tile order).
+
+    A CTA takes gate/up tiles p, p + P, ... (2 weight tiles x k1 steps each), so the first
+    `total1 % P` CTAs have one more, and a gate/up tile weighs as much as several down tiles.
+    Round-robin shares: the down tiles split as evenly as they go. `balanced`: the down tiles
+    also fill each CTA up to the same total of weight bytes (the CTAs with fewer gate/up tiles,
+    done first, taking the first entries' down tiles), where that lowers the largest total."""
+    p = jnp.arange(ctas)
+    total1, total2 = n_valid[0] * blocks1, n_valid[0] * blocks2
+    load = (jnp.maximum(total1 - p + ctas - 1, 0) // ctas) * (2 * k1)  # in weight-tile steps
+    n2 = jnp.maximum(total2 - p + ctas - 1, 0) // ctas
+    even = jnp.stack([jnp.cumsum(n2) - n2, jnp.cumsum(n2)]).astype(jnp.int32)
+    if not balanced:
+        return even
+    order = jnp.argsort(load, stable=True)  # fewest gate/up steps first
+    target = (jnp.sum(load) + total2 * k2) / ctas
+    want = jnp.maximum(target - load[order], 0) / k2
+    bounds = jnp.clip(jnp.round(jnp.cumsum(want)), 0, total2).astype(jnp.int32)
+    bounds = bounds.at[-1].set(total2)  # every down tile taken
+    lo = jnp.concatenate([jnp.zeros(1, jnp.int32), bounds[:-1]])
+    filled = jnp.zeros((2, ctas), jnp.int32).at[0, order].set(lo).at[1, order].set(bounds)
+
+    def peak(ranges):
+        return jnp.max(load + (ranges[1] - ranges[0]) * k2)
+    return jnp.where(peak(filled) < peak(even), filled, even)
+
+
 def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4,
-                         groups: int = 2):
+                         groups: int = 2, balanced: bool = True):
     """Partial sums [C, 1, N, D] float32 (`grouped_swiglu_int4`'s contract) in one launch.
-    `pool` tile-major by (128, 128 * groups)."""
+    `pool` tile-major by (128, 128 * groups); `balanced`: see `down_ranges`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -65,23 +94,25 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
     shared_x = xp.shape[0] == 1
     s = stages
 
-    def body(order_ref, n_ref, slots_ref, x_scale_ref, x_gmem, w1, s1, w3, s3, w2, s2,
-             y_gmem, h_gmem, xs, hs, wa, sa, wb, sb, o1, o2, loaded1, loaded2, consumed):
+    def body(order_ref, n_ref, slots_ref, x_scale_ref, ranges_ref, x_gmem, w1, s1, w3, s3, w2,
+             s2, y_gmem, h_gmem, xs, hs, wa, sa, wb, sb, o1, o2, loaded1, loaded2, consumed):
         sems = pl.get_global(plgpu.SemaphoreType.REGULAR((c_n,)))
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
 
-        def tiles_of(blocks, k):  # this CTA's steps in a phase, and step g's tile and kk
-            total = n_ref[0] * blocks
-            mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
+        def tile_at(t, blocks):  # entry, its slot, row block of a phase's tile t
+            entry = order_ref[lax.div(t, blocks)]
+            return entry, slots_ref[entry], lax.rem(t, blocks)
 
-            def at(g):
-                t = p + lax.div(g, k) * ctas
-                entry = order_ref[lax.div(t, blocks)]
-                return entry, slots_ref[entry], lax.rem(t, blocks), lax.rem(g, k)
-            return mine * k, at
+        def at1(g):  # gate/up step g: tiles p, p + P, ...
+            return (*tile_at(p + lax.div(g, k1) * ctas, blocks1), lax.rem(g, k1))
 
-        steps1, at1 = tiles_of(blocks1, k1)
-        steps2, at2 = tiles_of(blocks2, k2)
+        lo2 = ranges_ref[0, p]
+
+        def at2(g):  # down step g: tiles lo2, lo2 + 1, ...
+            return (*tile_at(lo2 + lax.div(g, k2), blocks2), lax.rem(g, k2))
+
+        steps1 = lax.div(jnp.maximum(n_ref[0] * blocks1 - p + ctas - 1, 0), ctas) * k1
+        steps2 = (ranges_ref[1, p] - lo2) * k2
 
         @pl.when(wg == WGS)
         def _memory():
@@ -207,7 +238,8 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
     weights = [a for w, sc in ((pool.w1, pool.w1_scale), (pool.w3, pool.w3_scale),
                                (pool.w2, pool.w2_scale))
                for a in (as_int4(w).reshape(-1, bk), sc.reshape(-1, sc.shape[-1]))]
-    y, _ = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale,
+    ranges = down_ranges(n_valid, ctas, blocks1, k1, blocks2, k2, balanced)
+    y, _ = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale, ranges,
                   xp.reshape(-1, d), *weights)
     y = jnp.where(valid[:, None, None], y.reshape(c_n, d, r), 0.0)
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]
@@ -253,9 +285,10 @@ def main() -> None:
         variants = {
             f"two kernels {two}": (lambda x, sl, p: int4_kernel.grouped_swiglu_int4(
                 x, sl, p, valid, two), int4_kernel.weight_tile(two)),
-            **{f"fused ws, {st} stages": (functools.partial(
-                lambda x, sl, p, st: fused_ws_swiglu_int4(x, sl, p, valid, stages=st), st=st),
-                (64 * WGS, 2 * GROUP)) for st in (3, 4)},
+            **{f"fused ws, {st} stages{'' if bal else ', round-robin down'}": (functools.partial(
+                lambda x, sl, p, st, bal: fused_ws_swiglu_int4(x, sl, p, valid, stages=st,
+                                                               balanced=bal), st=st, bal=bal),
+                (64 * WGS, 2 * GROUP)) for st, bal in ((4, True), (3, True), (4, False))},
         }
         for label, (fn, tile) in variants.items():
             p = pool._replace(**{k: tile_major(getattr(pool, k), *tile)
