@@ -106,13 +106,13 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
         def at1(g):  # gate/up step g: tiles p, p + P, ...
             return (*tile_at(p + lax.div(g, k1) * ctas, blocks1), lax.rem(g, k1))
 
-        lo2 = ranges_ref[0, p]
+        lo2 = ranges_ref[p]  # ranges flattened: [lo..., hi...]
 
         def at2(g):  # down step g: tiles lo2, lo2 + 1, ...
             return (*tile_at(lo2 + lax.div(g, k2), blocks2), lax.rem(g, k2))
 
         steps1 = lax.div(jnp.maximum(n_ref[0] * blocks1 - p + ctas - 1, 0), ctas) * k1
-        steps2 = (ranges_ref[1, p] - lo2) * k2
+        steps2 = (ranges_ref[ctas + p] - lo2) * k2
 
         @pl.when(wg == WGS)
         def _memory():
@@ -239,7 +239,8 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
                                (pool.w2, pool.w2_scale))
                for a in (as_int4(w).reshape(-1, bk), sc.reshape(-1, sc.shape[-1]))]
     ranges = down_ranges(n_valid, ctas, blocks1, k1, blocks2, k2, balanced)
-    y, _ = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale, ranges,
+    y, _ = kernel(order.astype(jnp.int32), n_valid, slots.astype(jnp.int32), x_scale,
+                  ranges.reshape(-1),
                   xp.reshape(-1, d), *weights)
     y = jnp.where(valid[:, None, None], y.reshape(c_n, d, r), 0.0)
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]
