@@ -63,6 +63,35 @@ def store_rows_for_down(h, ref):
     store(h, ref)
 
 
+def hand_over_h(accs, scale, o_smem, h_dst, sem) -> None:
+    """A gate/up tile's end: h = silu(gate) * up from its sums (zeroed for the next tile),
+    stored at `h_dst` in down's input order, then its entry's semaphore counts it."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    h = jax.nn.silu(accs[0][...] * scale) * (accs[1][...] * scale)
+    for acc in accs:
+        acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype), plgpu.Layout.WGMMA)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    store_rows_for_down(h.astype(jnp.bfloat16), o_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, h_dst)
+    plgpu.wait_smem_to_gmem(0)  # written before the entry's count goes up
+    pl.semaphore_signal(sem, 1)
+
+
+def fused_inputs(x, valid, c_n: int):
+    """The activations as float16 rows padded to ROWS (`_operand`), their scale, the valid
+    mask, the entries' order (valid first), their count [1], and the rows before/after padding."""
+    x3 = x if x.ndim == 3 else x[None]
+    n0 = x3.shape[1]
+    r = -(-n0 // ROWS) * ROWS
+    valid = jnp.ones((c_n,), bool) if valid is None else valid != 0
+    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, r - n0), (0, 0))), True, valid)
+    order = jnp.argsort(~valid, stable=True)
+    return xp, x_scale, valid, order, jnp.sum(valid, dtype=jnp.int32).reshape(1), n0, r
+
+
 def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None,
                       ctas_per_sm: int = 3):
     """Partial sums [C, 1, N, D] float32, `grouped_swiglu_int4`'s contract, in one launch."""
@@ -73,13 +102,8 @@ def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles |
     tiles = dataclasses.replace(tiles or tiles_for(d, f), up_splits=1, down_splits=1,
                                 ctas_per_sm=0, compute_wgs=1, fold_lag=0)
     up_tiles, down_tiles = tiles, dataclasses.replace(tiles, f16=False)
-    x3 = x if x.ndim == 3 else x[None]
-    n0, c_n = x3.shape[1], slots.shape[0]
-    r = -(-n0 // ROWS) * ROWS
-    valid = jnp.ones(slots.shape, bool) if valid is None else valid != 0
-    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, r - n0), (0, 0))), True, valid)
-    order = jnp.argsort(~valid, stable=True)
-    n_valid = jnp.sum(valid, dtype=jnp.int32).reshape(1)
+    xp, x_scale, valid, order, n_valid, n0, r = fused_inputs(x, valid, slots.shape[0])
+    c_n = slots.shape[0]
     bo, bk = tiles.rows, GROUP * tiles.groups
     blocks1, blocks2, k1, k2 = f // bo, d // bo, d // bk, f // bk
     ctas = sm_count() * ctas_per_sm
@@ -103,19 +127,10 @@ def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles |
         mine1, tile1 = tiles_of(blocks1)
         mine2, tile2 = tiles_of(blocks2)
 
-        def finish1(i, accs):  # h = silu(gate) * up, stored in down's order; count the tile
+        def finish1(i, accs):
             entry, _, block = tile1(i)
-            scale = x_scale_ref[0]
-            h = jax.nn.silu(accs[0][...] * scale) * (accs[1][...] * scale)
-            for acc in accs:
-                acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
-                                             plgpu.Layout.WGMMA)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            store_rows_for_down(h.astype(jnp.bfloat16), o1_smem)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o1_smem, h_gmem.at[pl.ds(entry * f + block * bo, bo)])
-            plgpu.wait_smem_to_gmem(0)  # written before the entry's count goes up
-            pl.semaphore_signal(sems.at[entry], 1)
+            hand_over_h(accs, x_scale_ref[0], o1_smem,
+                        h_gmem.at[pl.ds(entry * f + block * bo, bo)], sems.at[entry])
 
         def step1(idx, x_smem, *weight_smem, accs, temps):
             multiply_step(lambda g: x_smem.at[:, pl.ds(g * GROUP, GROUP)].T, weight_smem,
@@ -190,7 +205,7 @@ def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles |
 
 
 def main() -> None:
-    from benchmarks.common import device_kernel_times, hbm_bandwidth
+    from benchmarks.common import hbm_bandwidth
     from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool
     from strata_jax import expert_kernels as ek
     from strata_jax import int4_kernel
@@ -211,16 +226,24 @@ def main() -> None:
                 *((f"fused, {c} CTAs/SM", jax.jit(functools.partial(
                     lambda x, p, c: fused_swiglu_int4(x[0], slots, p, valid, ctas_per_sm=c),
                     c=c))) for c in (2, 3))):
-            try:  # two calls on different inputs: stale semaphores would show as errors
-                err = max(float(jnp.abs(fn(x, pool).sum(1) - want).max() / jnp.abs(want).max())
-                          for x, want in zip(xs, wants, strict=True))
-                kernels = device_kernel_times(
-                    lambda fn=fn: fn(xs[0], pool).block_until_ready())
-                us = sum(k["us"] for n, k in kernels.items() if n.startswith("int4"))
-                print(f"{name} {label}: {us:.1f} us, {nbytes / us / 1e3 / bound:.2f} of HBM, "
-                      f"error vs XLA {err:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001 - a failed variant is reported, not fatal
-                print(f"{name} {label}: failed {e!r:.300}", flush=True)
+            report(f"{name} {label}", lambda x, fn=fn: fn(x, pool).sum(1), xs, wants, nbytes,
+                   bound)
+
+
+def report(label, call, xs, wants, nbytes, bound, per: int = 1) -> None:
+    """Print `call`'s int4 kernels' device time (per `per` layers), its share of the HBM bound
+    and its error vs XLA on each input (a stale semaphore count would show as an error)."""
+    from benchmarks.common import device_kernel_times
+
+    try:
+        err = max(float(jnp.abs(call(x) - want).max() / jnp.abs(want).max())
+                  for x, want in zip(xs, wants, strict=True))
+        kernels = device_kernel_times(lambda: jax.block_until_ready(call(xs[0])))
+        us = sum(k["us"] for n, k in kernels.items() if n.startswith("int4")) / per
+        print(f"{label}: {us:.1f} us, {nbytes / us / 1e3 / bound:.3f} of HBM, "
+              f"error vs XLA {err:.1e}", flush=True)
+    except Exception as e:  # noqa: BLE001 - a failed variant is reported, not fatal
+        print(f"{label}: failed {e!r:.400}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,10 +31,10 @@ from jax import lax
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from int4_fused import ROWS, store_rows_for_down  # noqa: E402
+from int4_fused import fused_inputs, hand_over_h, report  # noqa: E402
 
 from strata_jax.int4_kernel import (  # noqa: E402
-    GROUP, MEMORY_REGISTERS, Int4Tiles, _operand, _swizzled, as_int4, multiply_step, sm_count)
+    GROUP, MEMORY_REGISTERS, Int4Tiles, _swizzled, as_int4, multiply_step, sm_count)
 from strata_jax.pool import ExpertPool, tile_major  # noqa: E402
 
 WGS = 2  # compute warpgroups, 64 rows each
@@ -82,13 +82,8 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
     assert pool.tile == (bo, bk), (pool.tile, (bo, bk))
     up_tiles = Int4Tiles(64, stages, groups, fold_lag=0)
     down_tiles = dataclasses.replace(up_tiles, f16=False)
-    x3 = x if x.ndim == 3 else x[None]
-    n0, c_n = x3.shape[1], slots.shape[0]
-    r = -(-n0 // ROWS) * ROWS
-    valid = jnp.ones(slots.shape, bool) if valid is None else valid != 0
-    xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, r - n0), (0, 0))), True, valid)
-    order = jnp.argsort(~valid, stable=True)
-    n_valid = jnp.sum(valid, dtype=jnp.int32).reshape(1)
+    xp, x_scale, valid, order, n_valid, n0, r = fused_inputs(x, valid, slots.shape[0])
+    c_n = slots.shape[0]
     blocks1, blocks2, k1, k2 = f // bo, d // bo, d // bk, f // bk
     ctas = sm_count()
     shared_x = xp.shape[0] == 1
@@ -158,20 +153,10 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
             rows = pl.ds(wg * 64, 64)
             return [a for w, sc in pairs for a in (w.at[slot].at[rows], sc.at[slot].at[:, rows])]
 
-        def finish1(g, accs):
+        def finish1(g, accs):  # this warpgroup's 64 rows of h; the entry counts them
             entry, _, block, _ = at1(g)
-            scale = x_scale_ref[0]
-            h = jax.nn.silu(accs[0][...] * scale) * (accs[1][...] * scale)
-            for acc in accs:
-                acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
-                                             plgpu.Layout.WGMMA)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            store_rows_for_down(h.astype(jnp.bfloat16), o1.at[wg])
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o1.at[wg], h_gmem.at[pl.ds(entry * f + block * bo + wg * 64,
-                                                                64)])
-            plgpu.wait_smem_to_gmem(0)  # written before the entry's count goes up
-            pl.semaphore_signal(sems.at[entry], 1)
+            hand_over_h(accs, x_scale_ref[0], o1.at[wg],
+                        h_gmem.at[pl.ds(entry * f + block * bo + wg * 64, 64)], sems.at[entry])
 
         def finish2(g, acc):
             entry, _, block, _ = at2(g)
@@ -267,7 +252,7 @@ def lower() -> None:
 
 
 def main() -> None:
-    from benchmarks.common import device_kernel_times, hbm_bandwidth
+    from benchmarks.common import hbm_bandwidth
     from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool
     from strata_jax import expert_kernels as ek
     from strata_jax import int4_kernel
@@ -298,17 +283,8 @@ def main() -> None:
             @jax.jit
             def run(x, p, fn=fn):
                 return [fn(x, slots[i], p).sum(1) for i in range(layers)]
-            try:  # two inputs: a stale semaphore count would show as an error
-                err = max(float(jnp.abs(run(x, p)[0] - want).max() / jnp.abs(want).max())
-                          for x, want in zip(xs, wants, strict=True))
-                kernels = device_kernel_times(lambda p=p, run=run: jax.block_until_ready(
-                    run(xs[0], p)))
-                us = sum(k["us"] for n, k in kernels.items() if n.startswith("int4")) / layers
-                print(f"{name} {label}: {us:.1f} us, {nbytes / us / 1e3 / bound:.3f} of HBM, "
-                      f"error vs XLA {err:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001 - a failed variant is reported, not fatal
-                print(f"{name} {label}: failed {e!r:.400}", flush=True)
-
+            report(f"{name} {label}", lambda x, p=p, run=run: run(x, p)[0], xs, wants, nbytes,
+                   bound, per=layers)
 
 if __name__ == "__main__":
     main()
