@@ -13,7 +13,8 @@ if [[ $PART != bench ]]; then
     | tee "$OUT/gpu_tests_int4.txt"
 fi
 if [[ $PART != tests ]]; then
-  timeout "${BENCH_LIMIT:-300}" python3 -m benchmarks.int4_experts --out "$OUT" 2>&1 \
+  # shellcheck disable=SC2086
+  timeout "${BENCH_LIMIT:-300}" python3 -m benchmarks.int4_experts --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
     | grep -v "^W0" > "$OUT/int4_experts_log.txt"
   grep -A18 "^| shape | variant" "$OUT/int4_experts.md"
   grep -A28 "Tile sweep" "$OUT/int4_experts.md"
