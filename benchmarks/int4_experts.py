@@ -47,7 +47,8 @@ NO_LAG = dict(fold_lag=0)
 # a deep pipeline, two compute warpgroups sharing each activation tile)
 WS, WS_NO_LAG = dict(compute_wgs=2), dict(compute_wgs=2, fold_lag=0)
 SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools), in order
-    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 4, 2, 1, 1, **WS_NO_LAG),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1, 2, **NO_LAG),
+                     T(64, 2, 2, 4, 1, **NO_LAG), T(64, 4, 2, 1, 1, **WS_NO_LAG),
                      T(64, 5, 2, 1, 1, **WS_NO_LAG), T(64, 5, 2, 1, 1, **WS),
                      T(64, 8, 1, 1, 1, **WS_NO_LAG)),
     "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 5, 2, 1, 1, **WS_NO_LAG)),
