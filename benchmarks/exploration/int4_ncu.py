@@ -6,7 +6,8 @@ for Nsight Compute:
         python3 benchmarks/exploration/int4_ncu.py [mixtral|qwen3] [Int4Tiles field=value ...]
 
 `qwen3` (session 8): a Qwen3-30B-A3B layer instead, 51 of 64 entries valid (the benchmark's
-mean), 8 rows shared by all.
+mean), 8 rows shared by all. Session 9: the pool is tile-major for the tiles (the engine's
+layout on Hopper); `rows=1` as a field keeps it row-major.
 """
 import dataclasses
 import os
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.getcwd())
 from benchmarks.int4_experts import random_int4_pool  # noqa: E402
 from strata_jax import int4_kernel  # noqa: E402
+from strata_jax.pool import tile_major  # noqa: E402
 
 
 def main():
@@ -28,7 +30,12 @@ def main():
                           jnp.bfloat16)
     slots, ok = jnp.arange(e, dtype=jnp.int32), jnp.arange(e) < valid
     tiles = int4_kernel.tiles_for(d, f)
-    tiles = dataclasses.replace(tiles, **{k: int(v) for k, v in (a.split("=") for a in fields)})
+    knobs = {k: int(v) for k, v in (a.split("=") for a in fields)}
+    row_major = knobs.pop("rows", 0) == 1
+    tiles = dataclasses.replace(tiles, **knobs)
+    if not row_major:
+        pool = pool._replace(**{k: tile_major(getattr(pool, k), *int4_kernel.weight_tile(tiles))
+                                for k in ("w1", "w3", "w2")})
     big = jnp.ones((1 << 30,), jnp.float32)
     reduce = jax.jit(lambda a: a.sum())
     layer = jax.jit(lambda x, p: int4_kernel.grouped_swiglu_int4(x, slots, p, ok, tiles=tiles))
