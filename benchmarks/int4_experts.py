@@ -26,7 +26,7 @@ from strata_jax import expert_kernels as ek
 from strata_jax import int4_kernel
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.moe import Routing, routed_outputs
-from strata_jax.pool import ExpertPool, tile_major
+from strata_jax.pool import ExpertPool
 from strata_runtime.host_dequant import HostDequantizer
 
 
@@ -95,8 +95,7 @@ def tiled(pool: ExpertPool, tiles: Int4Tiles, cache: dict) -> ExpertPool:
     """`pool` tile-major for `tiles` (one copy per weight tile)."""
     tile = int4_kernel.weight_tile(tiles)
     if tile not in cache:
-        cache[tile] = pool._replace(**{k: tile_major(getattr(pool, k), *tile)
-                                       for k in ("w1", "w3", "w2")})
+        cache[tile] = pool.tiled_by(*tile)
     return cache[tile]
 
 

@@ -226,6 +226,7 @@ class Engine:
         self.cfg, self.config = reader.config, config
         cfg = self.cfg
         check_int4_tiles(config.int4_tiles, cfg)
+        tile = slot_tile(reader, config)  # checked before any thread or buffer exists
         self.device = jax.devices()[0]
         self.timeline = Timeline(config.timeline)
         self.numa = plan_binding(gpu_pci_bus_id(self.device))
@@ -248,8 +249,7 @@ class Engine:
         self.pool = SlotPool(slot_specs(reader, config.dequant), cfg.num_layers, cfg.num_experts,
                              permanent=max(resident, 1), staging=max(staging, 1),
                              device=self.device,
-                             transposed=EXPERT_KINDS if self._dequant else (),
-                             tile=slot_tile(reader, config))
+                             transposed=EXPERT_KINDS if self._dequant else (), tile=tile)
         self._place(tier0)
         self.pinned = set(tier0)
         self.cache = ExpertCache(config.policy, cache_slots)

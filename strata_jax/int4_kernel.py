@@ -278,24 +278,24 @@ def multiply_step(operand, weight_smem, accs, temps, tiles: Int4Tiles) -> None:
 
 def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TILES,
                   epilogue=None, out_dtype=None, splits: int = 1, name: str = "int4_matmul",
-                  x_scale=None, tile_major: bool = False):
+                  x_scale=None):
     """out^T [splits, C, n, O, R]: epilogue(W_1[slot_c] @ x[c]^T, ...) (n = 1), or without an
     epilogue the n = len(weights) products, for the first `n_valid` entries c of `order` (the
     others are left unwritten), each reduction split in `splits`.
 
     x bf16 [C, R, K] (or [1, R, K] shared by all entries; f16 with `tiles.f16`, the products
-    then multiplied by `x_scale` [1] before the epilogue); weights: tuple of (int4 [S, O, K],
-    bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
+    then multiplied by `x_scale` [1] before the epilogue); weights: tuple of (int4 [S, O, K] or
+    tile-major [S, O / r, K / b, r, b] (`pool.tile_major`: each step reads one contiguous
+    block), bf16 scales [S, K / GROUP, O]). A tile is `rows` output features of one entry and split;
     CTA p streams tiles p, p + P, ... through one TMA pipeline, so with a persistent grid
     (`ctas_per_sm`) the next tile's loads overlap this tile's last steps; with `compute_wgs`
-    > 1, a tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline.
-    `tile_major`: the weights' bytes are stored tile by tile (`pool.tile_major`), so that each
-    step reads one contiguous block instead of `rows` strided row pieces."""
+    > 1, a tile is `compute_wgs` warpgroups' rows, fed by a warp-specialized pipeline."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     c_n, (_, r, k) = slots.shape[0], x.shape
-    o, nw, bo = weights[0][0].shape[1], len(weights), tiles.rows
+    o, nw, bo = weights[0][1].shape[-1], len(weights), tiles.rows
+    tile_major = weights[0][0].ndim == 5
     bk = GROUP * tiles.groups
     wgs = tiles.compute_wgs
     bo_cta = bo * wgs  # a CTA's output features: each compute warpgroup's `rows`
@@ -471,24 +471,20 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     xp, x_scale = _operand(jnp.pad(x3, ((0, 0), (0, n - n0), (0, 0))), tiles.f16, valid)
     order = jnp.argsort(~valid, stable=True)  # valid entries first; the kernel skips the rest
     n_valid = jnp.sum(valid, dtype=jnp.int32)
-    d, f = x.shape[-1], pool.intermediate_size
-    w1, w3, w2 = (as_int4(w).reshape(w.shape[0], o, k)  # tile-major: the same bytes
-                  for w, o, k in ((pool.w1, f, d), (pool.w3, f, d), (pool.w2, d, f)))
-    gate_up = ((w1, pool.w1_scale), (w3, pool.w3_scale))
-    tile_major = pool.tiled
+    gate_up = ((as_int4(pool.w1), pool.w1_scale), (as_int4(pool.w3), pool.w3_scale))
     if tiles.up_splits == 1:
         h_t = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles,
                             epilogue=lambda a1, a3: jax.nn.silu(a1) * a3, out_dtype=x.dtype,
-                            name="int4_gate_up", x_scale=x_scale, tile_major=tile_major)[0, :, 0]
+                            name="int4_gate_up", x_scale=x_scale)[0, :, 0]
     else:
         parts = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles, out_dtype=jnp.float32,
                               splits=tiles.up_splits, name="int4_gate_up",
-                              x_scale=x_scale, tile_major=tile_major).sum(0)
+                              x_scale=x_scale).sum(0)
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
-    y_t = int4_matmul_t(h, order, n_valid, slots, ((w2, pool.w2_scale),), tiles,
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
-                        x_scale=h_scale, tile_major=tile_major)
+                        x_scale=h_scale)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

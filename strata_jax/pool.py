@@ -50,6 +50,11 @@ class ExpertPool(NamedTuple):
         """(rows, inputs) of a tile of tile-major packed weights, else None."""
         return (self.w1.shape[3], 2 * self.w1.shape[4]) if self.tiled else None
 
+    def tiled_by(self, rows: int, inputs: int) -> ExpertPool:
+        """This pool with its packed weights tile-major by (rows, inputs) (`tile_major`)."""
+        return self._replace(**{k: tile_major(getattr(self, k), rows, inputs)
+                                for k in ("w1", "w3", "w2")})
+
     def dense_weights(self, kind: str, slots: jax.Array, dtype) -> jax.Array:
         """The weights of `slots` as [C, in, out] in `dtype` (dequantized if packed)."""
         w = getattr(self, kind)[slots]

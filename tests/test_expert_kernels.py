@@ -168,8 +168,7 @@ def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
     for x in (rng.normal(size=(5, d)), rng.normal(size=(12, 13, d))):
         x = x.astype(ml_dtypes.bfloat16)
         y = np.asarray(int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, tiles).sum(1))
-        tiled = pool._replace(**{k: tile_major(getattr(pool, k), *int4_kernel.weight_tile(tiles))
-                                 for k in ("w1", "w3", "w2")})
+        tiled = pool.tiled_by(*int4_kernel.weight_tile(tiles))
         y_tiled = int4_kernel.grouped_swiglu_int4(x, slots, tiled, valid, tiles)
         np.testing.assert_array_equal(np.asarray(y_tiled.sum(1)), y)  # same bytes, same sums
         assert y.shape == (12, x.shape[-2], d)
@@ -254,8 +253,7 @@ def test_tile_major_pool_computes_the_same_on_the_xla_path():
     """A tile-major pool holds the same bytes: the jnp path gives the same sums, bit for bit,
     and the layout is self-describing (the tile and the expert dims come from the shapes)."""
     pool, _ = _int4_pool(4, d=512, f=768)
-    tiled = pool._replace(**{k: tile_major(getattr(pool, k), 128, 256)
-                             for k in ("w1", "w3", "w2")})
+    tiled = pool.tiled_by(128, 256)
     assert tiled.tiled and tiled.tile == (128, 256) and not pool.tiled
     assert tiled.intermediate_size == pool.intermediate_size == 768
     x = np.random.default_rng(5).normal(size=(3, 512)).astype(np.float32)

@@ -35,7 +35,7 @@ from int4_fused import fused_inputs, hand_over_h, report  # noqa: E402
 
 from strata_jax.int4_kernel import (  # noqa: E402
     GROUP, MEMORY_REGISTERS, Int4Tiles, _swizzled, as_int4, multiply_step, sm_count)
-from strata_jax.pool import ExpertPool, tile_major  # noqa: E402
+from strata_jax.pool import ExpertPool  # noqa: E402
 
 WGS = 2  # compute warpgroups, 64 rows each
 COMPUTE_REGISTERS = 232  # (512 - 40) / 2, rounded down to 8: what Pallas' own split asks
@@ -232,8 +232,7 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
 
 
 def tiled(pool: ExpertPool, groups: int = 2) -> ExpertPool:
-    return pool._replace(**{k: tile_major(getattr(pool, k), 64 * WGS, GROUP * groups)
-                            for k in ("w1", "w3", "w2")})
+    return pool.tiled_by(64 * WGS, GROUP * groups)
 
 
 def lower() -> None:
@@ -277,8 +276,7 @@ def main() -> None:
                 (64 * WGS, 2 * GROUP)) for st, bal in ((4, True), (3, True), (4, False))},
         }
         for label, (fn, tile) in variants.items():
-            p = pool._replace(**{k: tile_major(getattr(pool, k), *tile)
-                                 for k in ("w1", "w3", "w2")}) if tile != pool_t.tile else pool_t
+            p = pool.tiled_by(*tile) if tile != pool_t.tile else pool_t
 
             @jax.jit
             def run(x, p, fn=fn):  # a scan over the layers: the kernel compiles once

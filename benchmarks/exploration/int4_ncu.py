@@ -19,7 +19,6 @@ import jax.numpy as jnp
 sys.path.insert(0, os.getcwd())
 from benchmarks.int4_experts import random_int4_pool  # noqa: E402
 from strata_jax import int4_kernel  # noqa: E402
-from strata_jax.pool import tile_major  # noqa: E402
 
 
 def main():
@@ -34,8 +33,7 @@ def main():
     knobs = {k: int(v) for k, v in (a.split("=") for a in fields if a != "row-major")}
     tiles = dataclasses.replace(tiles, **knobs)
     if not row_major:
-        pool = pool._replace(**{k: tile_major(getattr(pool, k), *int4_kernel.weight_tile(tiles))
-                                for k in ("w1", "w3", "w2")})
+        pool = pool.tiled_by(*int4_kernel.weight_tile(tiles))
     big = jnp.ones((1 << 30,), jnp.float32)
     reduce = jax.jit(lambda a: a.sum())
     layer = jax.jit(lambda x, p: int4_kernel.grouped_swiglu_int4(x, slots, p, ok, tiles=tiles))

@@ -22,7 +22,6 @@ from benchmarks.common import device_kernel_times, hbm_bandwidth  # noqa: E402
 from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool  # noqa: E402
 from strata_jax import int4_kernel  # noqa: E402
 from strata_jax.int4_kernel import Int4Tiles as T  # noqa: E402
-from strata_jax.pool import tile_major  # noqa: E402
 
 CASES = {  # name: (D, F, experts per layer, layers, x rows [entries?, rows], tiles tried)
     "mixtral own rows": (4096, 14336, 8, 8, (8, 16), (
@@ -36,8 +35,7 @@ CASES = {  # name: (D, F, experts per layer, layers, x rows [entries?, rows], ti
 
 
 def tiled_pool(pool, tiles):
-    return pool._replace(**{k: tile_major(getattr(pool, k), *int4_kernel.weight_tile(tiles))
-                            for k in ("w1", "w3", "w2")})
+    return pool.tiled_by(*int4_kernel.weight_tile(tiles))
 
 
 def kernel_times(x, slots, pool, valid, tiles):
