@@ -43,18 +43,17 @@ class Shape:
 
 T = Int4Tiles
 NO_LAG = dict(fold_lag=0)
-# warp-specialized, persistent (one CTA per SM: a TMA warpgroup streaming tile after tile through
-# a deep pipeline, two compute warpgroups sharing each activation tile)
-WS, WS_NO_LAG = dict(compute_wgs=2), dict(compute_wgs=2, fold_lag=0)
+# stream-K: persistent CTAs taking equal runs of steps across tile boundaries
+SK, SK_NO_LAG = dict(stream_k=True), dict(stream_k=True, fold_lag=0)
 SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools), in order
-    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1, 2, **NO_LAG),
-                     T(64, 2, 2, 4, 1, **NO_LAG), T(64, 4, 2, 1, 1, **WS_NO_LAG),
-                     T(64, 5, 2, 1, 1, **WS_NO_LAG), T(64, 5, 2, 1, 1, **WS),
-                     T(64, 8, 1, 1, 1, **WS_NO_LAG)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 5, 2, 1, 1, **WS_NO_LAG)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 5, 2, 1, 1, 1, **WS_NO_LAG),
-                      T(64, 5, 2, 1, 1, 2, **WS_NO_LAG), T(64, 8, 1, 1, 2, 2, **WS_NO_LAG),
-                      T(64, 5, 2, 1, 3, 2, **WS_NO_LAG)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 4, 1, **SK_NO_LAG),
+                     T(64, 2, 2, 3, 1, **SK_NO_LAG), T(64, 2, 2, 4, 1, **SK),
+                     T(64, 3, 2, 3, 1, **SK_NO_LAG), T(64, 2, 1, 4, 1, **SK_NO_LAG)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 4, 1, **SK_NO_LAG),
+                                T(64, 2, 2, 4, 1, **SK)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, **SK), T(64, 2, 2, 4, 1, **SK_NO_LAG),
+                      T(64, 2, 1, 4, 1, **SK), T(64, 3, 1, 4, 1, **SK_NO_LAG),
+                      T(64, 2, 2, 3, 1, **SK)),
 }
 
 SHAPES = (

@@ -46,7 +46,10 @@ class Int4Tiles:
     CTA, one warpgroup issuing the TMA loads and `compute_wgs` computing, each on `rows` (64) of
     a tile of `rows * compute_wgs` output features: the activations are loaded once for all of
     them (less L2 traffic per weight byte); one tile per CTA, or with `ctas_per_sm=1` one
-    persistent CTA per SM."""
+    persistent CTA per SM. `stream_k`: the persistent CTAs take equal runs of the launch's
+    pipeline steps, across tile boundaries, instead of whole tiles (no CTA idles while others
+    finish a last tile); a tile cut between two CTAs is summed from their two parts after the
+    kernel, head + tail, in that order (deterministic)."""
 
     rows: int = 64
     stages: int = 4
@@ -57,6 +60,7 @@ class Int4Tiles:
     fold_lag: int = 1
     f16: bool = True
     compute_wgs: int = 1
+    stream_k: bool = False
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -109,7 +113,9 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm <= 1
                                        and ws_registers_fit(tiles.compute_wgs))
     block = tiles.rows * tiles.compute_wgs
-    return (tiles.fold_lag in (0, 1) and ws_ok and tiles.compute_wgs >= 1
+    sk_ok = not tiles.stream_k or (tiles.compute_wgs == 1 and tiles.ctas_per_sm >= 1
+                                   and tiles.up_splits == tiles.down_splits == 1)
+    return (tiles.fold_lag in (0, 1) and ws_ok and sk_ok and tiles.compute_wgs >= 1
             and all(k % step == 0 and k % block == 0 for k in (d, f))
             and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
 
@@ -306,15 +312,20 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         ctas = min(ctas, sm_count() * tiles.ctas_per_sm)
     out_dtype = out_dtype or jnp.bfloat16
     n_out = 1 if epilogue else nw
-    stages = fitting_stages(tiles, r, nw, n_out * jnp.dtype(out_dtype).itemsize)
+    out_bytes = n_out * jnp.dtype(out_dtype).itemsize + (4 * nw if tiles.stream_k else 0)
+    stages = fitting_stages(tiles, r, nw, out_bytes)
     epilogue = epilogue or (lambda *accs: accs)
     shared_x = x.shape[0] == 1
     n_in = 2 * nw  # weights and their scales
 
     persistent = tiles.ctas_per_sm > 0
+    stream_k = tiles.stream_k
+    assert not stream_k or (splits == 1 and wgs == 1 and persistent), tiles
 
     def body(order_ref, n_ref, slots_ref, x_scale_ref, x_gmem, *refs):
-        in_gmem, (out_gmem, o_smem) = refs[:n_in], refs[n_in:]
+        in_gmem, out_refs = refs[:n_in], refs[n_in:]
+        out_gmem, carry_gmem = out_refs[0], (out_refs[1] if stream_k else None)
+        o_smem, c_smem = out_refs[1 + stream_k], (out_refs[-1] if stream_k else None)
         p = lax.axis_index("p")
         total = n_ref[0] * per_entry
 
@@ -323,38 +334,50 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             rest = lax.rem(t, per_entry)
             return entry, slots_ref[entry], lax.div(rest, splits), lax.rem(rest, splits)
 
-        if persistent:  # tiles p, p + P, ...: read at each step's index maps
-            mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
+        if stream_k:  # steps first, first + 1, ... of the launch's tiles laid end to end
+            first, mine = _run_of_steps(p, total * k_steps, ctas, k_steps)
 
-            def tile(i):
-                return tile_at(p + i * ctas)
-        else:  # one tile: read once, and a static pipeline grid
-            mine, fixed = 1, tile_at(p)
+            def where(i):  # the step's tile and its step within that tile
+                g = first + i
+                return tile_at(lax.div(g, k_steps)), lax.rem(g, k_steps)
 
-            def tile(_):
-                return fixed
+            grid = (mine,)
+        else:
+            if persistent:  # tiles p, p + P, ...: read at each step's index maps
+                mine = lax.div(jnp.maximum(total - p + ctas - 1, 0), ctas)
 
-        def x_index(i, kk):
-            entry, _, _, split = tile(i)
+                def tile(i):
+                    return tile_at(p + i * ctas)
+            else:  # one tile: read once, and a static pipeline grid
+                mine, fixed = 1, tile_at(p)
+
+                def tile(_):
+                    return fixed
+
+            def where(i, kk):
+                return tile(i), kk
+
+            grid = (mine, k_steps)
+
+        def x_index(*idx):
+            (entry, _, _, split), kk = where(*idx)
             return (0 if shared_x else entry), split * k_steps + kk
 
-        def w_index(i, kk):
-            _, slot, block, split = tile(i)
+        def w_index(*idx):
+            (_, slot, block, split), kk = where(*idx)
             if tile_major:
                 return (slot * blocks + block) * (k // bk) + split * k_steps + kk, 0
             return slot * blocks + block, split * k_steps + kk
 
-        def s_index(i, kk):
-            _, slot, block, split = tile(i)
+        def s_index(*idx):
+            (_, slot, block, split), kk = where(*idx)
             return slot * (k // bk) + split * k_steps + kk, block
 
-        def finish(i, accs, wg=0):  # the tile's (warpgroup's rows') epilogue and TMA store
-            entry, _, block, split = tile(i)
+        def finish(tile_now, accs, wg=0):  # the tile's (warpgroup's rows') epilogue, stored
+            entry, _, block, split = tile_now
             results = epilogue(*(acc[...] * x_scale_ref[0] for acc in accs))
             results = results if isinstance(results, tuple) else (results,)
-            for acc in accs:
-                acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype),
-                                             plgpu.Layout.WGMMA)
+            _zero(accs)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store read
             for j, result in enumerate(results):
                 o_smem[wg, j] = result.astype(out_dtype)
@@ -363,9 +386,28 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
                 row = (((split * c_n + entry) * n_out + j) * blocks + block) * bo_cta + wg * bo
                 plgpu.copy_smem_to_gmem(o_smem.at[wg, j], out_gmem.at[pl.ds(row, bo)])
 
+        def store_part(side, accs):  # a cut tile's head (0) or tail (1): its scaled sums
+            sums = [acc[...] * x_scale_ref[0] for acc in accs]
+            _zero(accs)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for j, part in enumerate(sums):
+                c_smem[j] = part
+            plgpu.commit_smem()
+            for j in range(nw):
+                row = ((side * ctas + p) * nw + j) * bo
+                plgpu.copy_smem_to_gmem(c_smem.at[j], carry_gmem.at[pl.ds(row, bo)])
+
         def step(idx, x_smem, *weight_smem, accs, temps):
             multiply(x_smem, weight_smem, accs, temps)
-            pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs))
+            tile_now, kk = where(*idx)
+            ends = kk == k_steps - 1
+            if not stream_k:
+                pl.when(ends)(lambda: finish(tile_now, accs))
+                return
+            began_before = first + idx[0] - kk < first  # its head is the previous CTA's
+            pl.when(ends & began_before)(lambda: store_part(1, accs))
+            pl.when(ends & ~began_before)(lambda: finish(tile_now, accs))
+            pl.when(~ends & (idx[0] == mine - 1))(lambda: store_part(0, accs))
 
         def multiply(x_smem, weight_smem, accs, temps):
             multiply_step(lambda g: x_smem.at[:, pl.ds(g * GROUP, GROUP)].T, weight_smem, accs,
@@ -382,7 +424,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         def run(*refs):
             accs, temps = refs[:nw], refs[nw:]
             plgpu.emit_pipeline(functools.partial(step, accs=accs, temps=temps),
-                                grid=(mine, k_steps), in_specs=specs,
+                                grid=grid, in_specs=specs,
                                 max_concurrent_steps=stages)(x_gmem, *in_gmem)
 
         def warp_specialized():
@@ -396,7 +438,8 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             def ws_step(idx, x_smem, *refs):
                 *weight_smem, (accs, temps) = refs
                 multiply(x_smem, own(weight_smem), accs, temps)
-                pl.when(idx[1] == k_steps - 1)(lambda: finish(idx[0], accs, wg))
+                tile_now, kk = where(*idx)
+                pl.when(kk == k_steps - 1)(lambda: finish(tile_now, accs, wg))
                 return accs, temps
 
             def context(eval_pipeline):
@@ -418,9 +461,13 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
 
         plgpu.wait_smem_to_gmem(0)
 
+    out_type = jax.ShapeDtypeStruct((splits * c_n * n_out * o, r), out_dtype)
+    scratch = [plgpu.SMEM((wgs, n_out, bo, r), out_dtype)]
+    if stream_k:  # each CTA's head and tail parts of the tiles cut between CTAs, and a buffer
+        out_type = (out_type, jax.ShapeDtypeStruct((2 * ctas * nw * bo, r), jnp.float32))
+        scratch.append(plgpu.SMEM((nw, bo, r), jnp.float32))
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((splits * c_n * n_out * o, r), out_dtype),
-        scratch_types=[plgpu.SMEM((wgs, n_out, bo, r), out_dtype)],
+        body, out_type=out_type, scratch_types=scratch,
         grid=(ctas,), grid_names=("p",), kernel_name=name,
         **(dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}),
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
@@ -430,7 +477,43 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
     x_scale = jnp.ones((1,), jnp.float32) if x_scale is None else x_scale
     out = kernel(order.astype(jnp.int32), jnp.reshape(n_valid, (1,)).astype(jnp.int32),
                  slots.astype(jnp.int32), x_scale, x.reshape(-1, k), *args)
+    if stream_k:
+        out, carry = out
+        out = _join_cut_tiles(out.reshape(c_n, n_out, blocks, bo, r),
+                              carry.reshape(2, ctas, nw, bo, r), order, n_valid, k_steps,
+                              epilogue, out_dtype)
     return out.reshape(splits, c_n, n_out, o, r)
+
+
+def _zero(accs) -> None:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    for acc in accs:
+        acc[...] = plgpu.layout_cast(jnp.zeros(acc.shape, acc.dtype), plgpu.Layout.WGMMA)
+
+
+def _run_of_steps(p, steps, ctas: int, k_steps: int):
+    """Stream-K: the first step and the number of steps of CTA p's run, equal runs of at least
+    a tile's `k_steps` (so a tile is cut at most once: into a head and a tail)."""
+    span = jnp.maximum(lax.div(steps + ctas - 1, ctas), k_steps)
+    first = jnp.minimum(p * span, steps)
+    return first, jnp.minimum(first + span, steps) - first
+
+
+def _join_cut_tiles(out, carry, order, n_valid, k_steps: int, epilogue, out_dtype):
+    """Stream-K's tiles cut between CTAs p - 1 and p: epilogue(head + tail) into their place
+    in out [C, n_out, blocks, rows, R]; carry [2 (head, tail), P, weights, rows, R]."""
+    c_n, _, blocks = out.shape[:3]
+    ctas = carry.shape[1]
+    steps = n_valid * blocks * k_steps
+    firsts, _ = _run_of_steps(jnp.arange(1, ctas), steps, ctas, k_steps)
+    cut = (firsts < steps) & (firsts % k_steps != 0)
+    tile = firsts // k_steps
+    sums = carry[0, :-1] + carry[1, 1:]
+    results = epilogue(*(sums[:, j] for j in range(sums.shape[1])))
+    results = jnp.stack(results if isinstance(results, tuple) else (results,), axis=1)
+    entry = jnp.where(cut, order[jnp.minimum(tile // blocks, c_n - 1)], c_n)  # c_n: dropped
+    return out.at[entry, :, tile % blocks].set(results.astype(out.dtype), mode="drop")
 
 
 def weight_tile(tiles: Int4Tiles) -> tuple[int, int]:

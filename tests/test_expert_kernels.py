@@ -130,7 +130,10 @@ MOSAIC_TILES = [
     int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 4, 1, up_splits=2, down_splits=2, fold_lag=0, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2),
-    int4_kernel.Int4Tiles(64, 5, 2, ctas_per_sm=1, fold_lag=0, compute_wgs=2)]  # deep pipeline
+    int4_kernel.Int4Tiles(64, 5, 2, ctas_per_sm=1, fold_lag=0, compute_wgs=2),  # deep pipeline
+    # stream-K: equal runs of steps, tiles cut between CTAs
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True),
+    int4_kernel.Int4Tiles(64, 3, 1, ctas_per_sm=2, fold_lag=0, stream_k=True)]
 
 
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
@@ -180,6 +183,34 @@ def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
             assert _bf16_error(y[c], ref) < 2e-2, (x.shape, c)
     assert ek.use_pallas(8, d, f, quantized=True)
     assert not ek.use_pallas(8, d, f, quantized=True, dtype=jnp.float32)
+
+
+@pytest.mark.skipif(not int4_kernel.is_hopper(), reason="the Mosaic GPU int4 kernel needs Hopper")
+def test_stream_k_on_gpu_cuts_tiles_and_matches_float64():
+    """At one CTA per SM these shapes cut tiles between CTAs in both kernels: the joined sums
+    match float64 and the whole-tile kernel to bf16 accuracy, and repeat bit for bit."""
+    d, f, n_valid = 1024, 1536, 9
+    tiles = int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True)
+    ctas = int4_kernel.sm_count()
+    for o, k in ((f, d), (d, f)):  # gate/up, down: tiles of 64 rows, steps of 256 inputs
+        steps = n_valid * (o // 64) * (k // 256)
+        firsts = [int(int4_kernel._run_of_steps(p, steps, ctas, k // 256)[0])
+                  for p in range(ctas)]
+        assert any(first % (k // 256) for first in firsts), (o, k)
+    pool, (d1, d3, d2) = _int4_pool(3, d=d, f=f)
+    rng = np.random.default_rng(8)
+    slots = rng.integers(0, 3, 12).astype(np.int32)
+    valid = np.arange(12) % 4 != 1
+    x = rng.normal(size=(12, 13, d)).astype(ml_dtypes.bfloat16)
+    run = lambda t: np.asarray(int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, t).sum(1))  # noqa: E731
+    y = run(tiles)
+    np.testing.assert_array_equal(run(tiles), y)
+    whole = run(int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1))
+    assert np.all(y[~valid] == 0.0)
+    for c in np.flatnonzero(valid):
+        ref = _reference(x[c].astype(np.float32), slots[c : c + 1], d1, d3, d2)[0]
+        assert _bf16_error(y[c], ref) < 2e-2, c
+        assert _bf16_error(y[c], whole[c]) < 2e-2, c
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -6,7 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from strata_jax.int4_kernel import _F16_PAIR, _operand, as_f16, permute_k
+from strata_jax.int4_kernel import (
+    _F16_PAIR,
+    _join_cut_tiles,
+    _operand,
+    _run_of_steps,
+    as_f16,
+    permute_k,
+)
 
 
 def _view_columns(f16: bool = False) -> np.ndarray:
@@ -89,3 +96,53 @@ def test_operand_ignores_invalid_entries_when_scaling():
     want, want_inv = as_f16(permute_k(x[:1], f16=True))
     np.testing.assert_array_equal(np.asarray(h[:1]), np.asarray(want))
     assert float(inv[0]) == float(want_inv[0]) and np.all(np.asarray(h[1:]) == 0)
+
+
+def _stream_k_launch(sums, order, n_valid, ctas, k_steps, epilogue):
+    """What the stream-K kernel writes, step by step as its CTAs run (`int4_matmul_t`): each
+    step adds its part; a tile's end writes epilogue(sum) in place, or the sum as the tail of
+    a tile begun by the previous CTA; a run's end inside a tile writes the sum as its head."""
+    c_n, nw, blocks, rows, r = sums.shape[0], sums.shape[1], sums.shape[2], 4, 3
+    parts = sums.reshape(c_n, nw, blocks, rows, r, k_steps)
+    out = np.full((c_n, 1, blocks, rows, r), np.nan, np.float32)  # one output: the epilogue's
+    carry = np.full((2, ctas, nw, rows, r), np.nan, np.float32)
+    steps = int(n_valid) * blocks * k_steps
+    for p in range(ctas):
+        first, mine = (int(v) for v in _run_of_steps(p, steps, ctas, k_steps))
+        acc = np.zeros((nw, rows, r), np.float32)
+        for i in range(mine):
+            tile, kk = divmod(first + i, k_steps)
+            entry, block = order[tile // blocks], tile % blocks
+            acc += parts[entry, :, block, ..., kk]
+            ends, began_before = kk == k_steps - 1, first + i - kk < first
+            if ends and began_before:
+                carry[1, p], acc = acc, np.zeros_like(acc)
+            elif ends:
+                out[entry, :, block], acc = np.stack(epilogue(*acc)), np.zeros_like(acc)
+            elif i == mine - 1:
+                carry[0, p] = acc
+    return out, carry
+
+
+@pytest.mark.parametrize(("n_valid", "ctas", "k_steps", "cut"),
+                         [(5, 7, 3, True), (6, 16, 2, True), (2, 5, 4, True), (2, 3, 5, False),
+                          (6, 4, 1, False), (0, 4, 3, False)])
+def test_stream_k_cut_tiles_join_to_whole_tiles(n_valid, ctas, k_steps, cut):
+    """Equal runs of steps cut some tiles between two CTAs; joined after the kernel, every valid
+    entry's tiles equal epilogue(the whole sum), in place, and invalid entries stay unwritten."""
+    rng = np.random.default_rng(n_valid * 100 + ctas)
+    c_n, nw, blocks = 6, 2, 3
+    sums = rng.normal(size=(c_n, nw, blocks, 4, 3, k_steps)).astype(np.float32)
+    valid = rng.permutation(np.arange(c_n) < n_valid)
+    order = np.argsort(~valid, kind="stable")
+    epilogue = lambda g, u: (g * u,)  # noqa: E731
+    out, carry = _stream_k_launch(sums.reshape(c_n, nw, blocks, -1), order, n_valid, ctas,
+                                  k_steps, epilogue)
+    joined = np.asarray(_join_cut_tiles(jnp.asarray(out), jnp.asarray(carry), jnp.asarray(order),
+                                        jnp.int32(n_valid), k_steps, epilogue, jnp.float32))
+    whole = sums.sum(-1)
+    np.testing.assert_allclose(joined[valid, 0], (whole[:, 0] * whole[:, 1])[valid], rtol=1e-5)
+    assert np.isnan(joined[~valid]).all()
+    firsts = [int(_run_of_steps(p, n_valid * blocks * k_steps, ctas, k_steps)[0])
+              for p in range(ctas)]
+    assert any(f % k_steps for f in firsts) == cut
