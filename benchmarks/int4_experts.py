@@ -46,14 +46,18 @@ NO_LAG = dict(fold_lag=0)
 # stream-K: persistent CTAs taking equal runs of steps across tile boundaries
 SK, SK_NO_LAG = dict(stream_k=True), dict(stream_k=True, fold_lag=0)
 SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools), in order
-    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 4, 1, **SK_NO_LAG),
-                     T(64, 2, 2, 3, 1, **SK_NO_LAG), T(64, 2, 2, 4, 1, **SK),
-                     T(64, 3, 2, 3, 1, **SK_NO_LAG), T(64, 2, 1, 4, 1, **SK_NO_LAG)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 4, 1, **SK_NO_LAG),
-                                T(64, 2, 2, 4, 1, **SK)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 4, 1, 2), T(64, 2, 2, 4, 1, **SK), T(64, 2, 2, 4, 1, **SK_NO_LAG),
-                      T(64, 2, 1, 4, 1, **SK), T(64, 3, 1, 4, 1, **SK_NO_LAG),
-                      T(64, 2, 2, 3, 1, **SK)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1, **NO_LAG, down_stages=3),
+                     T(64, 2, 2, 0, 1, **NO_LAG, down_stages=4),
+                     T(64, 2, 2, 0, 1, **NO_LAG, down_stages=6),
+                     T(64, 3, 2, 0, 1, **NO_LAG, down_stages=4),
+                     T(64, 2, 2, 3, 1, **SK_NO_LAG, down_stages=4)),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, down_stages=4),
+                                T(64, 2, 2, 0, 1, **NO_LAG, down_stages=4)),
+    "qwen3-30b-a3b": (T(64, 2, 2, 3, 1, **SK), T(64, 2, 2, 3, 1, **SK, down_stages=4),
+                      T(64, 2, 2, 3, 1, **SK, down_stages=6),
+                      T(64, 3, 2, 3, 1, **SK, down_stages=6),
+                      T(64, 3, 2, 3, 1, **SK_NO_LAG, down_stages=6),
+                      T(64, 2, 2, 4, 1, 2, down_stages=4), T(64, 2, 2, 4, 1, **SK, down_stages=4)),
 }
 
 SHAPES = (

@@ -49,7 +49,9 @@ class Int4Tiles:
     persistent CTA per SM. `stream_k`: the persistent CTAs take equal runs of the launch's
     pipeline steps, across tile boundaries, instead of whole tiles (no CTA idles while others
     finish a last tile); a tile cut between two CTAs is summed from their two parts after the
-    kernel, head + tail, in that order (deterministic)."""
+    kernel, head + tail, in that order (deterministic). `down_stages`: the down kernel's
+    pipeline depth (0: `stages`); its steps carry one weight instead of two, so it wants more
+    of them in flight."""
 
     rows: int = 64
     stages: int = 4
@@ -61,6 +63,7 @@ class Int4Tiles:
     f16: bool = True
     compute_wgs: int = 1
     stream_k: bool = False
+    down_stages: int = 0
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -566,7 +569,8 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
-    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), tiles,
+    down = dataclasses.replace(tiles, stages=tiles.down_stages or tiles.stages)
+    y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), down,
                         out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
                         x_scale=h_scale)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten

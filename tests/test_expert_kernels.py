@@ -132,7 +132,7 @@ MOSAIC_TILES = [
     int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 5, 2, ctas_per_sm=1, fold_lag=0, compute_wgs=2),  # deep pipeline
     # stream-K: equal runs of steps, tiles cut between CTAs
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True),
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True, down_stages=4),
     int4_kernel.Int4Tiles(64, 3, 1, ctas_per_sm=2, fold_lag=0, stream_k=True)]
 
 
