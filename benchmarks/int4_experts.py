@@ -46,18 +46,18 @@ NO_LAG = dict(fold_lag=0)
 # stream-K: persistent CTAs taking equal runs of steps across tile boundaries
 SK, SK_NO_LAG = dict(stream_k=True), dict(stream_k=True, fold_lag=0)
 SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools), in order
-    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1, **NO_LAG, down_stages=3),
-                     T(64, 2, 2, 0, 1, **NO_LAG, down_stages=4),
-                     T(64, 2, 2, 0, 1, **NO_LAG, down_stages=6),
-                     T(64, 3, 2, 0, 1, **NO_LAG, down_stages=4),
-                     T(64, 2, 2, 3, 1, **SK_NO_LAG, down_stages=4)),
-    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, down_stages=4),
-                                T(64, 2, 2, 0, 1, **NO_LAG, down_stages=4)),
-    "qwen3-30b-a3b": (T(64, 2, 2, 3, 1, **SK), T(64, 2, 2, 3, 1, **SK, down_stages=4),
-                      T(64, 2, 2, 3, 1, **SK, down_stages=6),
-                      T(64, 3, 2, 3, 1, **SK, down_stages=6),
-                      T(64, 3, 2, 3, 1, **SK_NO_LAG, down_stages=6),
-                      T(64, 2, 2, 4, 1, 2, down_stages=4), T(64, 2, 2, 4, 1, **SK, down_stages=4)),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1),
+                     T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 2, 2, 4, 1, **SK_NO_LAG)),
+                     T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
+                     T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 3, 2, 4, 1, **SK_NO_LAG)),
+                     T(64, 2, 2, 0, 1, down=T(64, 2, 2, 4, 1, **SK))),
+    "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, down=T(64, 2, 2, 4, 1, **SK)),
+                                T(64, 2, 2, 0, 1, down=T(64, 2, 2, 5, 1, **SK_NO_LAG))),
+    "qwen3-30b-a3b": (T(64, 2, 2, 3, 1, **SK),
+                      T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2, 4, 1, **SK)),
+                      T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
+                      T(64, 2, 2, 3, 1, **SK, down=T(64, 3, 2, 4, 1, **SK)),
+                      T(64, 2, 2, 4, 1, **SK_NO_LAG, down=T(64, 2, 2, 5, 1, **SK_NO_LAG))),
 }
 
 SHAPES = (
@@ -171,7 +171,8 @@ def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
         try:
             err = error(t)
             dt = median_time(fn, reps=10, warmup=2) / shape.layers
-            us = kernel_us(fn, shape.layers)
+            kernels = device_kernel_times(fn)
+            us = kernel_us(fn, shape.layers, kernels)
         except Exception as e:
             print("tiles", t, "failed", repr(e)[:200], flush=True)
             continue
@@ -179,8 +180,13 @@ def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
         sweep.append({"shape": shape.name, "tiles": str(t), "us_per_layer": dt * 1e6,
                       "GBps": gbs, "over_hbm": gbs / bw, "kernel_us_per_layer": us,
                       "kernel_over_hbm": nbytes / shape.layers / us / 1e3 / bw,
-                      "rel_err_vs_xla": err})
-        print(f"{shape.name} {t}: {dt * 1e6:.0f} us/layer, kernels {us:.0f} us, "
+                      "rel_err_vs_xla": err, **{
+                          f"{k}_us": kernel_us(fn, shape.layers, {
+                              n: v for n, v in kernels.items() if n.startswith(k)})
+                          for k in KERNELS}})
+        row = sweep[-1]
+        print(f"{shape.name} {t}: {dt * 1e6:.0f} us/layer, kernels {us:.0f} us "
+              f"(gate/up {row['int4_gate_up_us']:.1f}, down {row['int4_down_us']:.1f}), "
               f"{sweep[-1]['kernel_over_hbm']:.2f} of HBM, error vs XLA {err:.1e}", flush=True)
         if err > 2e-2:  # bf16-level agreement or it is not a candidate
             continue
@@ -316,11 +322,13 @@ def render(r: dict) -> str:
                      f"{k['active_experts']:.1f} | {k['GBps']:.0f} | {k['over_hbm']:.2f} | "
                      f"{kernel} |")
     lines += ["", "## Tile sweep (the engine's path, tile-major pools; the fastest is above)", "",
-              "| shape | tiles | us/layer | / HBM read | kernel us/layer | kernel / HBM read | "
-              "max error vs XLA path |", "|---|---|---|---|---|---|---|"]
+              "| shape | tiles | us/layer | / HBM read | kernel us/layer (gate/up + down) | "
+              "kernel / HBM read | max error vs XLA path |", "|---|---|---|---|---|---|---|"]
     for k in r.get("sweep", []):
+        parts = (f" ({k['int4_gate_up_us']:.1f} + {k['int4_down_us']:.1f})"
+                 if "int4_down_us" in k else "")
         lines.append(f"| {k['shape']} | {k['tiles']} | {k['us_per_layer']:.0f} | "
-                     f"{k['over_hbm']:.2f} | {k['kernel_us_per_layer']:.0f} | "
+                     f"{k['over_hbm']:.2f} | {k['kernel_us_per_layer']:.0f}{parts} | "
                      f"{k['kernel_over_hbm']:.2f} | {k['rel_err_vs_xla']:.1e} |")
     lines += ["", "## Host int4 -> bf16 dequantization (4096 x 14336 matrix)", "",
               "| threads | ms/matrix | bf16 out GB/s | packed in GB/s |", "|---|---|---|---|"]

@@ -49,9 +49,9 @@ class Int4Tiles:
     persistent CTA per SM. `stream_k`: the persistent CTAs take equal runs of the launch's
     pipeline steps, across tile boundaries, instead of whole tiles (no CTA idles while others
     finish a last tile); a tile cut between two CTAs is summed from their two parts after the
-    kernel, head + tail, in that order (deterministic). `down_stages`: the down kernel's
-    pipeline depth (0: `stages`); its steps carry one weight instead of two, so it wants more
-    of them in flight."""
+    kernel, head + tail, in that order (deterministic). `down`: the down kernel's own
+    stages, persistence, stream-K, fold lag and split (None: these tiles'); its rows, groups,
+    f16 and warpgroups must be these (one tile-major layout serves both kernels)."""
 
     rows: int = 64
     stages: int = 4
@@ -63,7 +63,7 @@ class Int4Tiles:
     f16: bool = True
     compute_wgs: int = 1
     stream_k: bool = False
-    down_stages: int = 0
+    down: Int4Tiles | None = None
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -108,19 +108,36 @@ def fitting_stages(tiles: Int4Tiles, rows: int, weights: int, out_bytes: int) ->
     return max(2, min(tiles.stages, room // stage))
 
 
-def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
-    """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
-    and F's in `down_splits` equal parts) and output dims."""
-    step = GROUP * tiles.groups
+def down_tiles(tiles: Int4Tiles) -> Int4Tiles:
+    """The tiles the down kernel runs with."""
+    return tiles.down or tiles
+
+
+def _kernel_ok(tiles: Int4Tiles, splits: int) -> bool:
+    """Whether one kernel runs with these tiles, its reduction split in `splits`."""
     # a warp-specialized CTA takes the SM's registers: persistent, it is the SM's only CTA
     ws_ok = tiles.compute_wgs == 1 or (tiles.rows == 64 and tiles.ctas_per_sm <= 1
                                        and ws_registers_fit(tiles.compute_wgs))
-    block = tiles.rows * tiles.compute_wgs
     sk_ok = not tiles.stream_k or (tiles.compute_wgs == 1 and tiles.ctas_per_sm >= 1
-                                   and tiles.up_splits == tiles.down_splits == 1)
-    return (tiles.fold_lag in (0, 1) and ws_ok and sk_ok and tiles.compute_wgs >= 1
+                                   and splits == 1)
+    return tiles.fold_lag in (0, 1) and tiles.compute_wgs >= 1 and ws_ok and sk_ok
+
+
+def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
+    """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
+    and F's in the down kernel's `down_splits` equal parts) and output dims."""
+    down = down_tiles(tiles)
+    same = (down.rows, down.groups, down.f16, down.compute_wgs, down.down) == (
+        tiles.rows, tiles.groups, tiles.f16, tiles.compute_wgs, None)
+    step, block = GROUP * tiles.groups, tiles.rows * tiles.compute_wgs
+    return (same and _kernel_ok(tiles, tiles.up_splits) and _kernel_ok(down, down.down_splits)
             and all(k % step == 0 and k % block == 0 for k in (d, f))
-            and (d // step) % tiles.up_splits == 0 and (f // step) % tiles.down_splits == 0)
+            and (d // step) % tiles.up_splits == 0 and (f // step) % down.down_splits == 0)
+
+
+def _shaped(tiles: Int4Tiles, groups: int, split: bool) -> Int4Tiles:
+    return dataclasses.replace(tiles, groups=groups, up_splits=tiles.up_splits if split else 1,
+                               down_splits=tiles.down_splits if split else 1)
 
 
 def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None:
@@ -128,9 +145,9 @@ def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None
     group per step and/or unsplit projections where those do not divide D or F, or None."""
     base = base or TUNED_TILES.get((d, f), INT4_TILES)
     for groups, split in itertools.product((base.groups, 1), (True, False)):
-        tiles = dataclasses.replace(base, groups=groups,
-                                    up_splits=base.up_splits if split else 1,
-                                    down_splits=base.down_splits if split else 1)
+        tiles = _shaped(base, groups, split)
+        if base.down:
+            tiles = dataclasses.replace(tiles, down=_shaped(base.down, groups, split))
         if fits(d, f, tiles):
             return tiles
     return None
@@ -569,9 +586,9 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
-    down = dataclasses.replace(tiles, stages=tiles.down_stages or tiles.stages)
+    down = down_tiles(tiles)
     y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), down,
-                        out_dtype=jnp.float32, splits=tiles.down_splits, name="int4_down",
+                        out_dtype=jnp.float32, splits=down.down_splits, name="int4_down",
                         x_scale=h_scale)
     y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

@@ -1,5 +1,7 @@
 """Expert kernels against a float64 numpy reference on fresh random inputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -132,8 +134,11 @@ MOSAIC_TILES = [
     int4_kernel.Int4Tiles(64, 2, 1, ctas_per_sm=1, up_splits=2, compute_wgs=2),
     int4_kernel.Int4Tiles(64, 5, 2, ctas_per_sm=1, fold_lag=0, compute_wgs=2),  # deep pipeline
     # stream-K: equal runs of steps, tiles cut between CTAs
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True, down_stages=4),
-    int4_kernel.Int4Tiles(64, 3, 1, ctas_per_sm=2, fold_lag=0, stream_k=True)]
+    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True,
+                          down=int4_kernel.Int4Tiles(64, 4, 2, ctas_per_sm=1, stream_k=True)),
+    # one CTA per gate/up tile, a stream-K down kernel
+    int4_kernel.Int4Tiles(64, 3, 1, fold_lag=0, down=int4_kernel.Int4Tiles(
+        64, 3, 1, ctas_per_sm=2, fold_lag=0, stream_k=True))]
 
 
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
@@ -260,6 +265,21 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
     assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
     assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
+    # stream-K needs persistent CTAs and an unsplit reduction, per kernel
+    sk = int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True)
+    assert int4_kernel.fits(512, 1024, sk)
+    assert not int4_kernel.fits(512, 1024, dataclasses.replace(sk, ctas_per_sm=0))
+    assert not int4_kernel.fits(512, 1024, dataclasses.replace(sk, up_splits=2))
+    assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, up_splits=2, down=sk))
+    # the down kernel's own tiles: depth, persistence, stream-K, split; not the tile shape
+    assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2,
+                                                             down=int4_kernel.Int4Tiles(64, 4, 2)))
+    for other in (int4_kernel.Int4Tiles(128, 2, 2), int4_kernel.Int4Tiles(64, 2, 1),
+                  int4_kernel.Int4Tiles(64, 2, 2, f16=False)):
+        assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, down=other))
+    split_down = int4_kernel.Int4Tiles(64, 2, 2, down=int4_kernel.Int4Tiles(64, 2, 2,
+                                                                            down_splits=2))
+    assert int4_kernel.tiles_for(2048, 768, split_down).down.down_splits == 1
 
 
 def test_deep_pipelines_shrink_to_fit_shared_memory():
