@@ -69,8 +69,8 @@ class Int4Tiles:
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
 # the fastest measured per expert shape (D, F) on the H200: benchmarks/results/int4_experts.md
 TUNED_TILES = {
-    (4096, 14336): Int4Tiles(64, 2, 2, fold_lag=0),  # Mixtral-8x7B
-    (2048, 768): Int4Tiles(64, 2, 2, ctas_per_sm=4, up_splits=2),  # Qwen3-30B-A3B
+    (4096, 14336): Int4Tiles(64, 2, 2),  # Mixtral-8x7B
+    (2048, 768): Int4Tiles(64, 2, 2, ctas_per_sm=3, stream_k=True),  # Qwen3-30B-A3B
 }
 
 
