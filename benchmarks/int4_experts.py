@@ -50,9 +50,11 @@ SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools)
                      T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 2, 2, 4, 1, **SK_NO_LAG)),
                      T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
                      T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 3, 2, 4, 1, **SK_NO_LAG)),
-                     T(64, 2, 2, 0, 1, down=T(64, 2, 2, 4, 1, **SK))),
+                     T(64, 2, 2, 0, 1, down=T(64, 2, 2, 4, 1, **SK)),
+                     T(64, 2, 2, 3, 1, **SK), T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2))),
     "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, down=T(64, 2, 2, 4, 1, **SK)),
-                                T(64, 2, 2, 0, 1, down=T(64, 2, 2, 5, 1, **SK_NO_LAG))),
+                                T(64, 2, 2, 0, 1, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
+                                T(64, 2, 2, 3, 1, **SK)),
     "qwen3-30b-a3b": (T(64, 2, 2, 3, 1, **SK),
                       T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2, 4, 1, **SK)),
                       T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
@@ -264,11 +266,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--skip-ws", action="store_true",
                         help="leave the warp-specialized candidates out of the sweep")
+    parser.add_argument("--shapes", default="",
+                        help="only the shapes whose name contains this (default: all)")
     args = parser.parse_args()
     result = machine()
     result["hbm_GBps"] = bw = hbm_bandwidth()
     result["kernels"], result["sweep"] = [], []
-    for shape in SHAPES:
+    for shape in (s for s in SHAPES if args.shapes in s.name):
         kernels, sweep = run_shape(shape, bw["read"], args.skip_ws)
         result["kernels"] += kernels
         result["sweep"] += sweep
