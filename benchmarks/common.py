@@ -72,6 +72,16 @@ def hbm_bandwidth() -> dict[str, float]:
     return result
 
 
+def read_floor_us(nbytes: int, copies: int = 16) -> float:
+    """Device microseconds of one XLA read (a sum, its kernels) of `nbytes`, over `copies`
+    distinct buffers read in turn (none left in L2 by the one before): what a kernel that reads
+    that many bytes gets from HBM, ramp-up and tail included."""
+    bufs = [jnp.full((nbytes // 4,), i + 1, jnp.uint32) for i in range(copies)]
+    read = jax.jit(lambda bs: [jnp.sum(b) for b in bs])
+    kernels = device_kernel_times(lambda: jax.block_until_ready(read(bufs)), reps=5)
+    return sum(k["us"] for k in kernels.values()) / copies
+
+
 def machine() -> dict[str, str]:
     return {
         "date": datetime.date.today().isoformat(),
