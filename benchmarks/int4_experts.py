@@ -79,10 +79,10 @@ SHAPES = (
 KERNELS = ("int4_gate_up", "int4_down")  # prefixes of the Mosaic kernels' names
 
 
-def kernel_us(fn, layers: int, kernels: dict | None = None) -> float:
-    """The int4 kernels' device time per layer (from `kernels`, or a fresh profile of `fn`)."""
-    kernels = kernels or device_kernel_times(fn)
-    return sum(k["us"] for n, k in kernels.items() if n.startswith(KERNELS)) / layers
+def kernel_us(kernels: dict, layers: int, prefixes: tuple[str, ...] = KERNELS) -> float:
+    """Device time per layer of the profiled kernels (`device_kernel_times`) whose names start
+    with `prefixes` (default: both int4 kernels)."""
+    return sum(k["us"] for n, k in kernels.items() if n.startswith(prefixes)) / layers
 
 
 def int4_matrix_bytes(k: int, n: int) -> int:
@@ -193,7 +193,7 @@ def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
             err = error(t)
             dt = median_time(fn, reps=10, warmup=2) / shape.layers
             kernels = device_kernel_times(fn)
-            us = kernel_us(fn, shape.layers, kernels)
+            us = kernel_us(kernels, shape.layers)
         except Exception as e:
             print("tiles", t, "failed", repr(e)[:200], flush=True)
             continue
@@ -202,14 +202,12 @@ def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
                       "GBps": gbs, "over_hbm": gbs / bw, "kernel_us_per_layer": us,
                       "kernel_over_hbm": nbytes / shape.layers / us / 1e3 / bw,
                       "read_floor_us": floor_us, "kernel_over_floor": floor_us / us,
-                      "rel_err_vs_xla": err, **{
-                          f"{k}_us": kernel_us(fn, shape.layers, {
-                              n: v for n, v in kernels.items() if n.startswith(k)})
-                          for k in KERNELS}})
+                      "rel_err_vs_xla": err,
+                      **{f"{k}_us": kernel_us(kernels, shape.layers, (k,)) for k in KERNELS}})
         row = sweep[-1]
         print(f"{shape.name} {t}: {dt * 1e6:.0f} us/layer, kernels {us:.0f} us "
               f"(gate/up {row['int4_gate_up_us']:.1f}, down {row['int4_down_us']:.1f}), "
-              f"{sweep[-1]['kernel_over_hbm']:.2f} of HBM, error vs XLA {err:.1e}", flush=True)
+              f"{row['kernel_over_hbm']:.2f} of HBM, error vs XLA {err:.1e}", flush=True)
         if err > 2e-2:  # bf16-level agreement or it is not a candidate
             continue
         if best is None or us < best[0]:
@@ -247,7 +245,7 @@ def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
         })  # fmt: skip
         if name.startswith("mosaic"):  # the kernels' own device time, without dispatch gaps
             kernels = device_kernel_times(fn)
-            us = kernel_us(fn, shape.layers, kernels)
+            us = kernel_us(kernels, shape.layers)
             results[-1].update(kernel_us_per_layer=us,
                                kernel_over_hbm=nbytes / shape.layers / us / 1e3 / bw,
                                read_floor_us=floor_us, kernel_over_floor=floor_us / us,

@@ -138,6 +138,7 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
 
 
 def _shaped(tiles: Int4Tiles, groups: int, split: bool) -> Int4Tiles:
+    """`tiles` with `groups` per step, and unsplit unless `split`."""
     return dataclasses.replace(tiles, groups=groups, up_splits=tiles.up_splits if split else 1,
                                down_splits=tiles.down_splits if split else 1)
 
@@ -440,7 +441,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             if not stream_k:
                 pl.when(ends)(lambda: finish(tile_now, accs))
                 return
-            began_before = first + idx[0] - kk < first  # its head is the previous CTA's
+            began_before = idx[0] < kk  # the tile's head is the previous CTA's
             pl.when(ends & began_before)(lambda: store_part(1, accs))
             pl.when(ends & ~began_before)(lambda: finish(tile_now, accs))
             pl.when(~ends & (idx[0] == mine - 1))(lambda: store_part(0, accs))
@@ -518,7 +519,7 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
         out, carry = out
         out = _join_cut_tiles(out.reshape(c_n, n_out, blocks, bo, r),
                               carry.reshape(2, ctas, nw, bo, r), order, n_valid, k_steps,
-                              epilogue, out_dtype)
+                              epilogue)
     return out.reshape(splits, c_n, n_out, o, r)
 
 
@@ -537,7 +538,7 @@ def _run_of_steps(p, steps, ctas: int, k_steps: int):
     return first, jnp.minimum(first + span, steps) - first
 
 
-def _join_cut_tiles(out, carry, order, n_valid, k_steps: int, epilogue, out_dtype):
+def _join_cut_tiles(out, carry, order, n_valid, k_steps: int, epilogue):
     """Stream-K's tiles cut between CTAs p - 1 and p: epilogue(head + tail) into their place
     in out [C, n_out, blocks, rows, R]; carry [2 (head, tail), P, weights, rows, R]."""
     c_n, _, blocks = out.shape[:3]

@@ -102,8 +102,7 @@ def _stream_k_launch(sums, order, n_valid, ctas, k_steps, epilogue):
     """What the stream-K kernel writes, step by step as its CTAs run (`int4_matmul_t`): each
     step adds its part; a tile's end writes epilogue(sum) in place, or the sum as the tail of
     a tile begun by the previous CTA; a run's end inside a tile writes the sum as its head."""
-    c_n, nw, blocks, rows, r = sums.shape[0], sums.shape[1], sums.shape[2], 4, 3
-    parts = sums.reshape(c_n, nw, blocks, rows, r, k_steps)
+    c_n, nw, blocks, rows, r, _ = sums.shape  # each step's part: sums[..., step]
     out = np.full((c_n, 1, blocks, rows, r), np.nan, np.float32)  # one output: the epilogue's
     carry = np.full((2, ctas, nw, rows, r), np.nan, np.float32)
     steps = int(n_valid) * blocks * k_steps
@@ -113,8 +112,8 @@ def _stream_k_launch(sums, order, n_valid, ctas, k_steps, epilogue):
         for i in range(mine):
             tile, kk = divmod(first + i, k_steps)
             entry, block = order[tile // blocks], tile % blocks
-            acc += parts[entry, :, block, ..., kk]
-            ends, began_before = kk == k_steps - 1, first + i - kk < first
+            acc += sums[entry, :, block, ..., kk]
+            ends, began_before = kk == k_steps - 1, i < kk
             if ends and began_before:
                 carry[1, p], acc = acc, np.zeros_like(acc)
             elif ends:
@@ -136,10 +135,9 @@ def test_stream_k_cut_tiles_join_to_whole_tiles(n_valid, ctas, k_steps, cut):
     valid = rng.permutation(np.arange(c_n) < n_valid)
     order = np.argsort(~valid, kind="stable")
     epilogue = lambda g, u: (g * u,)  # noqa: E731
-    out, carry = _stream_k_launch(sums.reshape(c_n, nw, blocks, -1), order, n_valid, ctas,
-                                  k_steps, epilogue)
+    out, carry = _stream_k_launch(sums, order, n_valid, ctas, k_steps, epilogue)
     joined = np.asarray(_join_cut_tiles(jnp.asarray(out), jnp.asarray(carry), jnp.asarray(order),
-                                        jnp.int32(n_valid), k_steps, epilogue, jnp.float32))
+                                        jnp.int32(n_valid), k_steps, epilogue))
     whole = sums.sum(-1)
     np.testing.assert_allclose(joined[valid, 0], (whole[:, 0] * whole[:, 1])[valid], rtol=1e-5)
     assert np.isnan(joined[~valid]).all()
