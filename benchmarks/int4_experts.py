@@ -52,7 +52,7 @@ NO_LAG = dict(fold_lag=0)
 # stream-K: persistent CTAs taking equal runs of steps across tile boundaries
 SK, SK_NO_LAG = dict(stream_k=True), dict(stream_k=True, fold_lag=0)
 SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools), in order
-    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, halves=True),
+    "mixtral-8x7b": (T(64, 2, 2, 0, 1, **NO_LAG), T(64, 2, 2, 0, 1),
                      T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 2, 2, 4, 1, **SK_NO_LAG)),
                      T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
                      T(64, 2, 2, 0, 1, **NO_LAG, down=T(64, 3, 2, 4, 1, **SK_NO_LAG)),
@@ -60,13 +60,12 @@ SWEEP = {  # per shape: candidates tried on the engine's path (tile-major pools)
                      T(64, 2, 2, 3, 1, **SK), T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2))),
     "mixtral-8x7b, 16 tokens": (T(64, 2, 2, 0, 1), T(64, 2, 2, 0, 1, down=T(64, 2, 2, 4, 1, **SK)),
                                 T(64, 2, 2, 0, 1, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
-                                T(64, 2, 2, 3, 1, **SK), T(64, 2, 2, 0, 1, halves=True)),
+                                T(64, 2, 2, 3, 1, **SK)),
     "qwen3-30b-a3b": (T(64, 2, 2, 3, 1, **SK),
                       T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2, 4, 1, **SK)),
                       T(64, 2, 2, 3, 1, **SK, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
                       T(64, 2, 2, 3, 1, **SK, down=T(64, 3, 2, 4, 1, **SK)),
-                      T(64, 2, 2, 4, 1, **SK_NO_LAG, down=T(64, 2, 2, 5, 1, **SK_NO_LAG)),
-                      T(64, 2, 2, 3, 1, **SK, halves=True), T(64, 2, 2, 4, 1, **SK, halves=True)),
+                      T(64, 2, 2, 4, 1, **SK_NO_LAG, down=T(64, 2, 2, 5, 1, **SK_NO_LAG))),
 }
 
 SHAPES = (

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The int4 GPU tests (kernel, row chunks, the engine's exactness matrix on the Mosaic path, the
 # dequant knob), then the int4 expert benchmark and its tile sweep. Together they take longer
-# than one 600 s device call on a fresh machine (tests ~420 s, benchmark ~150 s): PART=tests or
-# PART=bench runs one of them; TESTS narrows the tests (e.g. to the kernel's own files, ~80 s).
+# than one 600 s device call (tests ~520 s, benchmark ~200 s): PART=tests or PART=bench runs one
+# of them; TESTS narrows the tests. The tests fit two calls: TESTS=tests/test_expert_kernels.py
+# (~240 s), then the other four files (~280 s).
 source "$(dirname "$0")/device_env.sh"
 PART=${PART:-all}
 TESTS=${TESTS:-tests/test_expert_kernels.py tests/test_int4_kernel.py tests/test_moe.py \

@@ -51,8 +51,7 @@ class Int4Tiles:
     finish a last tile); a tile cut between two CTAs is summed from their two parts after the
     kernel, head + tail, in that order (deterministic). `down`: the down kernel's own
     stages, persistence, stream-K, fold lag and split (None: these tiles'); its rows, groups,
-    f16, warpgroups and halves must be these (one tile-major layout serves both kernels).
-    `halves`: each group's wgmma in two of 64 inputs (`multiply_step`)."""
+    f16 and warpgroups must be these (one tile-major layout serves both kernels)."""
 
     rows: int = 64
     stages: int = 4
@@ -65,7 +64,6 @@ class Int4Tiles:
     compute_wgs: int = 1
     stream_k: bool = False
     down: Int4Tiles | None = None
-    halves: bool = False
 
 
 INT4_TILES = Int4Tiles(rows=64, stages=2, groups=2)
@@ -129,8 +127,8 @@ def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in the down kernel's `down_splits` equal parts) and output dims."""
     down = down_tiles(tiles)
-    same = (down.rows, down.groups, down.f16, down.compute_wgs, down.halves, down.down) == (
-        tiles.rows, tiles.groups, tiles.f16, tiles.compute_wgs, tiles.halves, None)
+    same = (down.rows, down.groups, down.f16, down.compute_wgs, down.down) == (
+        tiles.rows, tiles.groups, tiles.f16, tiles.compute_wgs, None)
     step, block = GROUP * tiles.groups, tiles.rows * tiles.compute_wgs
     return (same and _kernel_ok(tiles, tiles.up_splits) and _kernel_ok(down, down.down_splits)
             and all(k % step == 0 and k % block == 0 for k in (d, f))
@@ -266,52 +264,38 @@ def _fold(temp, scale, acc, wait_n):
                 + part * lax.broadcast_in_dim(scale, part.shape, [0]))
 
 
-def unit_width(tiles: Int4Tiles) -> int:
-    """Inputs per wgmma of the int4 kernels: a scale group, or half of one with `halves`."""
-    return GROUP // 2 if tiles.halves else GROUP
-
-
 def _units(weight_smem, accs, tiles: Int4Tiles):
-    """Per scale group and weight: its pieces (lazily: each converted tile [rows, width] in
-    registers with its first input), its scales' smem, the group, the weight's running sum."""
+    """Per scale group and weight: its converted tile [rows, 128], its scales' smem, the group,
+    the weight's running sum."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    width = unit_width(tiles)
     weights_accs = list(zip(weight_smem[::2], weight_smem[1::2], accs, strict=True))
     for g, (w_smem, s_smem, acc) in itertools.product(range(tiles.groups), weights_accs):
-        def pieces(w_smem=w_smem, g=g):
-            for start in range(g * GROUP, (g + 1) * GROUP, width):
-                w = plgpu.load(w_smem.at[:, pl.ds(start, width)], (),
-                               layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                yield _as_wgmma(w, tiles.f16), start, width
-        yield pieces(), s_smem, g, acc
+        w = plgpu.load(w_smem.at[:, pl.ds(g * GROUP, GROUP)], (),
+                       layout=plgpu.Layout.WGMMA_UPCAST_4X)
+        yield _as_wgmma(w, tiles.f16), s_smem, g, acc
 
 
 def multiply_step(operand, weight_smem, accs, temps, tiles: Int4Tiles) -> None:
     """One pipeline step of the int4 kernels: each group's wgmma (weights converted in
-    registers, times `operand(start, width)`, those inputs' activations as the B operand
-    [width, R]) into one of two temporaries, folded into its running sum while the next group's
-    first wgmma runs (`fold_lag=1`) or as soon as it is done (0). With `halves`, a group is two
-    wgmmas of 64 inputs, the second converted while the first runs and after the previous
-    group's fold: fewer converted weights live (Mixtral gate/up 120 registers instead of 137,
-    a fourth CTA per SM). weight_smem: (int4 tile, scales) per weight; accs: their sums."""
+    registers, times `operand(g)`, the group's activations as the B operand [128, R]) into one of
+    two temporaries, folded into its running sum while the next group's runs (`fold_lag=1`) or
+    as soon as it is done (0). weight_smem: (int4 tile, scales) per weight; accs: their sums."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     zero = plgpu.layout_cast(jnp.zeros(temps[0].shape, jnp.float32), plgpu.Layout.WGMMA)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     pending = None
-    for i, (pieces, s_smem, g, acc) in enumerate(_units(weight_smem, accs, tiles)):
+    for i, (w, s_smem, g, acc) in enumerate(_units(weight_smem, accs, tiles)):
         temps[i % 2][...] = zero
-        for j, (w, start, width) in enumerate(pieces):
-            plgpu.wgmma(temps[i % 2], w, operand(start, width))
-            if j == 0 and pending is not None:
-                _fold(*pending, wait_n=1)
-                pending = None
+        plgpu.wgmma(temps[i % 2], w, operand(g))
         scale = plgpu.load(s_smem.at[g], (), layout=row_layout).astype(jnp.float32)
         if not tiles.fold_lag:
             _fold(temps[i % 2], scale, acc, wait_n=0)
             continue
+        if pending is not None:  # the previous group's wgmma, while this one runs
+            _fold(*pending, wait_n=1)
         pending = (temps[i % 2], scale, acc)
     # Waiting here keeps the kernel free of automatic barriers: no wgmma still reads a buffer
     # the pipeline refills after this step.
@@ -447,14 +431,13 @@ def int4_matmul_t(x, order, n_valid, slots, weights, tiles: Int4Tiles = INT4_TIL
             pl.when(~ends & (idx[0] == mine - 1))(lambda: store_part(0, accs))
 
         def multiply(x_smem, weight_smem, accs, temps):
-            multiply_step(lambda start, width: x_smem.at[:, pl.ds(start, width)].T,
-                          weight_smem, accs, temps, tiles)
+            multiply_step(lambda g: x_smem.at[:, pl.ds(g * GROUP, GROUP)].T, weight_smem, accs,
+                          temps, tiles)
 
         # swizzles sized for one group, so that each group's columns are whole tiles
         specs = [plgpu.BlockSpec((r, bk), x_index, transforms=_swizzled(GROUP, 16))]
         for _ in range(nw):
-            specs += [plgpu.BlockSpec((bo_cta, bk), w_index,
-                                      transforms=_swizzled(unit_width(tiles), 4)),
+            specs += [plgpu.BlockSpec((bo_cta, bk), w_index, transforms=_swizzled(GROUP, 4)),
                       plgpu.BlockSpec((tiles.groups, bo_cta), s_index)]
         # nw running sums, and two accumulators that the groups' wgmmas alternate between
         accumulators = [plgpu.ACC((bo, r)) for _ in range(nw + 2)]

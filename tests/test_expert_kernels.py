@@ -138,10 +138,7 @@ MOSAIC_TILES = [
                           down=int4_kernel.Int4Tiles(64, 4, 2, ctas_per_sm=1, stream_k=True)),
     # one CTA per gate/up tile, a stream-K down kernel
     int4_kernel.Int4Tiles(64, 3, 1, fold_lag=0, down=int4_kernel.Int4Tiles(
-        64, 3, 1, ctas_per_sm=2, fold_lag=0, stream_k=True)),
-    # each group's wgmma in two halves of 64 inputs
-    int4_kernel.Int4Tiles(64, 2, 2, halves=True),
-    int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True, halves=True)]
+        64, 3, 1, ctas_per_sm=2, fold_lag=0, stream_k=True))]
 
 
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
@@ -278,8 +275,7 @@ def test_int4_kernel_fits_whole_steps_and_row_tiles():
     assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2,
                                                              down=int4_kernel.Int4Tiles(64, 4, 2)))
     for other in (int4_kernel.Int4Tiles(128, 2, 2), int4_kernel.Int4Tiles(64, 2, 1),
-                  int4_kernel.Int4Tiles(64, 2, 2, f16=False),
-                  int4_kernel.Int4Tiles(64, 2, 2, halves=True)):
+                  int4_kernel.Int4Tiles(64, 2, 2, f16=False)):
         assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, down=other))
     split_down = int4_kernel.Int4Tiles(64, 2, 2, down=int4_kernel.Int4Tiles(64, 2, 2,
                                                                             down_splits=2))

@@ -133,7 +133,7 @@ def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles |
                         h_gmem.at[pl.ds(entry * f + block * bo, bo)], sems.at[entry])
 
         def step1(idx, x_smem, *weight_smem, accs, temps):
-            multiply_step(lambda start, width: x_smem.at[:, pl.ds(start, width)].T, weight_smem,
+            multiply_step(lambda g: x_smem.at[:, pl.ds(g * GROUP, GROUP)].T, weight_smem,
                           accs, temps, up_tiles)
             pl.when(idx[1] == k1 - 1)(lambda: finish1(idx[0], accs))
 
@@ -147,8 +147,8 @@ def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles |
             plgpu.copy_smem_to_gmem(o2_smem, y_gmem.at[pl.ds(entry * d + block * bo, bo)])
 
         def step2(idx, w_smem, s_smem, h_smem, *, accs, temps):
-            multiply_step(lambda start, width: h_smem.at[pl.ds(start, width)], (w_smem, s_smem),
-                          accs, temps, down_tiles)
+            multiply_step(lambda g: h_smem.at[pl.ds(g * GROUP, GROUP)], (w_smem, s_smem), accs,
+                          temps, down_tiles)
             pl.when(idx[1] == k2 - 1)(lambda: finish2(idx[0], accs))
 
         def h_index(i, kk):  # the entry's h is complete before its first block is fetched

@@ -179,7 +179,7 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
                     @pl.when(g < steps1)
                     def _():
                         plgpu.barrier_wait(loaded1.at[slot])
-                        multiply_step(lambda start, width: xs.at[slot].at[:, pl.ds(start, width)].T,
+                        multiply_step(lambda gg: xs.at[slot].at[:, pl.ds(gg * GROUP, GROUP)].T,
                                       own(slot, (wa, sa), (wb, sb)), (a1, a3), (t1, t2),
                                       up_tiles)
                         plgpu.barrier_arrive(consumed.at[slot])
@@ -188,7 +188,7 @@ def fused_ws_swiglu_int4(x, slots, pool: ExpertPool, valid=None, stages: int = 4
                     @pl.when(g >= steps1)
                     def _():
                         plgpu.barrier_wait(loaded2.at[slot])
-                        multiply_step(lambda start, width: hs.at[slot].at[pl.ds(start, width)],
+                        multiply_step(lambda gg: hs.at[slot].at[pl.ds(gg * GROUP, GROUP)],
                                       own(slot, (wa, sa)), (a1,), (t1, t2), down_tiles)
                         plgpu.barrier_arrive(consumed.at[slot])
                         g2 = g - steps1
