@@ -137,7 +137,7 @@ def routing(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return np.array(ids, np.int32), np.array(counts, np.int32), np.array(sels, np.int32)
 
 
-def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
+def run_shape(shape: Shape, bw: float) -> list[dict]:
     pool = random_int4_pool(jax.random.PRNGKey(1), shape.layers * shape.experts, shape.d, shape.f)
     ids, counts, sels = routing(shape, 2)
     active = [len(np.unique(np.nonzero(c)[0])) for c in counts]
@@ -185,7 +185,7 @@ def run_shape(shape: Shape, bw: float, skip_ws: bool = False) -> list[dict]:
 
     best, sweep = None, []
     for t in SWEEP[shape.name]:
-        if not int4_kernel.fits(shape.d, shape.f, t) or (skip_ws and t.compute_wgs > 1):
+        if not int4_kernel.fits(shape.d, shape.f, t):
             continue
         fn = over_layers(engine_path(t), tiled(pool, t, layouts))
         try:
@@ -282,8 +282,6 @@ def bytes_table() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--skip-ws", action="store_true",
-                        help="leave the warp-specialized candidates out of the sweep")
     parser.add_argument("--shapes", default="",
                         help="only the shapes whose name contains this (default: all)")
     args = parser.parse_args()
@@ -291,7 +289,7 @@ def main() -> None:
     result["hbm_GBps"] = bw = hbm_bandwidth()
     result["kernels"], result["sweep"] = [], []
     for shape in (s for s in SHAPES if args.shapes in s.name):
-        kernels, sweep = run_shape(shape, bw["read"], args.skip_ws)
+        kernels, sweep = run_shape(shape, bw["read"])
         result["kernels"] += kernels
         result["sweep"] += sweep
     rescale_to_best_bound(result, hbm_bandwidth())
