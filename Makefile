@@ -1,20 +1,23 @@
-# Two entry points: `make demo` and `make test`. Each creates .venv on a fresh machine.
+# Two entry points: `make demo` and `make test`. Each creates .venv on a fresh machine and
+# installs from the pinned environment in requirements/lock.txt.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+LOCK := requirements/lock.txt
+PIP_VERSION := 26.3
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint lock test-latest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q pip==$(PIP_VERSION)
 
-$(VENV)/.base: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+$(VENV)/.base: pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q -c $(LOCK) -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+$(VENV)/.test: pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q -c $(LOCK) -e '.[test]'
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
@@ -27,5 +30,24 @@ test: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
 
+# Re-resolve every dependency at its newest release into the lock (review the diff, then
+# `make test`): the lock changes only when someone asks for it.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install -q pip==$(PIP_VERSION)
+	.venv-lock/bin/pip install -q -e '.[test]'
+	{ echo "# The pinned environment: every run and test dependency as a fresh resolution gave it"; \
+	  echo "# on $$(date +%F) (Python 3.11, CPU). Regenerate: make lock. Newest: make test-latest."; \
+	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^#'; } > $(LOCK)
+	rm -rf .venv-lock
+
+# The tests against today's newest releases, in a venv of their own (the lock is untouched).
+test-latest:
+	rm -rf .venv-latest
+	$(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install -q -e '.[test]'
+	.venv-latest/bin/pytest -q
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-lock .venv-latest .pytest_cache .ruff_cache

@@ -47,11 +47,29 @@ GEN_PROMPTS = [PROMPTS[0][:5], PROMPTS[1]]
 LOGIT_TOL = 1e-4
 
 
+ROUTING_MARGIN = 1e-4  # least gap between the k-th and (k+1)-th router probability
+
+
 def build_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """A tiny float32 model whose weights are large enough for non-degenerate routing."""
+    """A tiny float32 model whose weights are large enough for non-degenerate routing.
+
+    The reference runs transformers' eager experts (one plain matmul per expert): its default
+    `grouped_mm` experts round differently at the ulp level. The weights are redrawn (next
+    seed) until no token of PROMPTS sits within ROUTING_MARGIN of a routing tie, where an ulp
+    in either library would pick other experts and the comparison would test nothing.
+    """
     cfg = transformers.AutoConfig.for_model(family, **{**BASE, **FAMILY_KW[family], **overrides})
+    for draw in range(seed, seed + 50):
+        model = _draw_model(cfg, draw)
+        if routing_margin(model, PROMPTS) >= ROUTING_MARGIN:
+            return model
+    raise AssertionError(f"{family}: 50 draws all route PROMPTS within {ROUTING_MARGIN} of a tie")
+
+
+def _draw_model(cfg, seed: int) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.float32, experts_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -61,6 +79,28 @@ def build_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrai
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def routing_margin(model, prompts: list[list[int]]) -> float:
+    """Smallest gap, over tokens and layers, between the last chosen and the first unchosen
+    expert's router probability."""
+    k = model.config.num_experts_per_tok
+    gaps = []
+
+    def hook(_module, _inputs, out):
+        logits = out[0] if isinstance(out, tuple) else out
+        top = torch.topk(torch.softmax(logits.float(), dim=-1), k + 1, dim=-1).values
+        gaps.append(float((top[..., k - 1] - top[..., k]).min()))
+
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    handles = [g.register_forward_hook(hook) for g in gates]
+    try:
+        hf_logits(model, prompts)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(gaps) == model.config.num_hidden_layers, "router modules not found"
+    return min(gaps)
 
 
 def hf_logits(model, prompts: list[list[int]]) -> np.ndarray:
