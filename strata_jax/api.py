@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import model as mdl
+from strata_jax import step
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.config import ModelConfig
 from strata_jax.moe import ExpertPool
@@ -54,13 +54,19 @@ def resident_pool(config: ModelConfig, experts: dict[str, np.ndarray]) -> Expert
 def dense_params(
     config: ModelConfig, globals_: dict[str, np.ndarray], layers: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Device params the model functions take: globals plus one dict per layer (qkv fused)."""
+    """Device params the step takes: globals plus "layers", each name stacked over layers
+    (qkv fused), which the step scans."""
     dtype = jnp.dtype(config.dtype)
     params: dict[str, Any] = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
-    params["layers"] = tuple(
-        fuse_qkv({k: _device_array(v, dtype) for k, v in lp.items()}) for lp in layers
-    )
+    fused = [fuse_qkv({k: np.asarray(v) for k, v in lp.items()}) for lp in layers]
+    params["layers"] = {k: _device_array(np.stack([lp[k] for lp in fused]), dtype)
+                        for k in fused[0]}
     return params
+
+
+def layer_params(params: dict[str, Any], layer: int) -> dict[str, Any]:
+    """One layer's dense params out of the stacked ones."""
+    return {k: v[layer] for k, v in params["layers"].items()}
 
 
 def read_dense_params(reader: CheckpointReader) -> dict[str, Any]:
@@ -77,15 +83,18 @@ def _device_array(v: Any, dtype) -> jax.Array:
     return jnp.asarray(v, dtype)
 
 
-def fuse_qkv(lp: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three."""
+def fuse_qkv(lp: dict[str, Any]) -> dict[str, Any]:
+    """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three.
+    Works on numpy and jax arrays alike."""
     lp = dict(lp)
+    cat = np.concatenate if all(isinstance(lp[k], np.ndarray) for k in ("wq", "wk", "wv")
+                                if k in lp) else jnp.concatenate
     for suffix in ("", "_scale"):
         if f"wq{suffix}" in lp:
             parts = [lp.pop(f"w{p}{suffix}") for p in "qkv"]
-            lp[f"wqkv{suffix}"] = jnp.concatenate(parts, axis=-1)
+            lp[f"wqkv{suffix}"] = cat(parts, axis=-1)
     if "bq" in lp:
-        lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
+        lp["bqkv"] = cat([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
     return lp
 
 
@@ -109,71 +118,86 @@ def _stack_experts(ex, reader: CheckpointReader, kind: str, layers: int, experts
     return np.stack([np.stack([f.result() for f in row]) for row in futures])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _forward(cfg, params, pool, slot_table, tokens):
-    return mdl.forward(cfg, params, pool, slot_table, tokens)
-
-
 def logits(model: Model, tokens: Any) -> np.ndarray:
     """Full causal forward of int32 tokens [B, T] -> numpy float32 logits [B, T, vocab]."""
+    return np.asarray(_forward(model, tokens)[0], dtype=np.float32)
+
+
+def routing(model: Model, tokens: Any) -> np.ndarray:
+    """Every layer's selected experts of the causal forward of tokens [B, T]:
+    int32 [layers, B * T, top_k]."""
+    return np.asarray(_forward(model, tokens)[1].experts)
+
+
+def _forward(model: Model, tokens: Any):
     tokens = np.asarray(tokens, dtype=np.int32)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
-    _check_vocab(model.config, tokens)
-    out = _forward(model.config, model.params, model.experts, model.slot_table, tokens)
-    return np.asarray(out, dtype=np.float32)
+    check_tokens(model.config, tokens)
+    return step.forward(model.config, step.StepPlan(), model.params, model.experts,
+                        step.resident_tiers(model.slot_table), tokens)
 
 
-def _check_vocab(cfg: ModelConfig, tokens: np.ndarray) -> None:
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
-        raise ValueError(
-            f"token ids must be in [0, {cfg.vocab_size}), got {tokens.min()}..{tokens.max()}"
-        )
+def check_tokens(cfg: ModelConfig, tokens: Any, what: str = "tokens") -> None:
+    """Refuse ids outside the vocabulary, naming `what` (a request, a flag) and the value."""
+    tokens = np.asarray(tokens)
+    bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
+    if bad.size:
+        raise ValueError(f"{what}: token id {int(bad[0])} is outside the vocabulary "
+                         f"[0, {cfg.vocab_size})")
 
 
-def bucket(n: int, minimum: int = 8) -> int:
-    """Smallest power of two >= max(n, minimum): the prefill length buckets."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
+def check_request(cfg: ModelConfig, index: int, prompt: Any, max_new_tokens: int,
+                  max_len: int) -> None:
+    """The checks every path makes of request `index` before it takes a row."""
+    what = f"request {index}"
+    if len(prompt) == 0:
+        raise ValueError(f"{what}: the prompt is empty")
+    if max_new_tokens < 1:
+        raise ValueError(f"{what}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(prompt) + max_new_tokens > max_len:
+        raise ValueError(f"{what}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
+                         f"max_len={max_len}")
+    check_tokens(cfg, prompt, what)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_len"))
-def _prefill_first(cfg, params, pool, slot_table, tokens, lengths, max_len):
-    all_logits, cache = mdl.prefill(cfg, params, pool, slot_table, tokens, max_len)
-    last = all_logits[jnp.arange(tokens.shape[0]), lengths - 1]
-    return jnp.argmax(last, axis=-1).astype(jnp.int32), cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "steps"))
-def _greedy_decode(cfg, params, pool, slot_table, cache, first, lengths, steps):
-    """`steps` greedy decode steps in one compiled loop; returns tokens [B, steps + 1]."""
-    out = jnp.zeros((first.shape[0], steps + 1), jnp.int32).at[:, 0].set(first)
-
-    def body(i, carry):
-        out, cache = carry
-        step_logits, cache = mdl.decode_step(
-            cfg, params, pool, slot_table, cache, out[:, i], lengths + i
-        )
-        return out.at[:, i + 1].set(jnp.argmax(step_logits, -1).astype(jnp.int32)), cache
-
-    out, cache = jax.lax.fori_loop(0, steps, body, (out, cache))
+def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, *,
+             batch_capacity: int = 16, max_len: int = 256) -> list[list[int]]:
+    """Greedy generation of the new tokens of each prompt, through the one compiled step
+    (`step.prefill` per row, then `step.decode` over `batch_capacity` rows of `max_len`
+    positions; groups of at most `batch_capacity` prompts in turn). A prompt's tokens do not
+    depend on the others; the offload engine with the same capacity and length gives the
+    same bits."""
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    for i, p in enumerate(prompts):
+        check_request(model.config, i, p, max_new_tokens, max_len)
+    out: list[list[int]] = []
+    for first in range(0, len(prompts), batch_capacity):
+        group = prompts[first : first + batch_capacity]
+        out += _generate_group(model, group, max_new_tokens, batch_capacity, max_len)
     return out
 
 
-def generate(model: Model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy generation through prefill + decode_step; returns only the new tokens."""
-    if max_new_tokens < 1:
-        return [[] for _ in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt and no empty prompt")
-    cfg = model.config
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    t = bucket(int(lengths.max()))
-    tokens = np.zeros((len(prompts), t), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    _check_vocab(cfg, tokens)
-    max_len = bucket(t + max_new_tokens, minimum=64)
-    args = (cfg, model.params, model.experts, model.slot_table)
-    first, cache = _prefill_first(*args, tokens, lengths, max_len)
-    out = _greedy_decode(*args, cache, first, lengths, max_new_tokens - 1)
-    return np.asarray(out).tolist()
+def _generate_group(model: Model, prompts, new: int, capacity: int, max_len: int):
+    cfg, plan = model.config, step.StepPlan()
+    args = (cfg, plan, model.params, model.experts, step.resident_tiers(model.slot_table))
+    state = step.init_state(cfg, capacity, max_len)
+    for row, prompt in enumerate(prompts):
+        state = prefill_row(args, state, row, prompt)
+    tokens = [jnp.copy(state.tokens)]  # (decode donates the state)
+    for _ in range(new - 1):
+        state, out, _ = step.decode(*args, state)
+        tokens.append(out.tokens)
+    table = np.stack(jax.device_get(tokens), axis=1)
+    return table[: len(prompts)].tolist()
+
+
+def prefill_row(args: tuple, state: step.DecodeState, row: int, prompt) -> step.DecodeState:
+    """Prefill `prompt` into `row` by `step.prefill_chunks` with the resident programs."""
+    prompt = np.asarray(prompt, np.int32)
+    for start, size, count in step.prefill_chunks(len(prompt)):
+        chunk = np.zeros(size, np.int32)
+        chunk[:count] = prompt[start : start + count]
+        state, _, _ = step.prefill(*args, state, row, chunk, start, count)
+    return state

@@ -25,13 +25,15 @@ pieces are the inference functions themselves (`model.causal_attention`, `model.
 `model.moe_block`, `model.lm_head`), run in float32 with this layer's params fused as the model
 expects them and an ExpertPool of its experts (slot = expert id). An expert
 reached by fewer than `min_tokens` calibration tokens (default `gptq.default_min_tokens(K)`)
-is rounded to nearest instead and listed in the report.
+is rounded to nearest instead, listed in the report and in a `CalibrationWarning` per layer.
 
-Calibration sequences come from a file (.npy int array [N, T], or .json list of equal-length
-token lists) or are sampled from the float model itself (temperature 1, random first tokens),
+Calibration sequences come from a file (.npy int array [N, T], or .json list of token lists of
+any lengths) or are sampled from the float model itself (temperature 1, random first tokens),
 which loads the *whole float model* resident for the sampling. Either way a `mix_random`
 fraction of the sequences are uniform-random tokens, so that rarely routed experts still get
-calibration data.
+calibration data. Sequences of different lengths are right-padded to the longest one: attention
+is causal, so a sequence's real tokens never see its padding, and only real tokens' rows enter
+the Hessians and the per-expert token counts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,7 +55,7 @@ import scipy.special
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
 
-from strata_jax import gptq, quant
+from strata_jax import gptq, quant, step
 from strata_jax import model as mdl
 from strata_jax.api import Model, fuse_qkv, load
 from strata_jax.checkpoint import (
@@ -60,7 +63,9 @@ from strata_jax.checkpoint import (
     FLOAT,
     CheckpointReader,
     CheckpointWriter,
+    check_destination,
     expert_arrays,
+    expert_shape,
 )
 from strata_jax.config import ModelConfig
 from strata_jax.layers import rms_norm
@@ -72,6 +77,8 @@ REPORT_FILE = "quantize_report.json"
 SEQ_BATCH = 16  # calibration sequences per jitted forward call
 SAMPLE_BATCH = 64  # sequences sampled at once
 CALIB_STREAM, HELDOUT_STREAM = 0, 1  # sampling streams: held-out tokens never repeat calibration
+PAD_TOKEN = 0  # right-padding of shorter calibration sequences (never enters any statistic)
+WARN_LISTED = 16  # experts named per CalibrationWarning line (the report lists them all)
 
 Params = dict[str, Any]
 
@@ -116,6 +123,17 @@ class QuantOptions:
 
 
 # ------------------------------------------------------------------------------------- report
+
+
+class CalibrationWarning(UserWarning):
+    """GPTQ got too few calibration tokens for some weights, which were rounded to nearest.
+
+    `fallbacks`: (layer, expert id or dense matrix names, calibration tokens) of each.
+    """
+
+    def __init__(self, message: str, fallbacks: tuple[tuple[int, int | str, int], ...]) -> None:
+        super().__init__(message)
+        self.fallbacks = fallbacks
 
 
 @dataclass(frozen=True)
@@ -208,10 +226,29 @@ class QuantReport:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Calibration token sequences int32 [N, T] and how they were made."""
+    """Calibration sequences: int32 [N, T] right-padded with PAD_TOKEN past each of `lengths`."""
 
     tokens: np.ndarray
+    lengths: np.ndarray  # int [N], real tokens per sequence
     description: str
+
+    @property
+    def valid(self) -> np.ndarray:
+        """bool [N, T]: which positions are real tokens."""
+        return np.arange(self.tokens.shape[1]) < self.lengths[:, None]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def pad_sequences(seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 [N, max length] right-padded with PAD_TOKEN, lengths [N]) of token sequences."""
+    lengths = np.array([len(q) for q in seqs], np.int64)
+    tokens = np.full((len(seqs), int(lengths.max())), PAD_TOKEN, np.int32)
+    for row, q in zip(tokens, seqs, strict=True):
+        row[: len(q)] = q
+    return tokens, lengths
 
 
 def parse_calib(spec: str | int) -> str | int:
@@ -229,33 +266,57 @@ def parse_calib(spec: str | int) -> str | int:
     return str(path)
 
 
-def read_token_file(path: str | os.PathLike, vocab_size: int) -> np.ndarray:
-    """Token sequences from .npy (int [N, T]) or .json (list of equal-length lists) -> int32."""
+def read_token_sequences(path: str | os.PathLike, vocab_size: int) -> list[np.ndarray]:
+    """Token sequences (int32, any lengths) from .npy (int [N, T]) or .json (list of lists)."""
     path = Path(path)
     try:
-        raw = np.load(path) if path.suffix == ".npy" else _json_tokens(path)
+        seqs = _npy_tokens(path) if path.suffix == ".npy" else _json_tokens(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"token file {path}: unreadable ({e})") from e
-    if raw.ndim != 2 or raw.size == 0 or not np.issubdtype(raw.dtype, np.integer):
-        raise ValueError(
-            f"token file {path}: expected a non-empty integer array [sequences, length] "
-            f"(equal-length sequences), got dtype {raw.dtype} shape {raw.shape}"
-        )
-    if raw.min() < 0 or raw.max() >= vocab_size:
-        raise ValueError(
-            f"token file {path}: token ids must be in [0, {vocab_size}), "
-            f"got {raw.min()}..{raw.max()}"
-        )
-    return raw.astype(np.int32)
+    if not seqs:
+        raise ValueError(f"token file {path}: no sequences")
+    for i, q in enumerate(seqs):
+        if q.size == 0:
+            raise ValueError(f"token file {path}: sequence {i} is empty")
+        if q.min() < 0 or q.max() >= vocab_size:
+            raise ValueError(
+                f"token file {path}: token ids must be in [0, {vocab_size}), "
+                f"got {q.min()}..{q.max()} in sequence {i}"
+            )
+    return [q.astype(np.int32) for q in seqs]
 
 
-def _json_tokens(path: Path) -> np.ndarray:
+def read_token_file(path: str | os.PathLike, vocab_size: int) -> np.ndarray:
+    """Equal-length token sequences int32 [N, T] from a .npy or .json file (see above)."""
+    seqs = read_token_sequences(path, vocab_size)
+    lengths = sorted({len(q) for q in seqs})
+    if len(lengths) > 1:
+        raise ValueError(
+            f"token file {path}: sequences must be equal-length here, got lengths "
+            f"{lengths[0]}..{lengths[-1]}"
+        )
+    return np.stack(seqs)
+
+
+def _npy_tokens(path: Path) -> list[np.ndarray]:
+    raw = np.load(path)
+    if raw.ndim != 2 or not np.issubdtype(raw.dtype, np.integer):
+        raise ValueError(
+            f"expected an integer array [sequences, length], got dtype {raw.dtype} "
+            f"shape {raw.shape}"
+        )
+    return list(raw)
+
+
+def _json_tokens(path: Path) -> list[np.ndarray]:
     data = json.loads(path.read_text())
     if not isinstance(data, list) or not all(isinstance(seq, list) for seq in data):
         raise ValueError("expected a list of token lists")
-    if len({len(seq) for seq in data}) > 1:
-        raise ValueError("sequences must be equal-length")
-    return np.asarray(data)
+    for i, seq in enumerate(data):
+        bad = next((t for t in seq if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ValueError(f"sequence {i}: {bad!r} is not a token id (an integer)")
+    return [np.asarray(seq, np.int64) for seq in data]
 
 
 def random_sequences(n: int, length: int, vocab_size: int, seed: int) -> np.ndarray:
@@ -265,21 +326,23 @@ def random_sequences(n: int, length: int, vocab_size: int, seed: int) -> np.ndar
 
 @functools.partial(jax.jit, static_argnames=("cfg", "length"))
 def _sample_batch(cfg, params, pool, slot_table, first, seed_words, length):
-    """Temperature-1 continuations of first tokens [B] to [B, length], KV-cached."""
+    """Temperature-1 continuations of first tokens [B] to [B, length], through the step."""
     b = first.shape[0]
     key = jax.random.key(0)
     for i in range(seed_words.shape[0]):
         key = jax.random.fold_in(key, seed_words[i])
     out = jnp.zeros((b, length), jnp.int32).at[:, 0].set(first)
+    tiers = step.resident_tiers(slot_table)
+    state = step.init_state(cfg, b, length).replace(tokens=first, live=jnp.ones(b, jnp.bool_))
 
     def body(i, carry):
-        out, cache = carry
-        pos = jnp.full((b,), i, jnp.int32)
-        logits, cache = mdl.decode_step(cfg, params, pool, slot_table, cache, out[:, i], pos)
-        nxt = jax.random.categorical(jax.random.fold_in(key, i), logits.astype(jnp.float32))
-        return out.at[:, i + 1].set(nxt.astype(jnp.int32)), cache
+        out, state = carry
+        state, step_out, _ = step.decode_step(cfg, step.StepPlan(), params, pool, tiers, state)
+        nxt = jax.random.categorical(jax.random.fold_in(key, i), step_out.logits)
+        state = state.replace(tokens=nxt.astype(jnp.int32))
+        return out.at[:, i + 1].set(state.tokens), state
 
-    out, _ = jax.lax.fori_loop(0, length - 1, body, (out, mdl.init_cache(cfg, b, length)))
+    out, _ = jax.lax.fori_loop(0, length - 1, body, (out, state))
     return out
 
 
@@ -328,11 +391,7 @@ def calibration_tokens(
         raise ValueError(f"mix_random must be in [0, 1), got {mix_random}")
     spec = parse_calib(spec)
     if isinstance(spec, str):
-        data = read_token_file(spec, cfg.vocab_size)
-        n_rand = round(len(data) * mix_random / (1 - mix_random))
-        rand = random_sequences(n_rand, data.shape[1], cfg.vocab_size, seed)
-        desc = f"file {spec}: {len(data)} x {data.shape[1]} tokens + {n_rand} random sequences"
-        return Calibration(np.concatenate([data, rand]), desc)
+        return _file_calibration(spec, cfg.vocab_size, mix_random, seed)
     n_rand = round(spec * mix_random)
     sampled = sample_sequences(load(src), spec - n_rand, calib_len, seed, CALIB_STREAM)
     rand = random_sequences(n_rand, calib_len, cfg.vocab_size, seed)
@@ -340,7 +399,21 @@ def calibration_tokens(
         f"{spec - n_rand} sequences sampled from the float model (temperature 1, seed {seed}) "
         f"+ {n_rand} random sequences, length {calib_len}"
     )
-    return Calibration(np.concatenate([sampled, rand]), desc)
+    tokens = np.concatenate([sampled, rand])
+    return Calibration(tokens, np.full(len(tokens), calib_len), desc)
+
+
+def _file_calibration(path: str, vocab_size: int, mix_random: float, seed: int) -> Calibration:
+    """A token file's sequences, and random ones taking the file's lengths in turn."""
+    data, lengths = pad_sequences(read_token_sequences(path, vocab_size))
+    n_rand = round(len(data) * mix_random / (1 - mix_random))
+    rand = random_sequences(n_rand, data.shape[1], vocab_size, seed)
+    rand_lengths = lengths[np.arange(n_rand) % len(lengths)]
+    rand[np.arange(data.shape[1]) >= rand_lengths[:, None]] = PAD_TOKEN
+    lo, hi = lengths.min(), lengths.max()
+    shape = f"{len(data)} x {hi}" if lo == hi else f"{len(data)} x {lo}..{hi} ({lengths.sum()})"
+    desc = f"file {path}: {shape} tokens + {n_rand} random sequences"
+    return Calibration(np.concatenate([data, rand]), np.concatenate([lengths, rand_lengths]), desc)
 
 
 # ----------------------------------------------------------------------- layer forward pieces
@@ -436,6 +509,12 @@ def swiglu_hidden(x: np.ndarray, w1: np.ndarray, w3: np.ndarray) -> np.ndarray:
     return (gate * scipy.special.expit(gate)) * (x @ w3)
 
 
+def real_rows(a: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """a [..., C] as token rows [M, C], only those marked in `rows` (bool [M], None: all)."""
+    a = a.reshape(-1, a.shape[-1])
+    return a if rows is None else a[rows]
+
+
 def routed_rows(experts: np.ndarray, num_experts: int) -> list[np.ndarray]:
     """For each expert, the token rows whose top-k names it."""
     return [np.nonzero((experts == e).any(axis=-1))[0] for e in range(num_experts)]
@@ -496,6 +575,8 @@ def _quantize_matrices(
     acc = _accumulate(x) if x is not None and opts.dense == "int8-gptq" else None
     ws = [np.asarray(state.stored[n], np.float32) for n in names]
     fused, method = _int8(np.concatenate(ws, axis=-1), acc, opts)
+    if opts.dense == "int8-gptq" and method == "rtn":
+        _warn_dense_fallback(state.layer, names, acc.count if acc else 0, ws[0].shape[0])
     splits = np.cumsum([w.shape[-1] for w in ws])[:-1]
     for n, q, s in zip(
         names, np.split(fused.q, splits, -1), np.split(fused.scales, splits), strict=True
@@ -563,9 +644,13 @@ class _LayerResult(NamedTuple):
 
 def _quantize_layer(
     cfg32: ModelConfig, reader: CheckpointReader, layer: int, x: np.ndarray | None,
-    opts: QuantOptions,
+    opts: QuantOptions, rows: np.ndarray | None = None,
 ) -> _LayerResult:  # fmt: skip
-    """Quantize one layer, fitting GPTQ to the inputs x [N, T, D] (None: round to nearest)."""
+    """Quantize one layer, fitting GPTQ to the inputs x [N, T, D] (None: round to nearest).
+
+    `rows` (bool [N * T], None: all) marks the real tokens of right-padded sequences: only
+    they enter the Hessians and the routed token counts.
+    """
     state = _LayerState(layer, dict(reader.read_layer_dense(layer)))
     experts = dict(reader.iter_layer_experts(layer))
     if x is None:
@@ -577,15 +662,15 @@ def _quantize_layer(
 
     lp = _fused(state)
     h = batched(lambda xb, pos: _attn_norm(cfg32, lp, xb), x)
-    _quantize_matrices(state, ("wq", "wk", "wv"), h, opts)
+    _quantize_matrices(state, ("wq", "wk", "wv"), real_rows(h, rows), opts)
     lp = _fused(state)
     del h
     o = batched(lambda xb, pos: _attention_out(cfg32, lp, xb, pos), x)
-    _quantize_matrices(state, ("wo",), o, opts)
+    _quantize_matrices(state, ("wo",), real_rows(o, rows), opts)
     del o
     lp = _fused(state)
     x_mid = attention_residuals(cfg32, lp, x)
-    h2, routes = moe_inputs(cfg32, lp, x_mid)
+    h2, routes = (real_rows(a, rows) for a in moe_inputs(cfg32, lp, x_mid))
     if cfg32.has_shared_expert:
         _quantize_matrices(state, _SHARED[0], h2, opts)
         mid = None
@@ -614,6 +699,43 @@ def _dense_weight(stored: dict[str, np.ndarray], name: str) -> np.ndarray:
     return np.asarray(w, np.float32)
 
 
+def _threshold(opts: QuantOptions, k: int) -> int:
+    """Fewest routed tokens for GPTQ on an input dim of k (as `gptq.needs_rtn_fallback`)."""
+    return gptq.default_min_tokens(k) if opts.min_tokens is None else opts.min_tokens
+
+
+def _warn_dense_fallback(layer: int, names: tuple[str, ...], tokens: int, k: int) -> None:
+    matrices = "/".join(names)
+    warnings.warn(CalibrationWarning(
+        f"layer {layer} {matrices}: int8-gptq needs at least {gptq.default_min_tokens(k)} "
+        f"calibration tokens (2 x K, K = {k}), got {tokens}: rounded to nearest instead; "
+        "give more calibration data (--calib)", ((layer, matrices, tokens),)), stacklevel=2)
+
+
+def warn_expert_fallbacks(cfg: ModelConfig, records: list[ExpertQuant], opts: QuantOptions):
+    """One CalibrationWarning for the experts of a layer that GPTQ left to round-to-nearest."""
+    fell = [r for r in records if "rtn" in r.methods] if opts.experts == "int4-gptq" else []
+    if not fell:
+        return
+    need = {kind: _threshold(opts, expert_shape(cfg, kind)[0]) for kind in EXPERT_KINDS}
+    why = "--min-tokens" if opts.min_tokens is not None else "2 x K"
+    need_text = (f"{need['w1']}" if need["w1"] == need["w2"]
+                 else f"{need['w1']} for w1/w3 and {need['w2']} for w2")  # fmt: skip
+    listed = ", ".join(_fallback_entry(r) for r in fell[:WARN_LISTED])
+    more = f", ... and {len(fell) - WARN_LISTED} more" if len(fell) > WARN_LISTED else ""
+    warnings.warn(CalibrationWarning(
+        f"layer {fell[0].layer}: {len(fell)} of {len(records)} experts got fewer routed "
+        f"calibration tokens than GPTQ needs ({need_text}, {why}) and were rounded to nearest: "
+        f"{listed}{more}; give more calibration data (--calib) or lower --min-tokens",
+        tuple((r.layer, r.expert, r.tokens) for r in fell)), stacklevel=2)  # fmt: skip
+
+
+def _fallback_entry(r: ExpertQuant) -> str:
+    kinds = [k for k, m in zip(EXPERT_KINDS, r.methods, strict=True) if m == "rtn"]
+    only = "" if len(kinds) == len(EXPERT_KINDS) else f", {'/'.join(kinds)} only"
+    return f"E{r.expert} ({r.tokens} tokens{only})"
+
+
 # ----------------------------------------------------------------------------------- driver
 
 
@@ -628,17 +750,14 @@ def single_threaded_blas():
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def _check_paths(src: Path, dst: Path, overwrite: bool) -> CheckpointReader:
+def _check_paths(src: Path, dst: Path, overwrite: bool) -> tuple[CheckpointReader, Path]:
+    """The float source's reader and the absolute destination, before any work."""
     reader = CheckpointReader(src)
     if reader.quantization != FLOAT:
         raise ValueError(
             f"{src} is already quantized ({reader.quantization}); quantize a float checkpoint"
         )
-    if dst.resolve() == src.resolve():
-        raise ValueError("DST must differ from SRC (the source is read while DST is written)")
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
-    return reader
+    return reader, check_destination(dst, overwrite=overwrite, sources=(src,))
 
 
 def quantize_checkpoint(
@@ -669,16 +788,17 @@ def quantize_checkpoint(
         raise ValueError(f"calib_len must be >= 1, got {calib_len}")
     if not 0 <= mix_random < 1:
         raise ValueError(f"mix_random must be in [0, 1), got {mix_random}")
-    src, dst = Path(src), Path(dst)
-    reader = _check_paths(src, dst, overwrite)
+    src = Path(src).absolute()
+    reader, dst = _check_paths(src, Path(dst), overwrite)
     cfg = reader.config
     expert_arrays(cfg, opts.storage)  # the int4 group must fit, before any work
     spec = parse_calib(calib)
     globals_ = reader.read_globals()
-    x, cal = None, None
+    x, cal, rows = None, None, None
     if opts.needs_calibration:
         cal = calibration_tokens(src, spec, cfg, calib_len, mix_random, seed)
         x = np.asarray(globals_["embed"], np.float32)[cal.tokens]
+        rows = None if cal.valid.all() else cal.valid.reshape(-1)
     bar = tqdm(range(cfg.num_layers), desc="quantize", unit="layer",
                disable=None if progress is None else not progress)  # fmt: skip
     records: list[ExpertQuant] = []
@@ -686,12 +806,14 @@ def quantize_checkpoint(
     with (
         bar,
         single_threaded_blas(),
-        CheckpointWriter(dst, cfg, overwrite=overwrite, quantization=opts.storage) as writer,
-    ):
+        CheckpointWriter(dst, cfg, overwrite=overwrite, quantization=opts.storage,
+                         sources=(src,)) as writer,
+    ):  # fmt: skip
         writer.write_globals(globals_)
         del globals_
         for layer in bar:
-            result = _quantize_layer(cfg.replace(dtype="float32"), reader, layer, x, opts)
+            result = _quantize_layer(cfg.replace(dtype="float32"), reader, layer, x, opts, rows)
+            warn_expert_fallbacks(cfg, result.records, opts)
             writer.write_layer_dense(layer, result.dense)
             for kind, arr in result.experts.items():
                 for e in range(cfg.num_experts):
@@ -702,7 +824,7 @@ def quantize_checkpoint(
         report = QuantReport(
             str(src), str(dst), opts,
             cal.description if cal else "none (round-to-nearest only)",
-            len(cal.tokens) if cal else 0, cal.tokens.size if cal else 0,
+            len(cal.tokens) if cal else 0, cal.num_tokens if cal else 0,
             tuple(records), tuple(dense_log), time.perf_counter() - t0,
         )  # fmt: skip
         writer.extra = {"quantize": _meta(report, seed, mix_random, calib_len)}

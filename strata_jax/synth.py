@@ -41,17 +41,17 @@ from jax import lax
 from jax.sharding import SingleDeviceSharding
 from tqdm import tqdm
 
-from strata_jax.api import Model, from_arrays, load
+from strata_jax.api import Model, from_arrays, load, routing
 from strata_jax.checkpoint import (
     EXPERT_KINDS,
     CheckpointWriter,
+    check_destination,
     dense_layer_shapes,
     expert_shape,
     global_shapes,
     numpy_dtype,
 )
 from strata_jax.config import ModelConfig
-from strata_jax.model import forward_with_routing
 from strata_jax.synth_train import check_trainable, train_synthetic
 
 SHAPES: dict[str, ModelConfig] = {
@@ -384,20 +384,13 @@ def calibrate_alpha(
     return (lo + hi) / 2
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _routing_trace(cfg, params, pool, slot_table, tokens):
-    """Top-k expert ids of every token at every layer [L, B*T, k]."""
-    return forward_with_routing(cfg, params, pool, slot_table, tokens)[1]
-
-
 def measure_top20_share(model: Model, num_tokens: int = 2000, seed: int = 0) -> float:
     """Run `model` (an api.Model) on random tokens; mean over layers of the top-20 % share."""
     cfg = model.config
     seq = min(64, num_tokens)
     batch = -(-num_tokens // seq)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq), np.int32)
-    trace = _routing_trace(cfg, model.params, model.experts, model.slot_table, tokens)
-    experts = np.asarray(trace)[:, :num_tokens]
+    experts = routing(model, tokens)[:, :num_tokens]
     return float(np.mean([_layer_share(e, cfg.num_experts) for e in experts]))
 
 
@@ -572,6 +565,7 @@ def synthesize(
     cfg = synth_config(shape, layers, skew, dtype)
     if train_steps:
         check_trainable(cfg, train_steps)
+    dst = check_destination(dst, overwrite=overwrite)
     alpha = 0.0 if skew is None else calibrate_alpha(cfg.num_experts, cfg.top_k, skew)
     workers = workers or os.cpu_count() or 1
     t0 = time.perf_counter()

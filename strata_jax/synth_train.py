@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from strata_jax import model as mdl
+from strata_jax import step
 from strata_jax.api import fuse_qkv
 from strata_jax.checkpoint import FLOAT, CheckpointReader, CheckpointWriter
 from strata_jax.config import ModelConfig
@@ -79,11 +80,10 @@ def _read_weights(reader: CheckpointReader) -> tuple[Tree, Tree]:
 
 
 def _model_args(cfg: ModelConfig, w: Tree, frozen: Tree) -> tuple[Tree, ExpertPool]:
-    """The params and resident pool that `model.forward` takes, traced from the trees."""
+    """The params and resident pool that `step.forward` takes, traced from the trees."""
     params = dict(w["globals"])
-    params["layers"] = tuple(
-        fuse_qkv({**lp, **fz}) for lp, fz in zip(w["layers"], frozen["layers"], strict=True)
-    )
+    fused = [fuse_qkv({**lp, **fz}) for lp, fz in zip(w["layers"], frozen["layers"], strict=True)]
+    params["layers"] = {k: jnp.stack([lp[k] for lp in fused]) for k in fused[0]}
     pool = ExpertPool(**{k: v.reshape(-1, *v.shape[2:]) for k, v in w["experts"].items()})
     return params, pool
 
@@ -91,7 +91,8 @@ def _model_args(cfg: ModelConfig, w: Tree, frozen: Tree) -> tuple[Tree, ExpertPo
 def _loss(cfg: ModelConfig, w: Tree, frozen: Tree, tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy of sequences [B, T]."""
     params, pool = _model_args(cfg, w, frozen)
-    logits = mdl.forward(cfg, params, pool, mdl.resident_slot_table(cfg), tokens[:, :-1])
+    tiers = step.resident_tiers(mdl.resident_slot_table(cfg))
+    logits, _ = step.forward(cfg, step.StepPlan(), params, pool, tiers, tokens[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
