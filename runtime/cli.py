@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -81,23 +83,38 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str):
+    """Show warnings as one `strata COMMAND: warning: ...` line each (no source line), above
+    any progress bar."""
+    from tqdm import tqdm
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        tqdm.write(f"strata {command}: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from strata_jax.quantize import quantize_checkpoint
 
-    report = quantize_checkpoint(
-        args.src,
-        args.dst,
-        experts=args.experts,
-        dense=args.dense,
-        calib=args.calib,
-        calib_len=args.calib_len,
-        mix_random=args.mix_random,
-        damp=args.damp,
-        act_order=args.act_order,
-        min_tokens=args.min_tokens,
-        seed=args.seed,
-        overwrite=args.overwrite,
-    )
+    with _warnings_as_lines("quantize"):
+        report = quantize_checkpoint(
+            args.src,
+            args.dst,
+            experts=args.experts,
+            dense=args.dense,
+            calib=args.calib,
+            calib_len=args.calib_len,
+            mix_random=args.mix_random,
+            damp=args.damp,
+            act_order=args.act_order,
+            min_tokens=args.min_tokens,
+            seed=args.seed,
+            overwrite=args.overwrite,
+        )
     print(report)
     return 0
 

@@ -7,8 +7,9 @@ Layout (see checkpoints/README.md):
     DST/dense/layer_NNNN/    orbax: that layer's attention, norms, router, shared expert
     DST/experts/{w1,w3,w2}/  zarr3 [layer, expert, in, out], chunk = one (layer, expert)
 
-A writer fills `DST.partial-<pid>` and renames it into place only after the manifest is
-written, so a killed conversion never leaves a directory that `read_*` accepts.
+A writer fills `DST.partial-<pid>` and swaps it into place only after the manifest is
+written (`safe_write`), so a killed conversion never leaves a directory that `read_*` accepts
+and a replaced checkpoint is removed only once the new one is complete.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from strata_jax import safe_write
 from strata_jax.config import ModelConfig
 from strata_jax.quant import GROUP as INT4_GROUP
 
@@ -35,10 +36,43 @@ FORMAT = "strata"
 FORMAT_VERSION = 2  # 2: int4 experts packed output-major in K pairs (1: group half-split)
 EXPERT_KINDS = ("w1", "w3", "w2")
 GLOBAL_NAMES = ("embed", "lm_head", "final_norm")
+CONFIG_FILE, MANIFEST_FILE = "config.json", "manifest.json"
+REWRITE = "re-create the checkpoint with the command that wrote it (convert, synth, quantize)"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or corrupt."""
+
+
+def read_json_object(path: Path, fix: str = REWRITE) -> dict[str, Any]:
+    """The JSON object in `path`; CheckpointError naming the file, what is wrong and `fix`."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); {fix}"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not a UTF-8 text file; {fix}") from e
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{path}: expected a JSON object {{...}}, got {type(data).__name__}; {fix}")
+    return data
+
+
+def require(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path,
+            fix: str = REWRITE) -> Any:
+    """doc[key], which must be a `kind`; else CheckpointError naming `path`, `key` and `fix`."""
+    if key not in doc:
+        raise CheckpointError(f"{path}: missing key {key!r}; {fix}")
+    value = doc[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise CheckpointError(
+            f"{path}: key {key!r} should be {names}, got {type(value).__name__}; {fix}")
+    return value
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -85,14 +119,41 @@ ArraySpec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
 def _check_version(config_path: Path, meta: dict, quant: dict[str, str]) -> None:
     """Version 1 differs only in the int4 expert layout, so its float-expert checkpoints load."""
-    version = meta.get("format_version")
-    if meta.get("format") != FORMAT or version not in (1, FORMAT_VERSION):
+    require(meta, "format", str, config_path)
+    version = require(meta, "format_version", int, config_path)
+    if meta["format"] != FORMAT or version not in (1, FORMAT_VERSION):
         raise CheckpointError(
             f"{config_path}: unsupported format {meta.get('format')!r} version {version!r}")
     if version == 1 and quant.get("experts") != "none":
         raise CheckpointError(
             f"{config_path}: format version 1 packs int4 experts in the retired group half-split "
             "layout; re-run `strata quantize` on the float checkpoint")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the folder `path` is not a Strata checkpoint (its config.json and manifest.json, as
+    the reader finds them), or None if it is one."""
+    missing = [n for n in (CONFIG_FILE, MANIFEST_FILE) if not (path / n).is_file()]
+    if missing:
+        return f"no {' or '.join(missing)}"
+    try:
+        meta = read_json_object(path / CONFIG_FILE)
+    except CheckpointError as e:
+        return str(e)
+    if meta.get("format") != FORMAT:
+        return f"{path / CONFIG_FILE} has format {meta.get('format')!r}, not {FORMAT!r}"
+    return None
+
+
+def check_destination(
+    dst: str | os.PathLike, *, overwrite: bool = False, sources: Iterable[str | os.PathLike] = ()
+) -> Path:
+    """The absolute path a checkpoint may be written to, or a clear error (see `safe_write`).
+
+    Writers call it before any work; `CheckpointWriter` checks again when it starts.
+    """
+    return safe_write.prepare_destination(
+        dst, overwrite=overwrite, replaceable=checkpoint_problem, sources=sources)
 
 
 def check_quantization(quant: dict[str, str]) -> None:
@@ -183,10 +244,12 @@ def _expert_spec(path: Path, shape: tuple[int, ...], dtype: str, create: bool) -
 
 
 class CheckpointWriter:
-    """Streams a checkpoint layer by layer into a temporary directory, renamed on `commit`.
+    """Streams a checkpoint layer by layer into a temporary directory, swapped in on `commit`.
 
     Expert chunks are written and hashed on a thread pool; `write_expert` returns at once.
-    Use as a context manager: leaving the block by an exception deletes the partial directory.
+    Use as a context manager: leaving the block by an exception deletes the partial directory
+    and leaves `dst` as it was. `dst` follows `check_destination`'s rules (`sources`: what the
+    writer reads from, which it must not overwrite).
     """
 
     def __init__(
@@ -198,20 +261,25 @@ class CheckpointWriter:
         quantization: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
         workers: int | None = None,
+        sources: Iterable[str | os.PathLike] = (),
     ) -> None:
-        self.dst = Path(dst)
-        if self.dst.exists() and not overwrite:
-            raise FileExistsError(f"{self.dst} already exists; pass --overwrite to replace it")
         self.config = config
         self.quantization = dict(quantization or FLOAT)
         check_quantization(self.quantization)
         self._expert_specs = expert_arrays(config, self.quantization)
         self._dense_specs = dense_layer_arrays(config, self.quantization)
         self.extra = extra or {}
-        _remove_stale_partials(self.dst)
-        self.tmp = self.dst.parent / f"{self.dst.name}.partial-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
+        self._target = safe_write.SafeWrite(
+            dst, overwrite=overwrite, replaceable=checkpoint_problem, sources=sources)
+        self.dst, self.tmp = self._target.dst, self._target.tmp
+        try:
+            self._open(workers)
+        except BaseException:
+            self._target.abort()
+            raise
+
+    def _open(self, workers: int | None) -> None:
+        config = self.config
         self._pool = ThreadPoolExecutor(workers or min(16, os.cpu_count() or 1))
         self._pending: list[Future] = []
         self._hashes: dict[str, str] = {}
@@ -241,7 +309,7 @@ class CheckpointWriter:
 
     def abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self._target.abort()
 
     def _save_dense(self, name: str, tree: dict[str, np.ndarray], dtypes: dict[str, str]) -> None:
         tree = {k: np.asarray(v, dtype=numpy_dtype(dtypes[k])) for k, v in tree.items()}
@@ -294,7 +362,18 @@ class CheckpointWriter:
             self._pending.pop(0).result()
 
     def commit(self) -> Path:
-        """Wait for all writes, check completeness, write metadata and rename into place."""
+        """Wait for all writes, check completeness, write metadata and swap into place.
+
+        On any failure the partial directory is removed and `dst` is left as it was.
+        """
+        try:
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        return self._target.commit()
+
+    def _finish(self) -> None:
         self._drain()
         self._pool.shutdown(wait=True)
         cfg = self.config
@@ -315,13 +394,9 @@ class CheckpointWriter:
             "model": cfg.to_dict(),
             **self.extra,
         }
-        (self.tmp / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        (self.tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
         manifest = {"format_version": FORMAT_VERSION, "expert_chunks": self._hashes}
-        _write_fsynced(self.tmp / "manifest.json", json.dumps(manifest, sort_keys=True))
-        if self.dst.exists():
-            shutil.rmtree(self.dst)
-        os.replace(self.tmp, self.dst)
-        return self.dst
+        _write_fsynced(self.tmp / MANIFEST_FILE, json.dumps(manifest, sort_keys=True))
 
 
 def _write_fsynced(path: Path, text: str) -> None:
@@ -331,32 +406,19 @@ def _write_fsynced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _remove_stale_partials(dst: Path) -> None:
-    """Delete partial directories of `dst` left by writers whose process has died."""
-    if not dst.parent.exists():
-        return
-    for p in dst.parent.glob(f"{dst.name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
+def _model_config(config_path: Path, meta: dict[str, Any]) -> ModelConfig:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return ModelConfig.from_dict(require(meta, "model", dict, config_path))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: key 'model': {e}; {REWRITE}") from e
 
 
 class CheckpointReader:
     """Reads a committed checkpoint; verifies expert chunks against the manifest."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        config_path, manifest_path = self.path / "config.json", self.path / "manifest.json"
+        self.path = safe_write.absolute(path)  # tensorstore refuses relative and `..` paths
+        config_path, manifest_path = self.path / CONFIG_FILE, self.path / MANIFEST_FILE
         if not self.path.is_dir():
             raise CheckpointError(f"no checkpoint at {self.path}")
         if not config_path.exists() or not manifest_path.exists():
@@ -364,14 +426,17 @@ class CheckpointReader:
                 f"{self.path} is not a complete Strata checkpoint (config.json or manifest.json "
                 "missing; an interrupted conversion leaves no manifest)"
             )
-        self.meta = json.loads(config_path.read_text())
-        self.quantization = dict(self.meta.get("quantization", FLOAT))
+        self.meta = read_json_object(config_path)
+        self.quantization = dict(require(self.meta, "quantization", dict, config_path)
+                                 if "quantization" in self.meta else FLOAT)
         _check_version(config_path, self.meta, self.quantization)
-        self.config = ModelConfig.from_dict(self.meta["model"])
+        self.config = _model_config(config_path, self.meta)
         check_quantization(self.quantization)
         self.expert_specs = expert_arrays(self.config, self.quantization)
         self.dense_specs = dense_layer_arrays(self.config, self.quantization)
-        self.hashes: dict[str, str] = json.loads(manifest_path.read_text())["expert_chunks"]
+        manifest = read_json_object(manifest_path)
+        require(manifest, "format_version", int, manifest_path)
+        self.hashes: dict[str, str] = require(manifest, "expert_chunks", dict, manifest_path)
         self._checkpointer = ocp.StandardCheckpointer()
         self._experts: dict[str, ts.TensorStore] = {}
 
@@ -379,7 +444,7 @@ class CheckpointReader:
         path = self.path / "dense" / name
         if not path.exists():
             raise CheckpointError(f"{self.path}: dense params {name!r} missing")
-        tree = self._checkpointer.restore(path.absolute())
+        tree = self._checkpointer.restore(path)
         _check_shapes(expected, tree, f"{self.path} {name}")
         return {k: np.asarray(v) for k, v in tree.items()}
 

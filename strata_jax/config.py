@@ -81,6 +81,10 @@ class ModelConfig:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = required - set(data)
+        if missing:
+            raise ValueError(f"missing ModelConfig fields: {sorted(missing)}")
         return cls(**data)
 
     def to_json(self) -> str:

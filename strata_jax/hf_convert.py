@@ -26,15 +26,20 @@ from tqdm import tqdm
 from strata_jax.checkpoint import (
     EXPERT_KINDS,
     CheckpointWriter,
+    check_destination,
     dense_layer_shapes,
     expert_shape,
     global_shapes,
     numpy_dtype,
+    read_json_object,
+    require,
 )
 from strata_jax.config import DTYPES, ModelConfig
+from strata_jax.safe_write import absolute
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+REDOWNLOAD = "re-download or re-export the Hugging Face model"
 # Non-parameter buffers some exporters include; they carry no weights we need.
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.|\.inv_freq$")
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
@@ -265,7 +270,8 @@ def _scan(src: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
     """Files and tensor table of `src`: the sharded index if present, else model.safetensors."""
     index_path, single = src / INDEX_FILE, src / SINGLE_FILE
     if index_path.exists():
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        index = read_json_object(index_path, REDOWNLOAD)
+        weight_map: dict[str, str] = require(index, "weight_map", dict, index_path, REDOWNLOAD)
         files = [src / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.exists():
@@ -480,7 +486,7 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     path = src / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{src}: no config.json (expected a Hugging Face model directory)")
-    return json.loads(path.read_text())
+    return read_json_object(path, REDOWNLOAD)
 
 
 def convert_hf(
@@ -490,9 +496,10 @@ def convert_hf(
     overwrite: bool = False,
 ) -> Path:
     """Convert the HF checkpoint directory `src` into a Strata checkpoint at `dst`."""
-    src, dst = Path(src), Path(dst)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
+    src = absolute(src)
+    dst = check_destination(dst, overwrite=overwrite, sources=(src,))
     hf = read_hf_config(src)
     cfg = model_config_from_hf(hf, dtype)
     with TensorSource(src) as source:
@@ -501,7 +508,9 @@ def convert_hf(
         plan = Plan(cfg, layouts)
         check_source(plan, source)
         extra = {"source": {"format": "huggingface", "model_type": fam.name, "path": str(src)}}
-        with CheckpointWriter(dst, cfg, overwrite=overwrite, extra=extra) as writer:
+        with CheckpointWriter(
+            dst, cfg, overwrite=overwrite, extra=extra, sources=(src,)
+        ) as writer:
             _write_all(writer, source, plan)
             return writer.commit()
 

@@ -70,6 +70,7 @@ from strata_jax.checkpoint import (
 from strata_jax.config import ModelConfig
 from strata_jax.layers import rms_norm
 from strata_jax.moe import ExpertPool
+from strata_jax.safe_write import absolute
 
 EXPERT_METHODS = ("int4-gptq", "int4-rtn", "none")
 DENSE_METHODS = ("int8", "int8-gptq", "none")
@@ -788,7 +789,7 @@ def quantize_checkpoint(
         raise ValueError(f"calib_len must be >= 1, got {calib_len}")
     if not 0 <= mix_random < 1:
         raise ValueError(f"mix_random must be in [0, 1), got {mix_random}")
-    src = Path(src).absolute()
+    src = absolute(src)
     reader, dst = _check_paths(src, Path(dst), overwrite)
     cfg = reader.config
     expert_arrays(cfg, opts.storage)  # the int4 group must fit, before any work

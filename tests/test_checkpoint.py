@@ -123,3 +123,52 @@ def test_format_version_1_loads_float_experts_and_refuses_int4(tmp_path):
     _set_meta(tmp_path / "ck", format_version=7)
     with pytest.raises(CheckpointError, match="version 7"):
         CheckpointReader(tmp_path / "ck")
+
+
+# --- errors that name the file and the key ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["config.json", "manifest.json"])
+@pytest.mark.parametrize("text, why", [
+    ('{"format": "strata",', r"not valid JSON \(Expecting .* at line 1 column \d+\)"),
+    ("[1, 2]", r"expected a JSON object \{\.\.\.\}, got list"),
+    ("\udcff", "not a UTF-8 text file"),
+])  # fmt: skip
+def test_broken_json_names_the_file(tmp_path, name, text, why):
+    _write(tiny_config(), tmp_path / "ck")
+    (tmp_path / "ck" / name).write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'ck' / name}: {why}; re-create"):
+        CheckpointReader(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("name, key", [
+    ("manifest.json", "expert_chunks"),
+    ("manifest.json", "format_version"),
+    ("config.json", "model"),
+    ("config.json", "format"),
+])  # fmt: skip
+def test_missing_key_names_the_file_and_the_key(tmp_path, name, key):
+    _write(tiny_config(), tmp_path / "ck")
+    path = tmp_path / "ck" / name
+    doc = json.loads(path.read_text())
+    doc.pop(key)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=rf"{path}: missing key '{key}'; re-create"):
+        CheckpointReader(tmp_path / "ck")
+
+
+def test_wrong_or_missing_model_fields_name_the_file(tmp_path):
+    _write(tiny_config(), tmp_path / "ck")
+    path = tmp_path / "ck" / "config.json"
+    meta = json.loads(path.read_text())
+    del meta["model"]["num_layers"]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=rf"{path}: key 'model': missing ModelConfig "
+                                              r"fields: \['num_layers'\]"):  # fmt: skip
+        CheckpointReader(tmp_path / "ck")
+    _set_meta(tmp_path / "ck", model="mixtral", format_version=2)
+    with pytest.raises(CheckpointError, match=rf"{path}: key 'model' should be dict, got str"):
+        CheckpointReader(tmp_path / "ck")
+    _set_meta(tmp_path / "ck", format_version="2")
+    with pytest.raises(CheckpointError, match=r"key 'format_version' should be int, got str"):
+        CheckpointReader(tmp_path / "ck")

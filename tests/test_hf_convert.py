@@ -365,6 +365,79 @@ def test_existing_destination_needs_overwrite(case, capsys):
     assert_matches(strata_jax.load(c.dst), c.hf)
 
 
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("strata convert: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_relative_paths(case, root, monkeypatch):
+    c = case("mixtral")
+    monkeypatch.chdir(root)
+    convert(Path(c.src.name), Path("out") / ".." / "relative.strata")
+    assert_matches(strata_jax.load(root / "relative.strata"), c.hf)
+    assert (root / "relative.strata").is_dir() and not (root / "out").exists()
+
+
+@pytest.mark.parametrize("where, why", [
+    (".", "is the source itself"),
+    ("sub/dst", "lies inside the source"),
+    ("..", "contains the source"),
+])  # fmt: skip
+def test_destination_overlapping_the_source_is_refused(case, capsys, where, why):
+    src = case("mixtral").src
+    before = sorted((p.name, p.stat().st_size) for p in src.iterdir())
+    assert cli.main(["convert", "hf", str(src), str(src / where), "--overwrite"]) == 2
+    assert why in one_error_line(capsys)
+    assert sorted((p.name, p.stat().st_size) for p in src.iterdir()) == before
+
+
+def test_file_destination_is_refused_before_reading_the_source(case, root, capsys):
+    """The source here has no tensors at all: the destination is refused before they are read."""
+    src = root / "config_only"
+    src.mkdir()
+    shutil.copy(case("mixtral").src / "config.json", src / "config.json")
+    dst = root / "taken.bin"
+    dst.write_bytes(b"keep")
+    for flags in ([], ["--overwrite"]):
+        assert cli.main(["convert", "hf", str(src), str(dst), *flags]) == 2
+        assert f"destination {dst} is a file, not a folder" in one_error_line(capsys)
+    assert dst.read_bytes() == b"keep"
+    assert cli.main(["convert", "hf", str(src), str(root / "config_only.strata")]) == 2
+    assert "neither model.safetensors nor" in one_error_line(capsys)
+
+
+def test_overwrite_refuses_a_folder_that_is_not_a_checkpoint(case, root, capsys):
+    other = root / "other_hf"
+    shutil.copytree(case("mixtral").src, other)
+    assert cli.main(["convert", "hf", str(case("mixtral").src), str(other), "--overwrite"]) == 2
+    err = one_error_line(capsys)
+    assert f"refusing to overwrite {other}" in err and "no manifest.json" in err
+    assert (other / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"model_type": "mixtral",', "not valid JSON"),
+    ('"mixtral"', "expected a JSON object"),
+])  # fmt: skip
+def test_broken_config_json_is_named(case, root, capsys, text, why):
+    src = root / f"broken_config_{len(text)}"
+    shutil.copytree(case("mixtral").src, src)
+    (src / "config.json").write_text(text)
+    assert cli.main(["convert", "hf", str(src), str(root / "broken.strata")]) == 2
+    err = one_error_line(capsys)
+    assert f"{src / 'config.json'}: {why}" in err and "re-download" in err
+    assert not (root / "broken.strata").exists()
+
+
+def test_index_without_weight_map_is_named(case, root):
+    src = root / "no_weight_map"
+    shutil.copytree(case("mixtral").src, src)
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match=r"index\.json: missing key 'weight_map'"):
+        convert_hf(src, root / "no_weight_map.strata")
+
+
 # --- crash safety ------------------------------------------------------------------------------
 
 
