@@ -14,19 +14,30 @@ real LMs, and its held-out tokens are then realistic ones: sequences sampled fro
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax import quant
+from strata_jax import gptq, quant, quantize
 from strata_jax.checkpoint import CheckpointReader
-from strata_jax.quantize import REPORT_FILE, read_token_file
+from strata_jax.quantize import (
+    PAD_TOKEN,
+    REPORT_FILE,
+    CalibrationWarning,
+    calibration_tokens,
+    quantize_checkpoint,
+    read_token_file,
+    read_token_sequences,
+)
 from strata_jax.synth import synthesize
 from strata_jax.synth_train import language_entropy, markov_batch, markov_successors
 from strata_runtime import cli
+from tests.helpers import tiny_config, write_checkpoint
 
 QUANTIZED = {"dense": "int8", "experts": "int4-g128"}
 CALIB_SEQS, HELDOUT_SEQS = "64", "32"
@@ -182,7 +193,7 @@ def test_quantized_checkpoint_loads(case):
     assert meta["quantize"]["fallbacks"] == case.report["fallbacks"]
     model = strata_jax.load(case.dst)
     assert model.experts.quantized and model.experts.w1.dtype == np.uint8
-    assert model.params["layers"][0]["wqkv"].dtype == np.int8
+    assert model.params["layers"]["wqkv"].dtype == np.int8
 
 
 def test_quantized_model_generates(hf_case):
@@ -240,10 +251,140 @@ def test_json_token_file(tmp_path):
     good.write_text(json.dumps([[1, 2, 3], [4, 5, 6]]))
     ragged.write_text(json.dumps([[1, 2, 3], [4, 5]]))
     np.testing.assert_array_equal(read_token_file(good, 10), [[1, 2, 3], [4, 5, 6]])
-    with pytest.raises(ValueError, match="equal-length"):
-        read_token_file(ragged, 10)
-    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+    got = read_token_sequences(ragged, 10)
+    assert [q.tolist() for q in got] == [[1, 2, 3], [4, 5]] and got[0].dtype == np.int32
+    with pytest.raises(ValueError, match="equal-length here, got lengths 2..3"):
+        read_token_file(ragged, 10)  # held-out evaluation keeps one length
+    with pytest.raises(ValueError, match=r"\[0, 5\), got 4\.\.6 in sequence 1"):
         read_token_file(good, 5)
+    for text, why in [("[[1, 2], []]", "sequence 1 is empty"), ("[]", "no sequences"),
+                      ('[[1, "a"]]', "sequence 0: 'a' is not a token id"),
+                      ("[[1, true]]", "sequence 0: True is not a token id"),
+                      ("[[1, 2]", "unreadable")]:  # fmt: skip
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=rf"token file .*bad\.json: .*{why}"):
+            read_token_sequences(tmp_path / "bad.json", 10)
+
+
+# ------------------------------------------ GPTQ fallback warnings, ragged calibration files
+
+# in dims 128 (w1/w3) and 256 (w2): GPTQ by default needs 256 and 512 routed tokens
+SMALL = tiny_config("mixtral", hidden_size=128, expert_intermediate_size=256, head_dim=32,
+                    num_experts=4)  # fmt: skip
+
+
+def _quantize_small(tmp_path, seqs, **kw):
+    """Quantize a SMALL checkpoint calibrated on `seqs` (JSON file, no random sequences)."""
+    src, dst, calib = tmp_path / "float", tmp_path / "q", tmp_path / "calib.json"
+    if not src.exists():
+        write_checkpoint(SMALL, src, seed=1)
+    calib.write_text(json.dumps([list(map(int, q)) for q in seqs]))
+    return quantize_checkpoint(src, dst, calib=calib, mix_random=0.0, progress=False,
+                               overwrite=True, **kw)  # fmt: skip
+
+
+def test_gptq_fallback_warns_with_the_experts_and_their_token_counts(tmp_path):
+    seqs = np.random.default_rng(5).integers(0, SMALL.vocab_size, (25, 32))  # 800 tokens
+    with pytest.warns(CalibrationWarning) as caught:
+        report = _quantize_small(tmp_path, seqs)
+    by_layer = {w.message.fallbacks[0][0]: w.message for w in caught}
+    assert report.fallbacks and sorted(by_layer) == sorted({li for li, _, _ in report.fallbacks})
+    for layer, warning in by_layer.items():
+        records = [r for r in report.experts if r.layer == layer]
+        assert sum(r.tokens for r in records) == SMALL.top_k * seqs.size  # each token: top-2
+        fell = [r for r in records if "rtn" in r.methods]
+        assert warning.fallbacks == tuple((layer, r.expert, r.tokens) for r in fell)
+        text = str(warning)
+        assert text.startswith(f"layer {layer}: {len(fell)} of 4 experts got fewer routed ")
+        assert "(256 for w1/w3 and 512 for w2, 2 x K)" in text and "--calib" in text
+        for r in fell:
+            only = "" if r.method == "rtn" else ", w2 only"
+            assert f"E{r.expert} ({r.tokens} tokens{only})" in text
+            assert r.tokens < 256 if r.method == "rtn" else 256 <= r.tokens < 512
+    assert {r.method for r in report.experts} >= {"mixed"}, "no expert between the thresholds"
+
+
+def test_dense_gptq_fallback_warns_too(tmp_path):
+    seqs = np.random.default_rng(6).integers(0, SMALL.vocab_size, (2, 8))
+    with pytest.warns(CalibrationWarning) as caught:
+        report = _quantize_small(tmp_path, seqs, dense="int8-gptq", experts="int4-rtn")
+    dense = sorted(str(w.message) for w in caught)
+    assert dense == sorted(
+        f"layer {li} {m}: int8-gptq needs at least 256 calibration tokens (2 x K, K = 128), "
+        "got 16: rounded to nearest instead; give more calibration data (--calib)"
+        for li in range(SMALL.num_layers) for m in ("wq/wk/wv", "wo")
+    )  # fmt: skip
+    assert {m for _, _, m in report.dense} == {"rtn"}
+
+
+def test_enough_calibration_warns_nothing(tmp_path):
+    seqs = np.random.default_rng(7).integers(0, SMALL.vocab_size, (4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CalibrationWarning)
+        report = _quantize_small(tmp_path, seqs, min_tokens=1)
+    assert {r.method for r in report.experts} == {"gptq"}
+
+
+RAGGED = [37, 64, 5, 64, 1]  # lengths of the ragged calibration prompts
+
+
+def _one_by_one_reference(src: Path, dst: Path, prompts: list[np.ndarray]):
+    """Each layer's expert token counts and int4 GPTQ weights, from the prompts run through the
+    layer one at a time (batch of one, no padding): the Hessians gather each prompt's routed
+    rows; layer l + 1's inputs come from the quantized experts stored in `dst`."""
+    fl, qu = CheckpointReader(src), CheckpointReader(dst)
+    cfg = fl.config.replace(dtype="float32")
+    embed = np.asarray(fl.read_globals()["embed"], np.float32)
+    xs = [embed[q][None] for q in prompts]
+    gcfg = gptq.GPTQConfig(min_tokens=1)
+    slot_row = jnp.arange(cfg.num_experts, dtype=jnp.int32)
+    for layer in range(cfg.num_layers):
+        lp, _ = quantize.layer_params(fl, layer)
+        _, pool = quantize.layer_params(qu, layer)
+        floats = dict(fl.iter_layer_experts(layer))
+        mids = [quantize.attention_residuals(cfg, lp, x) for x in xs]
+        routed = [quantize.moe_inputs(cfg, lp, m) for m in mids]
+        counts, weights = [], []
+        for e in range(cfg.num_experts):
+            xe = np.concatenate([h[(r == e).any(-1)] for h, r in routed])
+            counts.append(len(xe))
+            w1, w3 = (_gptq(floats[k][e], xe, gcfg) for k in ("w1", "w3"))
+            mid = quantize.swiglu_hidden(xe, *map(quant.dequantize_int4, (w1, w3)))
+            weights.append((w1, w3, _gptq(floats["w2"][e], mid, gcfg)))
+        yield layer, counts, weights
+        xs = [quantize.moe_outputs(cfg, lp, m, pool, slot_row) for m in mids]
+
+
+def _gptq(w, x, cfg):
+    acc = gptq.HessianAccumulator(x.shape[-1]).add(x) if len(x) else None
+    return gptq.quantize_expert(np.asarray(w, np.float32), acc, cfg)[0]
+
+
+def test_ragged_calibration_equals_the_prompts_one_by_one(tmp_path):
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(1, SMALL.vocab_size, n) for n in RAGGED]
+    report = _quantize_small(tmp_path, prompts, dense="none", min_tokens=1)
+    assert report.calib_sequences == len(RAGGED) and report.calib_tokens == sum(RAGGED)
+    assert f"{len(RAGGED)} x 1..64 ({sum(RAGGED)}) tokens" in report.calibration
+    stored = CheckpointReader(tmp_path / "q")
+    for layer, counts, weights in _one_by_one_reference(tmp_path / "float", tmp_path / "q",
+                                                        prompts):  # fmt: skip
+        assert [r.tokens for r in report.experts if r.layer == layer] == counts
+        for e, ws in enumerate(weights):
+            for kind, w in zip(("w1", "w3", "w2"), ws, strict=True):
+                np.testing.assert_array_equal(stored.read_expert(layer, e, kind), w.packed)
+                np.testing.assert_array_equal(
+                    stored.read_expert(layer, e, f"{kind}_scale").view(np.uint16),
+                    np.asarray(w.scales).view(np.uint16))
+
+
+def test_ragged_random_sequences_take_the_files_lengths(tmp_path):
+    path = tmp_path / "ragged.json"
+    path.write_text(json.dumps([[5] * 3, [6] * 7]))
+    cal = calibration_tokens(tmp_path, str(path), SMALL, mix_random=0.6, seed=0)
+    assert cal.lengths.tolist() == [3, 7, 3, 7, 3] and cal.tokens.shape == (5, 7)
+    assert (cal.tokens[~cal.valid] == PAD_TOKEN).all() and cal.num_tokens == 23
+    assert cal.tokens[:2][cal.valid[:2]].tolist() == [5] * 3 + [6] * 7
 
 
 def test_bad_inputs_exit_2(synth_case, root, capsys):

@@ -21,8 +21,8 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
-def _resident_args(m: api.Model, plan=step.StepPlan()):
-    return (m.config, plan, m.params, m.experts, step.resident_tiers(m.slot_table))
+def _resident_args(m: api.Model):
+    return (m.config, step.StepPlan(), m.params, m.experts, step.resident_tiers(m.slot_table))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

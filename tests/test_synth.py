@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax import model as mdl
-from strata_jax import synth
+from strata_jax import step, synth
 from strata_jax.checkpoint import CheckpointReader
 from strata_runtime.cli import main
 
@@ -195,11 +194,14 @@ def test_deep_bf16_activations_stay_finite() -> None:
     """32 bf16 layers keep the residual stream O(1)-ish (init std 1/sqrt(fan_in))."""
     cfg = synth.synth_config("tiny", layers=32)
     model = synth.synthetic_model(cfg, seed=3)
-    layer = jax.jit(mdl._causal_layer, static_argnums=0)  # one compile, 32 calls
     positions = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
-    x = model.params["embed"][TOKENS]
-    for i, lp in enumerate(model.params["layers"]):
-        x = layer(cfg, lp, x, positions, model.experts, model.slot_table[i])[0]
+    live = jnp.ones((TOKENS.size,), jnp.bool_)
+    kv = jnp.zeros((cfg.num_layers, *TOKENS.shape, cfg.num_kv_heads, cfg.head_dim),
+                   jnp.bfloat16)
+    run = jax.jit(step.run_layers, static_argnums=(0, 1))
+    x = run(cfg, step.StepPlan(), model.params, model.experts,
+            step.resident_tiers(model.slot_table), model.params["embed"][TOKENS], positions,
+            live, kv, kv)[0]
     rms = float(jnp.sqrt(jnp.mean(x.astype(jnp.float32) ** 2)))
     assert np.isfinite(rms) and 1 < rms < 20
 
