@@ -67,10 +67,10 @@ class HeatEstimate:
         self._step = np.zeros_like(self.heat)
         self.counts = np.zeros_like(self.heat)  # every routing assignment seen
 
-    def observe(self, layer: int, experts: np.ndarray) -> None:
-        seen = np.bincount(experts.ravel(), minlength=self.heat.shape[1])
-        self._step[layer] += seen
-        self.counts[layer] += seen
+    def observe(self, layer: int, counts: np.ndarray) -> None:
+        """Add one step's routing counts [experts] of `layer` (tokens routed to each)."""
+        self._step[layer] += counts
+        self.counts[layer] += counts
 
     def end_step(self) -> None:
         self.heat = self.decay * self.heat + (1 - self.decay) * self._step

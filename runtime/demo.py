@@ -10,11 +10,11 @@ import jax
 import numpy as np
 
 import strata_jax
-from strata_jax import model as mdl
 from strata_jax.synth import synthesize, top_share
 
 PROMPTS = [[1, 2, 3, 4], [100, 200, 300], [7] * 10, [42, 43], [5, 9, 13, 17, 21, 25]]
 NEW_TOKENS = 32
+SHAPE = {"batch_capacity": len(PROMPTS), "max_len": 128}  # the engine's below: the same bits
 
 
 def expert_stats(model: strata_jax.Model, seqs: list[list[int]]) -> list[tuple[float, float]]:
@@ -22,10 +22,8 @@ def expert_stats(model: strata_jax.Model, seqs: list[list[int]]) -> list[tuple[f
     width = max(map(len, seqs))
     tokens = np.array([s + [0] * (width - len(s)) for s in seqs], np.int32)
     valid = (np.arange(width)[None, :] < np.array([len(s) for s in seqs])[:, None]).ravel()
-    fn = jax.jit(mdl.forward_with_routing, static_argnums=0)
-    _, routes = fn(model.config, model.params, model.experts, model.slot_table, tokens)
     stats = []
-    for layer_routes in np.asarray(routes):
+    for layer_routes in strata_jax.api.routing(model, tokens):
         chosen = layer_routes[valid].ravel()
         counts = np.bincount(chosen, minlength=model.config.num_experts)
         hot = np.argsort(-counts)[: max(1, round(0.2 * len(counts)))]
@@ -42,9 +40,9 @@ def main() -> None:
         cfg = model.config
         print(f"model: {cfg.family}, {cfg.num_layers} layers, {cfg.num_experts} experts "
               f"top-{cfg.top_k}, {cfg.param_counts()['total'] / 1e6:.1f} M params")
-        strata_jax.generate(model, PROMPTS, NEW_TOKENS)  # compile prefill + decode loop
+        strata_jax.generate(model, PROMPTS, NEW_TOKENS, **SHAPE)  # compiles the step
         t0 = time.perf_counter()
-        outs = strata_jax.generate(model, PROMPTS, NEW_TOKENS)
+        outs = strata_jax.generate(model, PROMPTS, NEW_TOKENS, **SHAPE)
         dt = time.perf_counter() - t0
         for prompt, out in zip(PROMPTS, outs, strict=True):
             print(f"  {prompt} -> {out}")
@@ -64,31 +62,28 @@ def offloaded(path: Path, resident_outs: list[list[int]]) -> None:
     from strata_jax.checkpoint import CheckpointReader
     from strata_runtime.engine import Engine, EngineConfig
     from strata_runtime.ledger import ModelBytes
+    from strata_runtime.stats import render
 
     mb = ModelBytes.from_reader(CheckpointReader(path))
     kv = len(PROMPTS) * 128 * mb.kv_bytes_per_token
     staging = 2 * mb.experts_per_layer * mb.bytes_per_expert
     budget = mb.global_bytes + mb.dense + kv + staging + mb.expert_bytes // 3
     config = EngineConfig(hbm_budget=budget, host_budget=mb.expert_bytes // 3,
-                          batch_capacity=len(PROMPTS), max_len=128, workspace_floor=0)
+                          workspace_floor=0, **SHAPE)
     engine = Engine.from_checkpoint(path, config)
     print(f"offload engine, HBM budget {budget / 1e6:.2f} MB for a "
           f"{mb.total / 1e6:.2f} MB model:")
     print("\n".join("  " + line for line in engine.ledger.render().splitlines()))
-    engine.generate(PROMPTS, NEW_TOKENS)  # compile
-    before = engine.stats()
+    engine.generate(PROMPTS, NEW_TOKENS)  # compiles the step
+    engine.reset_stats()
     t0 = time.perf_counter()
     outs = engine.generate(PROMPTS, NEW_TOKENS)
     dt = time.perf_counter() - t0
     n = sum(map(len, outs))
     assert outs == resident_outs, "offloaded tokens differ from the resident run"
-    after = engine.stats()
-    moved = {t: after["bytes_moved"][t] - before["bytes_moved"][t] for t in (1, 2)}
-    fetched = {t: after["fetches"][t] - before["fetches"][t] for t in (1, 2)}
     print(f"{n} tokens in {dt * 1e3:.1f} ms: {n / dt:.0f} tok/s, identical to the resident run")
-    print(f"cache statistics: {after['tier0_experts']} experts in HBM slots, "
-          f"{after['tier1_experts']} in host memory; misses staged {fetched[1]} from host "
-          f"({moved[1] / 1e6:.2f} MB) and {fetched[2]} from disk ({moved[2] / 1e6:.2f} MB)")
+    print("engine statistics (warm):")
+    print(render(engine.stats()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""Where every expert lies, and the only code that moves one between tiers between steps.
+
+docs/design.md, "Tiers". Tier 0 is one device `ExpertPool` allocated once: the pinned (hot)
+slots, the cache slots, then the two staging halves the step writes its copies into. Tier 1
+is one stacked `ExpertPool` in `pinned_host` memory, which the step slices by a device page
+table (`host_page`). Tier 2 is the checkpoint on disk. The host changes residency only between
+steps, by donated in-place updates (nothing is allocated after start-up), and keeps the page
+tables the step reads: `tiers()` uploads them when they changed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.checkpoint import EXPERT_KINDS
+from strata_jax.pool import ExpertPool, tile_major
+from strata_jax.step import Tiers
+
+Key = tuple[int, int]  # (layer, expert)
+Arrays = dict[str, np.ndarray]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pull(pool: ExpertPool, slot, host: ExpertPool, host_slot) -> ExpertPool:
+    """Copy host slot `host_slot` into pool slot `slot` (the step's own copy mechanism)."""
+    def one(buf, src):
+        if buf is None:
+            return None
+        piece = jax.device_put(src[host_slot], jax.memory.Space.Device)
+        return jax.lax.dynamic_update_index_in_dim(buf, piece, slot, 0)
+
+    return ExpertPool(*(one(b, s) for b, s in zip(pool, host, strict=True)))
+
+
+def _put_host(host: ExpertPool, slot, arrays: ExpertPool) -> ExpertPool:
+    """Write one expert's arrays into host slot `slot`, in place (donated)."""
+    def one(buf, new):
+        return None if buf is None else jax.lax.dynamic_update_index_in_dim(buf, new, slot, 0)
+
+    return ExpertPool(*(one(b, n) for b, n in zip(host, arrays, strict=True)))
+
+
+class Residency:
+    """The tier-0 pool and the tier-1 host pool with their page tables.
+
+    `load(key)` reads one expert from disk as the pools hold it (numpy, already dequantized
+    or tile-major if the pools are); it raises `CheckpointError` for a corrupt chunk."""
+
+    def __init__(self, num_layers: int, num_experts: int, device: jax.Device,
+                 load: Callable[[Key], Arrays], device_keys: Sequence[Key],
+                 device_slots: int, staging: int, host_keys: Sequence[Key] | None,
+                 host_slots: int, read: Callable[[Callable, Sequence[Key]], list] | None = None):
+        """`device_keys` fill the first device slots (the rest of `device_slots` start empty:
+        cache slots); `staging` experts per staging half follow. `host_keys` fill the host
+        pool of `host_slots` slots (None: no host tier, every expert has a device slot).
+        `read` maps `load` over keys (e.g. on NUMA-bound threads)."""
+        read = read or (lambda fn, keys: [fn(k) for k in keys])
+        self.device = device
+        self.shape = (num_layers, num_experts)
+        self.staging = staging
+        self.page = np.full(self.shape, -1, np.int32)
+        self.host_page = np.full(self.shape, -1, np.int32)
+        self.slot_key: list[Key | None] = [None] * device_slots
+        self.host_key: list[Key | None] = [None] * host_slots
+        self.broken: dict[Key, str] = {}  # experts whose chunk failed to read
+        dev = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        self.pool = self._stack(read, load, list(device_keys), device_slots + 2 * staging, dev)
+        for s, key in enumerate(device_keys):
+            self._set_slot(s, key)
+        self.host: ExpertPool | None = None
+        if host_keys is not None:
+            pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+            self.host = self._stack(read, load, list(host_keys), host_slots, pinned)
+            for s, key in enumerate(host_keys):
+                if key not in self.broken:
+                    self.host_key[s], self.host_page[key] = key, s
+        self._put = jax.jit(_put_host, donate_argnums=0,
+                            out_shardings=None if self.host is None
+                            else jax.tree.map(lambda a: a.sharding, self.host))
+        self._tiers: Tiers | None = None
+
+    def _stack(self, read, load, keys: list[Key], slots: int, sharding) -> ExpertPool:
+        """`slots` slots of which the first hold `keys` (a corrupt chunk: zeros, recorded)."""
+        def safe(key):
+            try:
+                return load(key)
+            except Exception as err:  # noqa: BLE001  (CheckpointError, or an IO error)
+                self.broken[key] = str(err)
+                return None
+
+        loaded = read(safe, keys)
+        sample = next((a for a in loaded if a is not None), None) or self._sample(load)
+        stacks = {}
+        for name, arr in sample.items():
+            buf = np.zeros((slots, *arr.shape), arr.dtype)
+            for i, arrays in enumerate(loaded):
+                if arrays is not None:
+                    buf[i] = arrays[name]
+            stacks[name] = jax.device_put(buf, sharding)
+        return ExpertPool(**stacks)
+
+    def _sample(self, load) -> Arrays:
+        """Any readable expert's arrays: the shapes of a pool whose own experts all failed."""
+        for key in np.ndindex(*self.shape):
+            try:
+                return load(key)
+            except Exception:  # noqa: BLE001, S112
+                continue
+        raise ValueError(f"no expert of the checkpoint could be read: {self.broken}")
+
+    # --- page tables ---------------------------------------------------------------------------
+
+    def tiers(self) -> Tiers:
+        """The page tables as the step reads them (uploaded again only after a change)."""
+        if self._tiers is None:
+            self._tiers = jax.device_put(
+                Tiers(page=self.page, host=None, host_page=self.host_page), self.device)
+            self._tiers = self._tiers.replace(host=self.host)
+        return self._tiers
+
+    def _set_slot(self, slot: int, key: Key | None) -> None:
+        old = self.slot_key[slot]
+        if old is not None:
+            self.page[old] = -1
+        self.slot_key[slot] = key
+        if key is not None:
+            self.page[key] = slot
+        self._tiers = None
+
+    def slot_of(self, key: Key) -> int | None:
+        s = int(self.page[key])
+        return None if s < 0 else s
+
+    def on_host(self, key: Key) -> bool:
+        return self.host_page[key] >= 0
+
+    @property
+    def device_slots(self) -> int:
+        return len(self.slot_key)
+
+    # --- moves (between steps) -----------------------------------------------------------------
+
+    def promote(self, key: Key, slot: int) -> None:
+        """Copy `key` from the host tier into device slot `slot`, replacing what it held."""
+        hs = int(self.host_page[key])
+        if hs < 0:
+            raise KeyError(f"expert {key} is not in the host tier")
+        self.pool = _pull(self.pool, jnp.int32(slot), self.host, jnp.int32(hs))
+        self._set_slot(slot, key)
+
+    def demote(self, slot: int) -> None:
+        """Forget device slot `slot`'s expert (the slot is free)."""
+        self._set_slot(slot, None)
+
+    def admit_host(self, key: Key, arrays: Arrays, victim: Key | None) -> None:
+        """Write `key` (read from disk) into the host tier: a free host slot, else `victim`'s."""
+        free = [s for s, k in enumerate(self.host_key) if k is None]
+        if free:
+            slot = free[0]
+        elif victim is None:
+            raise ValueError("the host tier is full and no victim was named")
+        else:
+            slot = int(self.host_page[victim])
+            self.host_page[victim] = -1
+        new = ExpertPool(**{n: jax.device_put(a, self.host.w1.sharding)
+                            for n, a in arrays.items()})
+        self.host = self._put(self.host, jnp.int32(slot), new)
+        self.host_key[slot], self.host_page[key] = key, slot
+        self._tiers = None
+
+
+def as_held(arrays: Arrays, tile: tuple[int, int] | None) -> Arrays:
+    """An expert's arrays as the pools hold them: packed weights tile-major by `tile`."""
+    if tile is None:
+        return arrays
+    return {n: np.asarray(tile_major(a, *tile)) if n in EXPERT_KINDS else a
+            for n, a in arrays.items()}

@@ -1,0 +1,104 @@
+"""Engine statistics, all derived from the records the step returns (docs/design.md, "Stats").
+
+The step reports per layer what it routed and moved; the host adds what it did between steps
+(disk loads, cache admissions, rebalancing swaps) and the wall time of each step. Compilation
+and warm-up are kept apart: the first call of each program is counted as compile time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from strata_jax.step import StepRecord
+
+
+@dataclass
+class EngineStats:
+    """Counters since the last reset. Bytes are expert bytes as the slots hold them."""
+
+    bytes_per_expert: int
+    link_gbps: float | None = None  # pinned host -> device, measured at start-up
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    step_times: list[float] = field(default_factory=list)
+    compile_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    routed: int = 0  # distinct (layer, expert) routed, summed over steps
+    hits: int = 0  # ... found in a tier-0 slot
+    prefetched: int = 0  # ... found in the prefetch half
+    fetched: int = 0  # ... copied on demand from tier 1 (a stall inside the step)
+    issued: int = 0  # prefetch copies issued
+    disk_loads: int = 0  # tier 2 -> tier 1 reads (each a re-run of the step)
+    disk_stall_s: float = 0.0
+    admissions: int = 0  # tier 1 -> cache slot copies between steps
+    swaps: int = 0  # rebalancing swaps
+    failed_requests: int = 0
+    per_layer: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def observe(self, record: StepRecord) -> None:
+        """Add one step's record (numpy, read from the device)."""
+        routed = (np.asarray(record.counts) > 0).sum(axis=1)
+        parts = {"routed": routed, "hits": record.hits, "prefetched": record.prefetched,
+                 "fetched": record.fetched, "issued": record.issued}
+        for name, per_layer in parts.items():
+            per_layer = np.asarray(per_layer, np.int64)
+            setattr(self, name, getattr(self, name) + int(per_layer.sum()))
+            self.per_layer[name] = self.per_layer.get(name, 0) + per_layer
+
+    def summary(self) -> dict[str, object]:
+        """The figures a user reads: rates, latencies, hit rates, bytes per tier, prediction."""
+        t = np.array(self.step_times) if self.step_times else None
+        bpe = self.bytes_per_expert
+        h2d = (self.fetched + self.issued + self.admissions) * bpe
+        out: dict[str, object] = {
+            "decode_steps": self.decode_steps,
+            "decode_tok_s": self.decode_tokens / t.sum() if t is not None else None,
+            "step_ms_p50": float(np.percentile(t, 50) * 1e3) if t is not None else None,
+            "step_ms_p99": float(np.percentile(t, 99) * 1e3) if t is not None else None,
+            "compile_s": self.compile_s,
+            "prefill_tok_s": self.prefill_tokens / self.prefill_s if self.prefill_s else None,
+            "tier0_hit_rate": self.hits / self.routed if self.routed else None,
+            "prefetch_hit_rate": self.prefetched / self.routed if self.routed else None,
+            "misses_per_step": self.fetched / self.decode_steps if self.decode_steps else None,
+            "h2d_bytes": h2d,
+            "h2d_wasted_bytes": (self.issued - self.prefetched) * bpe,
+            "disk_bytes": self.disk_loads * bpe,
+            "disk_loads": self.disk_loads,
+            "disk_stall_s": self.disk_stall_s,
+            "admissions": self.admissions,
+            "rebalance_swaps": self.swaps,
+            "failed_requests": self.failed_requests,
+            "link_gbps": self.link_gbps,
+            "link_busy": None,
+            "prediction": self.prediction(),
+        }
+        if t is not None and self.link_gbps:
+            out["link_busy"] = h2d / (self.link_gbps * 1e9) / t.sum()
+        return out
+
+    def prediction(self) -> dict[str, float | None]:
+        """Precision (prefetched copies used) and recall (misses prefetched) of the predictor."""
+        needed = self.prefetched + self.fetched
+        return {"precision": self.prefetched / self.issued if self.issued else None,
+                "recall": self.prefetched / needed if needed else None}
+
+
+def render(summary: dict[str, object]) -> str:
+    """`summary` as an aligned two-column table."""
+    lines = []
+    for name, value in summary.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
+        lines.append(f"  {name:<20} {_fmt(value)}")
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
