@@ -713,7 +713,9 @@ def _warn_dense_fallback(layer: int, names: tuple[str, ...], tokens: int, k: int
         "give more calibration data (--calib)", ((layer, matrices, tokens),)), stacklevel=2)
 
 
-def warn_expert_fallbacks(cfg: ModelConfig, records: list[ExpertQuant], opts: QuantOptions):
+def warn_expert_fallbacks(
+    cfg: ModelConfig, records: list[ExpertQuant], opts: QuantOptions
+) -> None:
     """One CalibrationWarning for the experts of a layer that GPTQ left to round-to-nearest."""
     fell = [r for r in records if "rtn" in r.methods] if opts.experts == "int4-gptq" else []
     if not fell:

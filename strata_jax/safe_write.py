@@ -164,6 +164,7 @@ class SafeWrite:
         self._overwrite, self._replaceable = overwrite, replaceable
         self.tmp = self.dst.with_name(f"{self.dst.name}{PARTIAL}{os.getpid()}")
         shutil.rmtree(self.tmp, ignore_errors=True)  # this process's own earlier failure
+        self._made = [p for p in self.tmp.parents if not p.exists()]  # folders we create
         self.tmp.mkdir(parents=True)
 
     def __enter__(self) -> SafeWrite:
@@ -174,7 +175,13 @@ class SafeWrite:
             self.abort()
 
     def abort(self) -> None:
+        """Remove `tmp` and the parent folders created for it (if still empty)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        for folder in self._made:
+            try:
+                folder.rmdir()
+            except OSError:  # no longer empty (or already gone): keep it
+                break
 
     def commit(self) -> Path:
         """Swap the complete `tmp` into `dst`; on failure `tmp` is removed, `dst` kept."""

@@ -2,13 +2,21 @@
 
 import json
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import strata_jax
 from strata_jax import api
-from strata_jax.checkpoint import CheckpointError, CheckpointReader, CheckpointWriter
+from strata_jax.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointReader,
+    CheckpointWriter,
+    expert_arrays,
+)
 from tests.helpers import random_arrays, tiny_config, write_checkpoint
 
 _write = write_checkpoint
@@ -172,3 +180,20 @@ def test_wrong_or_missing_model_fields_name_the_file(tmp_path):
     _set_meta(tmp_path / "ck", format_version="2")
     with pytest.raises(CheckpointError, match=r"key 'format_version' should be int, got str"):
         CheckpointReader(tmp_path / "ck")
+
+
+def test_checkpoints_readme_matches_what_the_writer_stores():
+    """checkpoints/README.md: the version, and each expert array's name, dtype and shape."""
+    text = (Path(__file__).resolve().parent.parent / "checkpoints" / "README.md").read_text()
+    assert text.startswith(f"# The Strata checkpoint format (version {FORMAT_VERSION})")
+    cfg = tiny_config(hidden_size=128, expert_intermediate_size=256)
+    dims = {"L": cfg.num_layers, "E": cfg.num_experts, "D": 128, "F": 256}
+    rows = re.findall(r"^\| (`[\w`, ]+`) \| (\w+) \| \[([\w/, ]+)\] \|", text, re.M)
+    documented = {
+        name: (dtype, tuple(eval(dim, {}, dims) for dim in shape.split(", ")))
+        for names, dtype, shape in rows for name in re.findall(r"`(\w+)`", names)
+    }  # fmt: skip
+    int4 = {"dense": "none", "experts": "int4-g128"}
+    for kind, (shape, dtype) in expert_arrays(cfg, int4).items():
+        assert documented[kind] == (dtype, (cfg.num_layers, cfg.num_experts, *shape)), kind
+    assert documented["w1"][0] == "uint8" and len(expert_arrays(cfg, int4)) == 6

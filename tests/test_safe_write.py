@@ -259,3 +259,11 @@ def test_crashed_overwrite_keeps_the_old_checkpoint_and_the_next_write_cleans_up
     _, _, new = write_checkpoint(cfg, tmp_path / "ck", seed=2, overwrite=True)
     np.testing.assert_array_equal(_expert(tmp_path / "ck"), new["w1"][1, 3])
     assert siblings(tmp_path / "ck") == ["ck"]
+
+
+def test_failed_write_removes_the_parent_folders_it_created(tmp_path):
+    (tmp_path / "a").mkdir()
+    with pytest.raises(RuntimeError, match="boom"):
+        with SafeWrite(tmp_path / "a" / "b" / "c" / "dst", overwrite=False, replaceable=ours):
+            raise RuntimeError("boom")
+    assert [p.name for p in tmp_path.iterdir()] == ["a"] and not any((tmp_path / "a").iterdir())
