@@ -42,13 +42,12 @@ def _generate(args: argparse.Namespace) -> int:
 
         model = strata_jax.load(args.ckpt)
         t0 = time.perf_counter()
-        out = strata_jax.generate(model, prompts, args.max_new_tokens)
+        out = strata_jax.generate(model, prompts, args.max_new_tokens, max_len=args.max_len)
         stats = None
     else:
         from strata_runtime.engine import Engine, EngineConfig
 
         config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
-                              batch_capacity=max(len(prompts), 1),
                               max_len=args.max_len, heat_file=args.heat,
                               staging_slots=args.staging_slots, dequant=args.dequant)
         with Engine.from_checkpoint(args.ckpt, config) as engine:
@@ -62,7 +61,10 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"{p} -> {o}")
     print(f"{sum(map(len, out))} tokens in {dt:.2f}s (includes compilation)")
     if stats is not None:
-        print(f"engine stats: {stats}")
+        from strata_runtime.stats import render
+
+        print("engine stats:")
+        print(render(stats))
     return 0
 
 

@@ -40,7 +40,6 @@ from strata_runtime.stats import EngineStats
 from strata_runtime.timeline import Timeline
 
 DEQUANT = ("device", "host")
-PREFILL_ROWS = step.PREFILL_CHUNK
 LAYOUTS = ("auto", "rows", "tiles")
 
 
@@ -195,7 +194,8 @@ class Engine:
         self.staging = 0 if self.resident else staging
         self.residency = Residency(
             cfg.num_layers, cfg.num_experts, self.device, self._load, pinned,
-            len(pinned) + cache, self.staging, None if self.resident else host_keys, host,
+            len(pinned) + cache, self.staging, None if self.resident else host_keys,
+            self._host_slots(resident, host),
             read=lambda fn, keys: list(self._threads.map(fn, keys)))
         self.pinned = set(pinned)
         self.cache = ExpertCache(config.policy, cache)
@@ -231,11 +231,16 @@ class Engine:
             resident = config.resident_experts
         if config.host_experts is not None:
             host = config.host_experts
-        staging = min(staging, cfg.num_experts)
-        if resident < total:  # a step's disk misses all pass through tier 1 before its re-run
-            host = max(host, min(total - resident, cfg.num_layers * min(
-                cfg.num_experts, config.batch_capacity * cfg.top_k, PREFILL_ROWS * cfg.top_k)))
-        return resident, min(host, total), staging
+        return resident, min(host, total), min(staging, cfg.num_experts)
+
+    def _host_slots(self, resident: int, host: int) -> int:
+        """Tier-1 slots: `host`, but at least what one step's disk misses can need, since
+        they all pass through tier 1 before the step runs again (the extra slots start
+        empty)."""
+        cfg = self.cfg
+        per_layer = min(cfg.num_experts, cfg.top_k * max(self.capacity, step.PREFILL_CHUNK))
+        total = cfg.num_layers * cfg.num_experts
+        return max(host, min(total - resident, cfg.num_layers * per_layer))
 
     def _load(self, key: Key) -> dict[str, np.ndarray]:
         """One expert from disk (verified) as the pools hold it."""
@@ -340,6 +345,8 @@ class Engine:
                 return out, failed
             failed.update(self._from_disk([tuple(map(int, k)) for k in disk], record, args))
             self.state = self.state.replace(tokens=before[0], positions=before[1])
+            if args and failed:  # the prefilled row itself failed: nothing to run again
+                return out, failed
 
     def _from_disk(self, keys: list[Key], record, args) -> dict[int, str]:
         """Load `keys` into tier 1 (coldest host experts make room); rows routed to an expert
@@ -451,7 +458,8 @@ class Engine:
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); placement, cache and heat are kept."""
         self._observe_pending()
-        self.counters = EngineStats(self.counters.bytes_per_expert, link_gbps=self.counters.link_gbps)
+        old = self.counters
+        self.counters = EngineStats(old.bytes_per_expert, link_gbps=old.link_gbps)
         self.timeline.clear()
 
     def save_heat(self, path: str | os.PathLike) -> None:

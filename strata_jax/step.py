@@ -235,11 +235,13 @@ def _offload_experts(plan, h, routing, pool, host, slot_of, missing, host_row, h
     return combine_routed(routing, picks).astype(h.dtype), pool, n
 
 
-def _prefetch(cfg, plan, pool, host, x_attn, next_lp, next_page, next_host, token_live, half):
+def _prefetch(cfg, plan, pool, host, x_attn, next_lp, next_page, next_host, token_live, half,
+              last):
     """Copy what layer l+1's router picks on layer l's stream into half `half` (the half
-    layer l+1 reads first): returns the pool and the prefetched ids [staging] (-1: none)."""
+    layer l+1 reads first): returns the pool and the prefetched ids [staging] (-1: none).
+    The last layer (`last`) prefetches nothing."""
     _, guess = route_layer(cfg, next_lp, x_attn)
-    wanted = (_present(guess.experts, token_live, cfg.num_experts) > 0)
+    wanted = (_present(guess.experts, token_live, cfg.num_experts) > 0) & ~last
     wanted &= (next_page < 0) & (next_host >= 0)
     ids, real = _first(wanted, plan.staging)
     base = pool.num_slots - 2 * plan.staging + half * plan.staging
@@ -306,8 +308,7 @@ def run_layers(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers
                                token_live, pre_ids, half)
         if plan.staging and plan.predictor == "next-gate":
             pool, pre_ids = _prefetch(cfg, plan, pool, tiers.host, x_attn, nlp, next_page,
-                                      next_host, token_live, half)
-            pre_ids = jnp.where(layer + 1 < num_layers, pre_ids, -1)
+                                      next_host, token_live, half, layer + 1 == num_layers)
         else:
             pre_ids = pre0
         return (x, k_all, v_all, pool, pre_ids), fields
