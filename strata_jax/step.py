@@ -48,6 +48,9 @@ class StepPlan:
     default for the row count."""
     int4_tiles: Int4Tiles | None = None
     """Tiles of the Mosaic int4 kernel, where it runs (None = tuned per expert shape)."""
+    unroll: bool = False
+    """Unroll the layer scan: no device loop (whose every iteration costs GPUs a
+    predicate read), static layer slices; a longer compile."""
 
     def __post_init__(self) -> None:
         if self.staging < 0:
@@ -314,7 +317,7 @@ def run_layers(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers
         return (x, k_all, v_all, pool, pre_ids), fields
 
     (x, k_all, v_all, pool, _), fields = jax.lax.scan(
-        body, (x, k_all, v_all, pool, pre0), xs)
+        body, (x, k_all, v_all, pool, pre0), xs, unroll=plan.unroll)
     return x, k_all, v_all, pool, _record(fields)
 
 
