@@ -65,6 +65,7 @@ GiB = 1 << 30
 START_POSITION = 16  # every row is live with this many cached positions
 CODE_STD = math.sqrt((16**2 - 1) / 12)  # std of a uniform int4 code in [-8, 7]
 
+UNROLL = {"on": True, "off": False}
 SHAPES: dict[str, ModelConfig] = {
     # benchmarks' Mixtral-8x7B shape (strata_jax.synth's, 8 layers)
     "mixtral-8x7b": ModelConfig(
@@ -562,7 +563,8 @@ def build(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, hos
         return Setup(layout, full, step.resident_tiers(page), bpe, dense, kv, tile, None)
     reference = None
     if want_check(args, spec):
-        resident = Runner(cfg, step.StepPlan(), params, full, step.resident_tiers(page))
+        resident = Runner(cfg, step.StepPlan(unroll=UNROLL[args.unroll]), params, full,
+                          step.resident_tiers(page))
         reference = run_steps(resident, live_state(cfg, batch, args.max_len), 2)
     if "tier" not in host:
         host["tier"] = to_pinned_host(full)
@@ -577,7 +579,8 @@ def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Set
                   predictor: str, batch: int) -> dict[str, Any]:
     """Check (where a reference exists) and time one compiled configuration; the donated pool
     is handed back to `setup`."""
-    plan = step.StepPlan(staging=setup.layout.staging, predictor=predictor)
+    plan = step.StepPlan(staging=setup.layout.staging, predictor=predictor,
+                         unroll=UNROLL[args.unroll])
     runner = Runner(cfg, plan, params, setup.pool, setup.tiers)
     exact: bool | str | None = "resident" if setup.layout.resident else None
     if setup.reference is not None:
@@ -737,6 +740,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="fewer timed steps where a step is slow (at least 4)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-len", type=int, default=256)
+    ap.add_argument("--unroll", choices=sorted(UNROLL), default="off",
+                    help="StepPlan.unroll of every program, the resident reference's too")
     ap.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
                     help="int4 slot layout (auto: tile-major where the Mosaic int4 kernel runs)")
     ap.add_argument("--check", choices=("auto", "always", "never"), default="auto",

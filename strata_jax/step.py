@@ -49,8 +49,11 @@ class StepPlan:
     int4_tiles: Int4Tiles | None = None
     """Tiles of the Mosaic int4 kernel, where it runs (None = tuned per expert shape)."""
     unroll: bool = False
-    """Unroll the layer scan: no device loop (whose every iteration costs GPUs a
-    predicate read), static layer slices; a longer compile."""
+    """Unroll the layer scan: no device loop (each iteration costs a GPU a predicate read)
+    and static layer slices instead of a copy of each layer's weights; a longer compile.
+    Faster when every expert is resident, but XLA then fuses differently from the rolled
+    program, so on a GPU its bits may differ from a rolled (offloaded) run's
+    (docs/design.md, "Measured"): an ablation, off by default."""
 
     def __post_init__(self) -> None:
         if self.staging < 0:
