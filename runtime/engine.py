@@ -31,7 +31,6 @@ from strata_runtime.ledger import (
     Ledger,
     ModelBytes,
     default_staging_slots,
-    parse_bytes,
     plan_ledger,
 )
 from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
@@ -195,7 +194,7 @@ class Engine:
         self.residency = Residency(
             cfg.num_layers, cfg.num_experts, self.device, self._load, pinned,
             len(pinned) + cache, self.staging, None if self.resident else host_keys,
-            self._host_slots(resident, host),
+            self._host_slots(len(pinned), host),
             read=lambda fn, keys: list(self._threads.map(fn, keys)))
         self.pinned = set(pinned)
         self.cache = ExpertCache(config.policy, cache)
@@ -224,23 +223,21 @@ class Engine:
             slot_bytes(self.reader, config), config.batch_capacity)
         if self.ledger is not None:
             resident, staging = self.ledger.tier0, self.ledger.staging_slots or staging
-            if config.host_budget is not None:
-                stored = ModelBytes.from_reader(self.reader).bytes_per_expert
-                host = min(parse_bytes(config.host_budget) // stored, total)
+            host = self.ledger.host_slots  # tier 1 holds experts as the slots do
         if config.resident_experts is not None:
             resident = config.resident_experts
         if config.host_experts is not None:
             host = config.host_experts
         return resident, min(host, total), min(staging, cfg.num_experts)
 
-    def _host_slots(self, resident: int, host: int) -> int:
+    def _host_slots(self, pinned: int, host: int) -> int:
         """Tier-1 slots: `host`, but at least what one step's disk misses can need, since
         they all pass through tier 1 before the step runs again (the extra slots start
         empty)."""
         cfg = self.cfg
         per_layer = min(cfg.num_experts, cfg.top_k * max(self.capacity, step.PREFILL_CHUNK))
         total = cfg.num_layers * cfg.num_experts
-        return max(host, min(total - resident, cfg.num_layers * per_layer))
+        return max(host, min(total - pinned, cfg.num_layers * per_layer))
 
     def _load(self, key: Key) -> dict[str, np.ndarray]:
         """One expert from disk (verified) as the pools hold it."""

@@ -47,7 +47,7 @@ def test_static_has_no_capacity_and_bad_names_fail():
 
 def test_heat_is_an_ema_of_counts():
     h = HeatEstimate(1, 4, decay=0.5)
-    h.observe(0, np.array([[0, 1], [0, 2]]))
+    h.observe(0, np.array([2, 1, 1, 0]))  # tokens routed to each expert
     h.end_step()
     np.testing.assert_allclose(h.heat[0], [1.0, 0.5, 0.5, 0.0])
     h.end_step()

@@ -41,7 +41,7 @@ def test_no_compiles_and_stable_memory_over_200_steps(tmp_path, compiles):
     def batch(n, length):
         return rng.integers(0, cfg.vocab_size, (n, length)).tolist()
 
-    for length in (3, 12):  # warm-up: both prefill buckets (8 and 16)
+    for length in (3, 12):  # warm-up: both prefill chunk sizes (8 and 16)
         engine.generate(batch(4, length), 11)
     live = sum(a.nbytes for a in jax.live_arrays())
     assert compiles.count > 0  # the counter sees compilations at all
@@ -53,6 +53,5 @@ def test_no_compiles_and_stable_memory_over_200_steps(tmp_path, compiles):
         assert len(out) == n and all(len(o) == 11 for o in out)
         steps += 10
     assert compiles.count == 0
-    # copies in flight (the ledger's second staging buffer) may be full or empty at either point
-    in_flight = engine.staging * engine.pool.nbytes // engine.pool.num_slots
-    assert sum(a.nbytes for a in jax.live_arrays()) <= live + in_flight
+    # every buffer was allocated at start-up; only the last step's small record may differ
+    assert sum(a.nbytes for a in jax.live_arrays()) <= live + (64 << 10)

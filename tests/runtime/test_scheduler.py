@@ -48,7 +48,7 @@ def test_stop_ids_and_streaming(engine_factory):
 
 def test_bad_requests_are_refused(engine_factory):
     sched = Scheduler(engine_factory())
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(ValueError, match="the prompt is empty"):
         sched.submit([], 3)
     with pytest.raises(ValueError, match="max_len"):
         sched.submit([1] * 30, 20)
