@@ -4,21 +4,19 @@ lax.ragged_dot.
 64 routed rows per layer: Mixtral-8x7B experts (32 tokens x top-2 of 8) and Qwen3-30B-A3B
 experts (8 tokens x top-8 of 128). Achieved bytes/s counts the packed int4 bytes (nibbles +
 bf16 scales) of the experts that the rows select, over the measured HBM read bandwidth. Also
-measures host int4 -> bf16 dequantization and bytes per expert. Writes JSON + markdown.
+lists bytes per expert. Writes JSON + markdown.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from benchmarks.common import (
@@ -33,7 +31,6 @@ from strata_jax import int4_kernel
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.moe import Routing, routed_outputs
 from strata_jax.pool import ExpertPool
-from strata_runtime.host_dequant import HostDequantizer
 
 
 @dataclass(frozen=True)
@@ -253,19 +250,6 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
     return results, sweep
 
 
-def host_dequant(threads: int) -> dict:
-    rng = np.random.default_rng(0)
-    packed = rng.integers(0, 256, (14336, 4096 // 2), dtype=np.uint8)
-    scales = np.full((4096 // 128, 14336), 0.01, ml_dtypes.bfloat16)
-    dq = HostDequantizer(threads=threads)
-    batch = [(packed, scales)] * threads
-    dt = median_time(lambda: dq.dequantize_many(batch), reps=5) / threads
-    dq.close()
-    out_bytes = 4096 * 14336 * 2
-    return {"threads": threads, "ms_per_matrix": dt * 1e3, "out_GBps": out_bytes / dt / 1e9,
-            "in_GBps": (packed.nbytes + scales.nbytes) / dt / 1e9}
-
-
 def bytes_table() -> list[dict]:
     from strata_jax.synth import SHAPES as CFGS
 
@@ -293,8 +277,6 @@ def main() -> None:
         result["kernels"] += kernels
         result["sweep"] += sweep
     rescale_to_best_bound(result, hbm_bandwidth())
-    cores = os.cpu_count() or 1
-    result["host_dequant"] = [host_dequant(t) for t in sorted({1, cores // 2, cores})]
     result["bytes_per_expert"] = bytes_table()
     text = render(result)
     print(text)
@@ -355,11 +337,6 @@ def render(r: dict) -> str:
                      f"{k['over_hbm']:.2f} | {k['kernel_us_per_layer']:.0f}{parts} | "
                      f"{k['kernel_over_hbm']:.2f} | {k['kernel_over_floor']:.2f} | "
                      f"{k['rel_err_vs_xla']:.1e} |")
-    lines += ["", "## Host int4 -> bf16 dequantization (4096 x 14336 matrix)", "",
-              "| threads | ms/matrix | bf16 out GB/s | packed in GB/s |", "|---|---|---|---|"]
-    for h in r["host_dequant"]:
-        lines.append(f"| {h['threads']} | {h['ms_per_matrix']:.1f} | {h['out_GBps']:.2f} | "
-                     f"{h['in_GBps']:.2f} |")
     lines += ["", "## Bytes per expert (w1 + w3 + w2)", "",
               "| shape | bf16 MB | int4 g128 MB | ratio |", "|---|---|---|---|"]
     for b in r["bytes_per_expert"]:

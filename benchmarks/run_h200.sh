@@ -1,22 +1,48 @@
 #!/usr/bin/env bash
-# One device call (~8 min): issue 17's H200 benchmark of the one-program decode step
-# (benchmarks/step_decode.py) on the synthetic Mixtral-8x7B shape, 8 layers, random weights
-# generated on the GPU (no checkpoint). Bandwidths are measured first, in this call; then one
-# process per row, most important first, each under `timeout` and all within BUDGET_S, so one
-# slow row cannot eat the call. Rows append to $OUT/step_decode.jsonl as they finish; the last
-# step renders $OUT/step_decode.md. Log: $OUT/step_log.txt.
-#   BUDGET_S=470      seconds for the whole script (the device call allows 600)
+# The GPU run script: one device call, ~9 min (GPU tests ~4, step rows ~5). First the GPU tests
+# of the step, the engine and the expert kernels (under a timeout, into $OUT/gpu_tests.txt);
+# then issue 17's H200 benchmark of the one-program decode step (benchmarks/step_decode.py) on
+# the synthetic Mixtral-8x7B shape, 8 layers, random weights generated on the GPU (no
+# checkpoint). Bandwidths are measured first, in this call; then one process per row, most
+# important first, each under `timeout` and all within BUDGET_S (counted from the start of the
+# script, tests included), so one slow row cannot eat the call: the two ablation rows at the end
+# are the first to go. Rows append to $OUT/step_decode.jsonl as they finish; the last step
+# renders $OUT/step_decode.md. Log: $OUT/step_log.txt. The int4 kernel benchmark is not in this
+# call (it takes 3-7 min alone): see benchmarks/README.md.
+#   BUDGET_S=560      seconds for the whole script (the device call allows 600)
+#   TEST_LIMIT=240    seconds for the GPU tests; TEST_LIMIT=0 skips them
+#   TESTS_K=...       pytest -k filter. Default: every test of the four files except the Mosaic
+#                     kernel's GPU sweep over 16 tile settings x 2 shapes, of which the default
+#                     tiles (tiles0) and the two stream-K settings (tiles14, tiles15) run (the
+#                     whole sweep takes ~4 min alone: TESTS_K= runs it, with a larger TEST_LIMIT)
 #   STEP_ARGS=...     extra arguments for every row (default: at most 64 timed steps, ~5 s/pass)
 #   JAX_CACHE=0       no persistent compilation cache (shared by the row processes)
 source "$(dirname "$0")/device_env.sh"
-BUDGET_S=${BUDGET_S:-470}
+BUDGET_S=${BUDGET_S:-560}
+TEST_LIMIT=${TEST_LIMIT:-240}
+TESTS_K=${TESTS_K-"not mosaic_kernel_on_gpu or tiles0- or tiles14 or tiles15"}
 STEP_ARGS=${STEP_ARGS:-"--steps 64 --seconds-per-pass 5"}
+HEAD="$(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') $(date -Is)"
+GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)
+
+if ((TEST_LIMIT > 0)); then
+  {
+    echo "# GPU tests at $HEAD on $GPU (-k '$TESTS_K', limit ${TEST_LIMIT}s)"
+    timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE tests/test_step.py \
+      tests/runtime/test_engine.py tests/test_expert_kernels.py tests/test_int4_kernel.py \
+      ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "^[WI]0" | tail -25 | cut -c1-400
+    rc=${PIPESTATUS[0]}
+    ((rc == 124 || rc == 137)) && echo "   tests timed out after ${TEST_LIMIT}s"
+    echo "tests done at t=${SECONDS}s (exit status $rc)"
+  } 2>&1 | tee "$OUT/gpu_tests.txt"
+fi
+
 if [[ ${JAX_CACHE:-1} != 0 ]]; then
   export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/strata_step_jax_cache}
 fi
 exec > >(tee -a "$OUT/step_log.txt") 2>&1
-echo "step_decode $(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') $(date -Is)"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+echo "step_decode $HEAD (t=${SECONDS}s)"
+echo "$GPU"
 
 bench() {  # LIMIT_S ARGS...: one row process, cut at LIMIT_S or what is left of BUDGET_S
   local want=$1; shift

@@ -34,7 +34,7 @@ fit easily: --check).
 
 Run: `python -m benchmarks.step_decode --rows resident-bf16,int4-3g --batch 1,16 --out DIR`;
 `--measure` writes the bandwidths to DIR/step_bandwidth.json for later calls (`--bandwidth`);
-`--report` renders DIR/step_decode.jsonl as DIR/step_decode.md. benchmarks/run_h200_step.sh
+`--report` renders DIR/step_decode.jsonl as DIR/step_decode.md. benchmarks/run_h200.sh
 runs the H200 set in one device call.
 """
 
