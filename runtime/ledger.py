@@ -44,7 +44,8 @@ WORKSPACE_FLOOR = 256 * MiB
 # A pass's copies (half the staging slots) should take long enough on the link to hide the host
 # round trip between passes; larger staging only takes HBM from pinned experts. Measured on the
 # H200 (Mixtral-8x7B bf16 experts of 336 MiB, B=16, 8 GiB budget): 2 slots 50.2 tok/s, one
-# decode step's worth (8) 40.4 (benchmarks/README.md).
+# decode step's worth (8) 40.4 with the per-layer engine (benchmarks/archive/NOTES.md); the
+# one-program step: 46.8 and 37.4 (benchmarks/results/step_decode.md).
 STAGING_HALF_BYTES = 256 * MiB
 
 

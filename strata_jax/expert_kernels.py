@@ -163,7 +163,7 @@ def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
     return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
 
 
-TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/README.md
+TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/archive/NOTES.md
 MIN_SPLIT_STEPS = 16  # shorter split-K loops spend their time filling the load pipeline
 
 

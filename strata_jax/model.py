@@ -3,7 +3,7 @@
 Pure functions of one layer's dense params (`lp`, one entry of the stacked params the step
 scans) and the residual stream. `step.py` composes them into the one compiled program per
 step (docs/design.md); the quantizer calls them layer by layer. Expert weights arrive apart,
-as an `ExpertPool` plus the slot of each of the layer's experts (DESIGN.md seam 2).
+as an `ExpertPool` plus the slot of each of the layer's experts (docs/design.md, "Seams").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Mixture-of-experts math: routing, and expert FFNs computed from a pool of slots.
 
-Expert weights are operands (DESIGN.md seam 2): `apply_experts` takes the pool arrays and the
+Expert weights are operands (docs/design.md, "Seams"): `apply_experts` takes the pool arrays and the
 slot where each of the layer's experts sits, so one compiled function serves a fully resident
 model, a cache of hot experts, or a staging buffer.
 """

@@ -184,7 +184,7 @@ def _copy_in(pool: ExpertPool, host: ExpertPool, host_slots: jax.Array, first_sl
              count) -> ExpertPool:
     """Copy host slots `host_slots[:count]` into pool slots first_slot, first_slot + 1, ...
     One dynamic slice of the pinned-host arrays straight into `device_put` per expert: only
-    the slice crosses the link (DESIGN.md measured it; a gather would be host compute)."""
+    the slice crosses the link (docs/design.md, "Measured"; a gather would be host compute)."""
 
     def one(j, arrays):
         src = host_slots[j]
