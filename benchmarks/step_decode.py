@@ -60,6 +60,7 @@ from strata_jax import int4_kernel, step
 from strata_jax.config import ModelConfig
 from strata_jax.pool import ExpertPool
 from strata_jax.quant import GROUP
+from strata_jax.synth import synth_config
 
 GiB = 1 << 30
 START_POSITION = 16  # every row is live with this many cached positions
@@ -67,12 +68,7 @@ CODE_STD = math.sqrt((16**2 - 1) / 12)  # std of a uniform int4 code in [-8, 7]
 
 UNROLL = {"on": True, "off": False}
 SHAPES: dict[str, ModelConfig] = {
-    # benchmarks' Mixtral-8x7B shape (strata_jax.synth's, 8 layers)
-    "mixtral-8x7b": ModelConfig(
-        family="mixtral", vocab_size=32000, hidden_size=4096, num_layers=8, num_heads=32,
-        num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=14336,
-        rope_theta=1e6, rms_eps=1e-5, dtype="bfloat16",
-    ),
+    "mixtral-8x7b": synth_config("mixtral-8x7b", layers=8),  # the benchmarks' shape
     # CPU smoke test: int4 needs input dims that are multiples of the 128-wide group
     "tiny": ModelConfig(
         family="mixtral", vocab_size=256, hidden_size=128, num_layers=4, num_heads=4,
