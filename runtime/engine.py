@@ -209,7 +209,7 @@ class Engine:
         self.counters = EngineStats(slot_bytes(reader, config).bytes_per_expert,
                                  link_gbps=None if self.resident else _link_rate(self.device))
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
-        self._compiled: set[str] = set()
+        self._decode_compiled = False  # its first call (compilation) is timed apart
         self._disk_possible = not self.resident and host < total
 
     # --- set-up --------------------------------------------------------------------------------
@@ -295,12 +295,12 @@ class Engine:
         self._pending = out
         tokens = np.asarray(out.tokens)
         elapsed = time.perf_counter() - t0
-        if "decode" in self._compiled:
+        if self._decode_compiled:
             self.counters.step_times.append(elapsed)
             self.counters.decode_steps += 1
             self.counters.decode_tokens += int(np.asarray(self.state.live).sum())
         else:
-            self._compiled.add("decode")
+            self._decode_compiled = True
             self.counters.compile_s += elapsed
         self._end_step()
         return StepResult(tokens, failed, out.logits)
@@ -308,9 +308,6 @@ class Engine:
     def free(self, row: int) -> None:
         """Row `row` is no longer live (its KV stays until overwritten)."""
         self.state = _set_live(self.state, row, False)
-
-    def live_rows(self) -> np.ndarray:
-        return np.asarray(self.state.live)
 
     # --- one program, with the disk tier -------------------------------------------------------
 
@@ -329,8 +326,6 @@ class Engine:
                                                 self.state, *args)
             if pool is not None:
                 self.residency.pool = pool
-            if name.startswith("prefill") and name not in self._compiled:
-                self._compiled.add(name)
             if not sync:
                 return out, failed
             record = jax.device_get(out.record)
