@@ -4,8 +4,37 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import inspect
+import json
 import sys
+import textwrap
+import time
 import warnings
+from pathlib import Path
+
+import strata_jax
+from strata_jax.sampling import SamplingParams
+from strata_runtime.compile_cache import ENV as CACHE_ENV
+from strata_runtime.compile_cache import enable_compile_cache
+from strata_runtime.engine_flags import add_engine_flags, engine_config, resident_shape
+
+__all__ = ["add_engine_flags", "build_parser", "engine_config", "main"]
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every flag's help; the examples of an epilog kept as written."""
+
+
+def _describe(text: str) -> str:
+    return textwrap.fill(text, 78)
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+# ------------------------------------------------------------------------------ writers
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -30,58 +59,6 @@ def _synth(args: argparse.Namespace) -> int:
         train_steps=args.train_steps,
     )
     print(stats)
-    return 0
-
-
-def _generate(args: argparse.Namespace) -> int:
-    import time
-
-    prompts = [[int(t) for t in p.split(",")] for p in args.prompt]
-    if args.hbm is None:
-        import strata_jax
-
-        model = strata_jax.load(args.ckpt)
-        t0 = time.perf_counter()
-        out = strata_jax.generate(model, prompts, args.max_new_tokens, max_len=args.max_len)
-        stats = None
-    else:
-        from strata_runtime.engine import Engine, EngineConfig
-
-        config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
-                              max_len=args.max_len, heat_file=args.heat,
-                              staging_slots=args.staging_slots, dequant=args.dequant)
-        with Engine.from_checkpoint(args.ckpt, config) as engine:
-            t0 = time.perf_counter()
-            out = engine.generate(prompts, args.max_new_tokens)
-            stats = engine.stats()
-            if args.record_heat:
-                engine.save_heat(args.record_heat)
-    dt = time.perf_counter() - t0
-    for p, o in zip(prompts, out, strict=True):
-        print(f"{p} -> {o}")
-    print(f"{sum(map(len, out))} tokens in {dt:.2f}s (includes compilation)")
-    if stats is not None:
-        from strata_runtime.stats import render
-
-        print("engine stats:")
-        print(render(stats))
-    return 0
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from strata_jax.checkpoint import CheckpointReader
-    from strata_runtime.engine import EngineConfig, plan_for
-    from strata_runtime.ledger import BudgetError
-
-    config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host,
-                          batch_capacity=args.batch_capacity, max_len=args.max_len,
-                          staging_slots=args.staging_slots, dequant=args.dequant)
-    try:
-        ledger = plan_for(CheckpointReader(args.ckpt), config)
-    except BudgetError as e:
-        print(e, file=sys.stderr)
-        return 2
-    print(ledger.render())
     return 0
 
 
@@ -121,6 +98,293 @@ def _quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ generate
+
+
+def _ids(value: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]."""
+    try:
+        ids = [int(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: expected comma-separated integer token ids, e.g. 1,2,3") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+def _sampling(args: argparse.Namespace, eos_ids: frozenset[int]) -> SamplingParams:
+    stop_ids = set(args.stop_id) | (set() if args.ignore_eos else set(eos_ids))
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed,
+        stop_ids=frozenset(stop_ids))
+
+
+def _check_sampling_wired(sampling: SamplingParams) -> bool:
+    """Whether generate takes `sampling=`; if not, only greedy decoding can run."""
+    wired = "sampling" in inspect.signature(strata_jax.generate).parameters
+    if not wired and not sampling.greedy:
+        raise ValueError("--temperature/--repetition-penalty: this build decodes greedily "
+                         "only (the sampler is not wired into generate yet); drop them")
+    return wired
+
+
+def _needs_hbm(args: argparse.Namespace) -> None:
+    for flag, value in (("--record-heat", args.record_heat),
+                        ("--export-timeline", args.export_timeline)):
+        if value is not None:
+            raise ValueError(f"{flag} only applies to the offload engine: add --hbm SIZE, or "
+                             "drop it")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """What a generate call produced and how long it took."""
+
+    tokens: list[list[int]]
+    """New tokens per request."""
+    load_s: float
+    """Reading the checkpoint (and building the engine)."""
+    warmup_s: float | None
+    """The warm-up run (compilation; a cache hit loads instead); None with --no-warmup."""
+    run_s: float
+    """The timed run: prefill and decode of every request."""
+    stats: dict[str, object] | None
+    """The engine's statistics of the timed run (offload engine only)."""
+
+
+def _run_resident(args, prompts, sampling, wired: bool) -> Run:
+    capacity, max_len = resident_shape(args)
+    t0 = time.perf_counter()
+    model = strata_jax.load(args.ckpt)
+    load_s = time.perf_counter() - t0
+    kw = {"batch_capacity": capacity, "max_len": max_len}
+    if wired:
+        kw["sampling"] = sampling
+
+    def run(n: int) -> list[list[int]]:
+        return strata_jax.generate(model, prompts, n, **kw)
+
+    return _timed(args, run, load_s, None)
+
+
+def _run_engine(args, config, prompts, sampling, wired: bool) -> Run:
+    from strata_runtime.engine import Engine
+
+    if args.export_timeline is not None:
+        config = dataclasses.replace(config, timeline=True)
+    t0 = time.perf_counter()
+    with Engine.from_checkpoint(args.ckpt, config) as engine:
+        load_s = time.perf_counter() - t0
+
+        def run(n: int) -> list[list[int]]:
+            return engine.generate(prompts, n, **({"sampling": sampling} if wired else {}))
+
+        result = _timed(args, run, load_s, engine)
+        if args.record_heat:
+            engine.save_heat(args.record_heat)
+        if args.export_timeline:
+            engine.export_timeline(args.export_timeline)
+    return result
+
+
+def _timed(args, run, load_s: float, engine) -> Run:
+    warmup_s = None
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        run(min(2, args.max_new_tokens))  # compiles prefill and decode for these shapes
+        warmup_s = time.perf_counter() - t0
+        if engine is not None:
+            engine.reset_stats()
+    t0 = time.perf_counter()
+    tokens = run(args.max_new_tokens)
+    run_s = time.perf_counter() - t0
+    stats = engine.stats() if engine is not None else None
+    return Run(tokens=tokens, load_s=load_s, warmup_s=warmup_s, run_s=run_s, stats=stats)
+
+
+def _until_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """`text` before the earliest stop string, and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def _requests(prompts, out, tok, args, sampling) -> list[dict[str, object]]:
+    reqs = []
+    for prompt, new in zip(prompts, out, strict=True):
+        new = _until_stop(new, sampling.stop_ids)
+        req: dict[str, object] = {"prompt_ids": prompt, "new_ids": new}
+        stopped = bool(new) and new[-1] in sampling.stop_ids
+        if tok is not None:
+            text, cut = _cut_at_stop(tok.decode(new), args.stop)
+            req["text"], stopped = text, stopped or cut
+        req["finish"] = "stop" if stopped else "length"
+        reqs.append(req)
+    return reqs
+
+
+def _print_requests(reqs, given) -> None:
+    for i, (req, prompt) in enumerate(zip(reqs, given, strict=True)):
+        if len(reqs) > 1:
+            print(f"--- request {i}: {len(req['prompt_ids'])} prompt tokens, "
+                  f"{len(req['new_ids'])} new ({req['finish']})")
+        if not isinstance(prompt, str) or "text" not in req:
+            print(f"{req['prompt_ids']} -> {req['new_ids']}")
+        if "text" in req:
+            print(req["text"])
+
+
+def _timing(run: Run, reqs) -> dict[str, object]:
+    new = sum(len(r) for r in run.tokens)
+    return {"load_s": run.load_s, "warmup_s": run.warmup_s, "run_s": run.run_s,
+            "prompt_tokens": sum(len(r["prompt_ids"]) for r in reqs), "new_tokens": new,
+            "tok_s": new / run.run_s if run.run_s > 0 else None,
+            "includes_compilation": run.warmup_s is None}
+
+
+def _report(timing: dict[str, object], stats) -> str:
+    from strata_runtime.stats import render
+
+    lines = ["timing:", render(timing)]
+    if stats is not None:
+        lines += ["engine stats (the timed run):", render(stats)]
+    return "\n".join(lines)
+
+
+def _write_json(doc: dict[str, object], where: str) -> None:
+    text = json.dumps(doc, indent=2, default=float) + "\n"
+    if where == "-":
+        sys.stdout.write(text)
+    else:
+        Path(where).write_text(text)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from strata_jax.tokenizer import encode_prompts, load_tokenizer
+
+    config = engine_config(args)
+    if config is None:
+        _needs_hbm(args)
+    given = args.prompts or []
+    if not given:
+        raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat for a "
+                         "batch)")
+    texts = any(isinstance(p, str) for p in given) or args.chat or args.stop
+    has_tok = (Path(args.ckpt) / "tokenizer.json").is_file()
+    tok = load_tokenizer(args.ckpt) if texts or has_tok else None
+    prompts = encode_prompts(tok, given, chat=args.chat)
+    sampling = _sampling(args, tok.eos_ids if tok is not None else frozenset())
+    wired = _check_sampling_wired(sampling)
+    if config is None:
+        run = _run_resident(args, prompts, sampling, wired)
+    else:
+        run = _run_engine(args, config, prompts, sampling, wired)
+    reqs = _requests(prompts, run.tokens, tok, args, sampling)
+    timing = _timing(run, reqs)
+    if args.json != "-":
+        _print_requests(reqs, given)
+    print(_report(timing, run.stats), file=sys.stderr)
+    if args.json is not None:
+        _write_json({"checkpoint": args.ckpt, "requests": reqs, "timing": timing,
+                     "engine": run.stats, "sampling": _sampling_doc(sampling)}, args.json)
+    return 0
+
+
+def _sampling_doc(sampling: SamplingParams) -> dict[str, object]:
+    doc = dataclasses.asdict(sampling)
+    doc["stop_ids"] = sorted(doc["stop_ids"])
+    return doc
+
+
+def _add_sampling_flags(gen: argparse.ArgumentParser) -> None:
+    group = gen.add_argument_group("sampling", "how each request picks its tokens "
+                                               "(strata_jax.sampling.SamplingParams)")
+    defaults = SamplingParams()
+    for name, kind in (("temperature", float), ("top_k", int), ("top_p", float),
+                       ("min_p", float), ("repetition_penalty", float), ("seed", int)):
+        doc = _field_doc(SamplingParams, name)
+        group.add_argument("--" + name.replace("_", "-"), type=kind,
+                           metavar="N" if kind is int else "X",
+                           default=getattr(defaults, name), help=doc.replace("%", "%%"))
+    group.add_argument("--stop", action="append", default=[], metavar="STR",
+                       help="end a request at this text (cut before it); repeatable")
+    group.add_argument("--stop-id", action="append", default=[], type=int, metavar="N",
+                       help="end a request at this token id (kept); repeatable")
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="do not stop at the tokenizer's end-of-sequence ids")
+
+
+def _field_doc(cls: type, name: str) -> str:
+    from strata_runtime.engine_flags import field_docs
+
+    return field_docs(cls).get(name, "")
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction, common) -> None:
+    gen = sub.add_parser(
+        "generate", parents=[common], formatter_class=_Formatter,
+        help="generate text or ids (resident, or offloaded with --hbm)",
+        description=_describe(
+            "Generate from prompts: resident by default, through the offload engine with --hbm. "
+            "Text goes through the checkpoint's tokenizer. A warm-up run (compilation) is timed "
+            "apart from the reported tok/s. Text goes to stdout, timing and engine stats to "
+            "stderr."),
+        epilog=_examples(
+            'strata generate CKPT --prompt "The history of" --max-new-tokens 32',
+            'strata generate CKPT --chat --prompt "Hello!" --temperature 0.7 --seed 1',
+            "strata generate CKPT --prompt-ids 1,2,3 --prompt-ids 4,5 --json out.json",
+            "strata generate CKPT --hbm 8GB --host 64GB --prompt hi --record-heat heat.json",
+            "strata generate CKPT --hbm 8GB --heat heat.json --policy lru --prompt hi"))
+    gen.add_argument("ckpt", help="Strata checkpoint folder")
+    gen.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
+                     help="prompt text (through the checkpoint's tokenizer); repeat for a batch")
+    gen.add_argument("--prompt-ids", action="append", dest="prompts", type=_ids, metavar="IDS",
+                     help="prompt as comma-separated token ids; repeat for a batch")
+    gen.add_argument("--chat", action="store_true",
+                     help="each --prompt is one user message of the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=16, metavar="N",
+                     help="most tokens to generate per request")
+    gen.add_argument("--no-warmup", action="store_true",
+                     help="no warm-up run: the reported tok/s then includes compilation")
+    gen.add_argument("--json", default=None, metavar="OUT",
+                     help="write requests, timing and stats as JSON to OUT ('-': stdout only)")
+    gen.add_argument("--record-heat", default=None, metavar="FILE",
+                     help="write this run's routing statistics (needs --hbm)")
+    gen.add_argument("--export-timeline", default=None, metavar="FILE",
+                     help="write the engine's step timeline as a Chrome trace (needs --hbm)")
+    _add_sampling_flags(gen)
+    add_engine_flags(gen)
+    gen.set_defaults(func=_generate)
+
+
+# ------------------------------------------------------------------------------ plan, eval
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from strata_jax.checkpoint import CheckpointReader
+    from strata_runtime.engine import plan_for
+    from strata_runtime.ledger import BudgetError
+
+    config = engine_config(args) if hasattr(args, "hbm_budget") else None
+    if config is None:
+        raise ValueError("plan needs the HBM budget: --hbm SIZE (e.g. 24GB or 20GiB)")
+    try:
+        ledger = plan_for(CheckpointReader(args.ckpt), config)
+    except BudgetError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(ledger.render())
+    return 0
+
+
 def _eval_quant(args: argparse.Namespace) -> int:
     from strata_jax.quant_eval import evaluate_quantization, write_json
 
@@ -140,9 +404,25 @@ def _eval_quant(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_quantize_parsers(sub: argparse._SubParsersAction) -> None:
-    """`strata quantize` and `strata eval quant`."""
-    qua = sub.add_parser("quantize", help="quantize a float checkpoint (int4 experts, int8 dense)")
+def _eval_ppl(args: argparse.Namespace) -> int:
+    from strata_jax.perplexity import evaluate_perplexity, write_json
+
+    report = evaluate_perplexity(args.ckpt, args.text, ref=args.ref, seq_len=args.seq_len,
+                                 stride=args.stride, batch=args.batch)
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _add_quantize_parsers(sub: argparse._SubParsersAction, common) -> None:
+    """`strata quantize`, `strata eval quant` and `strata eval ppl`."""
+    qua = sub.add_parser(
+        "quantize", parents=[common], formatter_class=_Formatter,
+        help="quantize a float checkpoint (int4 experts, int8 dense)",
+        epilog=_examples("strata quantize CKPT CKPT-int4 --experts int4-gptq --dense int8",
+                         "strata quantize CKPT CKPT-rtn --experts int4-rtn --calib 0"))
     qua.add_argument("src", help="float Strata checkpoint")
     qua.add_argument("dst")
     qua.add_argument("--experts", choices=("int4-gptq", "int4-rtn", "none"), default="int4-gptq",
@@ -165,7 +445,10 @@ def _add_quantize_parsers(sub: argparse._SubParsersAction) -> None:
 
     ev = sub.add_parser("eval", help="evaluate a checkpoint")
     ev_sub = ev.add_subparsers(dest="what", required=True)
-    evq = ev_sub.add_parser("quant", help="quantized vs float: expert errors, logits KL, bytes")
+    evq = ev_sub.add_parser(
+        "quant", parents=[common], formatter_class=_Formatter,
+        help="quantized vs float: expert errors, logits KL, bytes",
+        epilog=_examples("strata eval quant CKPT-int4 --ref CKPT --json quant.json"))
     evq.add_argument("ckpt", help="quantized Strata checkpoint")
     evq.add_argument("--ref", required=True, help="its float source checkpoint")
     evq.add_argument("--tokens", type=int, default=32,
@@ -178,14 +461,49 @@ def _add_quantize_parsers(sub: argparse._SubParsersAction) -> None:
     evq.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     evq.set_defaults(func=_eval_quant)
 
+    evp = ev_sub.add_parser(
+        "ppl", parents=[common], formatter_class=_Formatter,
+        help="perplexity on a text file through the checkpoint's tokenizer",
+        description=_describe(
+            "Perplexity of the checkpoint (and of --ref side by side) on a UTF-8 text, in "
+            "windows of --seq-len tokens starting --stride apart; NLL summed in float64 "
+            "(strata_jax/perplexity.py)."),
+        epilog=_examples("strata eval ppl CKPT --text tests/data/public_domain.txt",
+                         "strata eval ppl CKPT-int4 --ref CKPT --text book.txt --json ppl.json"))
+    evp.add_argument("ckpt", help="Strata checkpoint with a tokenizer (e.g. quantized)")
+    evp.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text file")
+    evp.add_argument("--ref", default=None, metavar="FLOAT_CKPT",
+                     help="a second checkpoint of the same model (its float source), shown "
+                          "side by side")
+    evp.add_argument("--seq-len", type=int, default=256, help="most input tokens per window")
+    evp.add_argument("--stride", type=int, default=None,
+                     help="tokens between window starts (default: --seq-len, no overlap)")
+    evp.add_argument("--batch", type=int, default=8, help="windows per forward")
+    evp.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    evp.set_defaults(func=_eval_ppl)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="strata", description=__doc__, formatter_class=_Formatter,
+        epilog=_examples("strata synth --shape tiny tiny",
+                         'strata generate tiny --prompt "Four score" --max-new-tokens 16',
+                         "strata plan CKPT --hbm 24GB --host 64GB",
+                         "strata <command> --help"))
+    parser.add_argument("--version", action="version",
+                        version=f"strata {strata_jax.__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-compile-cache", action="store_true",
+                        help=f"do not use JAX's persistent compilation cache (also: {CACHE_ENV}"
+                             "=off; a folder there moves it)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     conv = sub.add_parser("convert", help="convert a checkpoint into the Strata format")
     conv_sub = conv.add_subparsers(dest="source", required=True)
-    hf = conv_sub.add_parser("hf", help="from a Hugging Face safetensors directory")
+    hf = conv_sub.add_parser(
+        "hf", parents=[common], formatter_class=_Formatter,
+        help="from a Hugging Face safetensors directory (with its tokenizer files)",
+        epilog=_examples("strata convert hf ~/models/Mixtral-8x7B-v0.1 mixtral --dtype bfloat16"))
     hf.add_argument("src")
     hf.add_argument("dst")
     hf.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -193,7 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--overwrite", action="store_true")
     hf.set_defaults(func=_convert)
 
-    syn = sub.add_parser("synth", help="write a synthetic model with random weights")
+    syn = sub.add_parser(
+        "synth", parents=[common], formatter_class=_Formatter,
+        help="write a synthetic model with random weights (and a byte-level tokenizer)",
+        epilog=_examples("strata synth --shape tiny --skew 0.7 tiny",
+                         "strata synth --shape mixtral-8x7b --layers 8 mixtral8"))
     syn.add_argument("--shape", required=True,
                      choices=("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b"))
     syn.add_argument("--layers", type=int, default=None, help="override the number of layers")
@@ -207,39 +529,23 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("dst")
     syn.set_defaults(func=_synth)
 
-    gen = sub.add_parser("generate", help="greedy generation (resident, or offloaded with --hbm)")
-    gen.add_argument("ckpt")
-    gen.add_argument("--prompt", action="append", required=True,
-                     help="comma-separated token ids; repeat for a batch")
-    gen.add_argument("--max-new-tokens", type=int, default=16)
-    gen.add_argument("--hbm", default=None,
-                     help="HBM budget (e.g. 8GB): run through the offload engine")
-    gen.add_argument("--host", default=None, help="host budget for tier-1 experts")
-    gen.add_argument("--max-len", type=int, default=256)
-    gen.add_argument("--heat", default=None, metavar="FILE",
-                     help="routing statistics ranking the experts into tiers (with --hbm)")
-    gen.add_argument("--record-heat", default=None, metavar="FILE",
-                     help="write this run's routing statistics (with --hbm)")
-    gen.set_defaults(func=_generate)
-    plan = sub.add_parser("plan", help="print how an HBM budget splits (the ledger) and tiers")
+    _add_generate_parser(sub, common)
+    plan = sub.add_parser(
+        "plan", parents=[common], formatter_class=_Formatter,
+        help="print how an HBM budget splits (the ledger) and tiers",
+        epilog=_examples("strata plan CKPT --hbm 24GB --host 64GB",
+                         "strata plan CKPT --hbm 8GB --dequant host --staging-slots 4"))
     plan.add_argument("ckpt")
-    plan.add_argument("--hbm", required=True, help="HBM budget, e.g. 24GB or 20GiB")
-    plan.add_argument("--host", default=None, help="host (pinned RAM) budget for tier 1")
-    plan.add_argument("--batch-capacity", type=int, default=16)
-    plan.add_argument("--max-len", type=int, default=4096)
-    for p in (gen, plan):
-        p.add_argument("--staging-slots", type=int, default=None, metavar="N",
-                       help="experts per staging buffer (default: ledger.default_staging_slots)")
-        p.add_argument("--dequant", choices=("device", "host"), default="device",
-                       help="int4 experts: dequantized in the kernel, or on the host (bf16 slots)")
+    add_engine_flags(plan)
     plan.set_defaults(func=_plan)
-    _add_quantize_parsers(sub)
+    _add_quantize_parsers(sub, common)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        enable_compile_cache(not args.no_compile_cache)
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
         print(f"strata {args.command}: error: {e}", file=sys.stderr)

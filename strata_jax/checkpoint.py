@@ -330,6 +330,12 @@ class CheckpointWriter:
         with self._lock:
             self._layers_done.add(layer)
 
+    def write_file(self, name: str, data: bytes) -> None:
+        """A file beside config.json (the tokenizer's), swapped in with the rest on `commit`."""
+        if Path(name).name != name or name in (CONFIG_FILE, MANIFEST_FILE):
+            raise CheckpointError(f"write_file: {name!r} is not a plain file name of its own")
+        (self.tmp / name).write_bytes(data)
+
     def write_expert(self, layer: int, expert: int, kind: str, array: np.ndarray) -> Future:
         """Queue one expert array (see `expert_arrays`) for writing; returns its future."""
         if kind not in self._expert_specs:

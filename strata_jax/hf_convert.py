@@ -36,6 +36,7 @@ from strata_jax.checkpoint import (
 )
 from strata_jax.config import DTYPES, ModelConfig
 from strata_jax.safe_write import absolute
+from strata_jax.tokenizer import SOURCE_KEY, copy_tokenizer_files
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -507,11 +508,14 @@ def convert_hf(
         layouts = tuple(detect_layout(fam, source.tensors, i) for i in range(cfg.num_layers))
         plan = Plan(cfg, layouts)
         check_source(plan, source)
-        extra = {"source": {"format": "huggingface", "model_type": fam.name, "path": str(src)}}
+        provenance = {"format": "huggingface", "model_type": fam.name, "path": str(src)}
+        if hf.get("eos_token_id") is not None:  # end-of-turn ids some models list only here
+            provenance["eos_token_id"] = hf["eos_token_id"]
         with CheckpointWriter(
-            dst, cfg, overwrite=overwrite, extra=extra, sources=(src,)
+            dst, cfg, overwrite=overwrite, extra={SOURCE_KEY: provenance}, sources=(src,)
         ) as writer:
             _write_all(writer, source, plan)
+            copy_tokenizer_files(src, writer)
             return writer.commit()
 
 

@@ -71,6 +71,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.layers import rms_norm
 from strata_jax.moe import ExpertPool
 from strata_jax.safe_write import absolute
+from strata_jax.tokenizer import copy_tokenizer_files
 
 EXPERT_METHODS = ("int4-gptq", "int4-rtn", "none")
 DENSE_METHODS = ("int8", "int8-gptq", "none")
@@ -832,6 +833,7 @@ def quantize_checkpoint(
         )  # fmt: skip
         writer.extra = {"quantize": _meta(report, seed, mix_random, calib_len)}
         _write_report(writer.tmp / REPORT_FILE, report)
+        copy_tokenizer_files(reader.path, writer)
         writer.commit()
     return report
 

@@ -53,6 +53,7 @@ from strata_jax.checkpoint import (
 )
 from strata_jax.config import ModelConfig
 from strata_jax.synth_train import check_trainable, train_synthetic
+from strata_jax.tokenizer import byte_level_files
 
 SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -578,6 +579,8 @@ def synthesize(
         CheckpointWriter(dst, cfg, overwrite=overwrite, extra=extra) as writer,
     ):
         _write_all(writer, seed, alpha, pool, bar.update)
+        for name, data in byte_level_files(cfg.vocab_size).items():
+            writer.write_file(name, data)
         path = writer.commit()
     seconds = time.perf_counter() - t0
     trained = None

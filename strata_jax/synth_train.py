@@ -31,6 +31,7 @@ from strata_jax.api import fuse_qkv
 from strata_jax.checkpoint import FLOAT, CheckpointReader, CheckpointWriter
 from strata_jax.config import ModelConfig
 from strata_jax.pool import ExpertPool
+from strata_jax.tokenizer import copy_tokenizer_files
 
 SUCCESSOR_PROBS = np.array([0.55, 0.25, 0.12, 0.08])
 MAX_TRAIN_PARAMS = 50_000_000
@@ -135,6 +136,7 @@ def _write_back(reader: CheckpointReader, w: Tree, frozen: Tree, trained: dict) 
             for li in range(cfg.num_layers):
                 for e in range(cfg.num_experts):
                     writer.write_expert(li, e, kind, arr[li, e])
+        copy_tokenizer_files(reader.path, writer)
         writer.commit()
 
 
