@@ -1,0 +1,453 @@
+"""`strata serve CKPT`: an OpenAI-compatible HTTP server on the continuous-batching scheduler.
+
+FastAPI routes on uvicorn: `/v1/completions` and `/v1/chat/completions` (streamed over SSE or
+not), `/v1/models`, `/health`, `/metrics` (Prometheus). Every request becomes one scheduler
+request on the engine thread (`serving.EngineLoop`), so concurrent clients share the batch;
+its tokens come back as text through a `text.TextStream` (stop strings are matched there, and
+the request is cancelled when one is found). A client that goes away cancels its request.
+
+Safe by default: it binds 127.0.0.1, refuses any other interface without an API key, checks
+the key on every route but /health, caps the body, the prompt and the token limit, and takes
+nothing from a request but text, ids and sampling settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from strata_runtime import metrics, protocol
+from strata_runtime.access import Guard, check_bind
+from strata_runtime.serving import EngineLoop, QueueFull, ShuttingDown, Stream, warm_up
+from strata_runtime.text import TextStream
+
+log = logging.getLogger("strata.serve")
+
+CONTEXT_IDS = 4
+"""Prompt ids before the first generated one that its text is decoded with (a SentencePiece
+word keeps its leading space)."""
+COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default `max_tokens` for /v1/completions (chat defaults to the rest of max_len)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The HTTP side's settings."""
+
+    model_name: str
+    """The id /v1/models lists and requests must name."""
+    api_key: str | None = None
+    """Required as `Authorization: Bearer KEY` on every route but /health; None: open."""
+    max_prompt_tokens: int
+    """Longest prompt accepted, in tokens."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted."""
+    drain_s: float = 10.0
+    """On shutdown, seconds requests in flight may take to finish before they are cancelled."""
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+class GenerationFailed(Exception):
+    """The engine failed the request (an unreadable expert, an engine error)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started:
+    """A submitted request, as the response needs it."""
+
+    stream: Stream
+    """Its updates from the engine thread."""
+    text: TextStream
+    """Its detokenizer and stop strings."""
+    stop_ids: frozenset[int]
+    """Ids that end it (the reason is then "stop")."""
+    prompt_tokens: int
+    """Its prompt's length."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Piece:
+    """New text of a request, and its end."""
+
+    text: str
+    """Text safe to show."""
+    finish: str | None
+    """"stop" or "length" on the last piece, else None."""
+    tokens: int
+    """Tokens generated so far."""
+
+
+class Service:
+    """What the routes share: the engine loop, the tokenizer and the settings."""
+
+    def __init__(self, loop: EngineLoop, tokenizer, config: ServerConfig) -> None:
+        self.loop, self.tokenizer, self.config = loop, tokenizer, config
+        self.created = int(time.time())
+
+    # --- requests -> ids ------------------------------------------------------------------
+
+    def completion_prompt(self, body: protocol.CompletionRequest) -> list[int]:
+        prompt = body.prompt_value()
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def chat_prompt(self, body: protocol.ChatRequest) -> list[int]:
+        if not self.tokenizer.has_chat_template:
+            raise ApiError(400, f"model {self.config.model_name} has no chat template: use "
+                                "/v1/completions")
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def start(self, body: protocol._Common, prompt: list[int], default_max: int) -> Started:
+        """Check the request and submit it."""
+        if body.model != self.config.model_name:
+            raise ApiError(404, f"the model '{body.model}' does not exist: this server serves "
+                                f"'{self.config.model_name}'", code="model_not_found")
+        cap = self.config.max_prompt_tokens
+        if len(prompt) > cap:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; at most {cap} are "
+                                "accepted")
+        max_tokens = body.max_tokens or default_max
+        try:
+            sampling = body.sampling(self.tokenizer.eos_ids)
+            stream = self.loop.submit(prompt, max_tokens, sampling)
+        except QueueFull as e:
+            raise ApiError(429, str(e), "rate_limit_error", "queue_full") from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), "server_error", "shutting_down") from None
+        except ValueError as e:
+            raise ApiError(400, _plain(str(e))) from None
+        text = TextStream(self.tokenizer, sampling.stop, context=prompt[-CONTEXT_IDS:])
+        return Started(stream=stream, text=text, stop_ids=sampling.stop_ids,
+                       prompt_tokens=len(prompt))
+
+    # --- tokens -> text -------------------------------------------------------------------
+
+    async def pieces(self, started: Started) -> AsyncIterator[Piece]:
+        """The request's text as it is generated; cancels the request if left early."""
+        stream, text = started.stream, started.text
+        count, last, over = 0, None, False
+        try:
+            async for update in stream:
+                for token in update.tokens:
+                    count, last = count + 1, token
+                    delta = text.push(token)
+                    if text.finished:  # a stop string: the rest is not wanted
+                        over = True
+                        self.loop.cancel(stream)
+                        yield Piece(text=delta, finish="stop", tokens=count)
+                        return
+                    if delta:
+                        yield Piece(text=delta, finish=None, tokens=count)
+                if update.done:
+                    over = True
+                    if update.error is not None:
+                        raise GenerationFailed(update.error)
+                    finish = "stop" if last in started.stop_ids else "length"
+                    yield Piece(text=text.finish(), finish=finish, tokens=count)
+                    return
+        finally:
+            if not over:
+                self.loop.cancel(stream)
+
+
+def create_app(service: Service) -> Guard:
+    """The routes, with the engine loop started and stopped by the app's lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not service.loop.alive:
+            service.loop.start()
+        yield
+        await asyncio.to_thread(service.loop.shutdown, service.config.drain_s)
+
+    app = FastAPI(title="Strata-JAX", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    _add_error_handlers(app)
+    name = service.config.model_name
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not service.loop.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model",
+                                            "created": service.created, "owned_by": "strata"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        snap = await asyncio.wait_for(asyncio.wrap_future(service.loop.snapshot()), 60)
+        return Response(metrics.render(snap), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+        started = service.start(body, service.completion_prompt(body), COMPLETION_MAX_TOKENS)
+        return await _respond(service, request, body, started, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: protocol.ChatRequest, request: Request) -> Response:
+        prompt = service.chat_prompt(body)
+        started = service.start(body, prompt, max(1, service.loop.max_len - len(prompt)))
+        return await _respond(service, request, body, started, chat=True)
+
+    return Guard(app, api_key=service.config.api_key,
+                 max_body_bytes=service.config.max_body_bytes)
+
+
+async def _respond(service: Service, request: Request, body: protocol._Common,
+                   started: Started, chat: bool) -> Response:
+    rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+    pieces = service.pieces(started)
+    if body.stream:
+        events = _events(pieces, rid, body, started.prompt_tokens, chat)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    outcome = await _unless_disconnected(request, _collect(pieces))
+    if outcome is None:  # the client is gone: nobody reads this
+        return Response(status_code=499)
+    answer, finish, count = outcome
+    use = protocol.usage(started.prompt_tokens, count)
+    if chat:
+        return JSONResponse(protocol.chat_completion(rid, body.model, answer, finish, use))
+    return JSONResponse(protocol.completion(rid, body.model, answer, finish, use))
+
+
+async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str, int]:
+    parts, piece = [], None
+    async with contextlib.aclosing(pieces):
+        async for piece in pieces:
+            parts.append(piece.text)
+    return "".join(parts), piece.finish, piece.tokens
+
+
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, or None if the client disconnects first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            if not t.done():
+                t.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(pieces: AsyncIterator[Piece], rid: str, body: protocol._Common,
+                  prompt_tokens: int, chat: bool) -> AsyncIterator[str]:
+    """The SSE stream: chunks, an optional usage chunk, then [DONE]."""
+    model, count = body.model, 0
+    async with contextlib.aclosing(pieces):
+        try:
+            if chat:
+                yield _sse(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""},
+                                               None))
+            async for piece in pieces:
+                count = piece.tokens
+                if not piece.text and piece.finish is None:
+                    continue
+                if chat:
+                    delta = {"content": piece.text} if piece.text else {}
+                    yield _sse(protocol.chat_chunk(rid, model, delta, piece.finish))
+                else:
+                    yield _sse(protocol.completion(rid, model, piece.text, piece.finish, None))
+            if body.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _sse(protocol.usage_chunk(rid, model, obj,
+                                                protocol.usage(prompt_tokens, count)))
+        except GenerationFailed as e:
+            yield _sse(protocol.error_body(str(e), "server_error", "generation_failed"))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _plain(message: str) -> str:
+    """check_request's messages name an internal index ("request 0: ..."): drop it."""
+    head, sep, rest = message.partition(": ")
+    return rest if sep and head.startswith("request ") else message
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def answer(status: int, message: str, kind: str = "invalid_request_error",
+               code: str | None = None) -> JSONResponse:
+        return JSONResponse(protocol.error_body(message, kind, code), status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return answer(e.status, e.message, e.kind, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return answer(400, _validation_message(e))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return answer(e.status_code, str(e.detail))
+
+    @app.exception_handler(GenerationFailed)
+    async def failed(request: Request, e: GenerationFailed) -> JSONResponse:
+        return answer(500, str(e), "server_error", "generation_failed")
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return answer(500, f"internal error: {type(e).__name__}", "server_error")
+
+
+def _validation_message(e: RequestValidationError) -> str:
+    """pydantic's errors as one line: "field: problem; ..." (the first few)."""
+    parts = []
+    for err in e.errors()[:5]:
+        if err.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}".strip()
+        where = ".".join(str(x) for x in err.get("loc", ())[1:])
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine's come from `engine_flags.add_engine_flags`)."""
+    parser.add_argument("ckpt", help="Strata checkpoint folder (with its tokenizer)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
+                       help="interface to listen on (default: 127.0.0.1; any other needs an "
+                            "API key). Not --host: that is the engine's host-memory budget")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="required as 'Authorization: Bearer KEY' (default: the "
+                            "STRATA_API_KEY environment variable, else none)")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients name (default: the checkpoint folder's name)")
+    group.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting for a row beyond the batch; more get 429 "
+                            "(default: 64)")
+    group.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="longest prompt accepted (default: max_len - 1)")
+    group.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                       help="largest request body (default: 1 MiB)")
+    group.add_argument("--drain-seconds", type=float, default=10.0,
+                       help="on SIGINT/SIGTERM, time requests in flight get to finish "
+                            "(default: 10)")
+    group.add_argument("--no-warmup", action="store_true",
+                       help="do not compile every program before serving")
+    group.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"))
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction,
+                     add_engine_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """`strata serve` in the CLI's subcommands."""
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(parser)
+    add_engine_flags(parser)
+    parser.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load, warm up and serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from strata_jax.tokenizer import load_tokenizer
+    from strata_runtime.engine import Engine, EngineConfig
+    from strata_runtime.engine_flags import engine_config, resident_shape
+
+    api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
+    check_bind(args.bind, api_key)
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    config = engine_config(args)
+    if config is None:
+        capacity, max_len = resident_shape(args)
+        config = EngineConfig(batch_capacity=capacity, max_len=max_len)
+    tokenizer = load_tokenizer(args.ckpt)
+    _log_to_stderr(args.log_level)
+    engine = Engine.from_checkpoint(args.ckpt, config)
+    if not args.no_warmup:
+        t0 = time.perf_counter()
+        warm_up(engine)
+        log.info("warm-up (compilation) took %.1f s", time.perf_counter() - t0)
+    server_config = ServerConfig(
+        model_name=args.served_model_name or Path(args.ckpt).resolve().name, api_key=api_key,
+        max_prompt_tokens=args.max_prompt_tokens or config.max_len - 1,
+        max_body_bytes=args.max_body_bytes, drain_s=args.drain_seconds)
+    loop = EngineLoop(engine, max_queue=args.max_queue)
+    app = create_app(Service(loop, tokenizer, server_config))
+    uvicorn.run(app, host=args.bind, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(args.drain_seconds) or None)
+    return 0
+
+
+def _log_to_stderr(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    logger = logging.getLogger("strata")
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    from strata_runtime.engine_flags import add_engine_flags
+
+    parser = argparse.ArgumentParser(prog="python -m strata_runtime.server",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(parser)
+    add_engine_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return serve(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"strata serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
