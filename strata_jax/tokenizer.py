@@ -1,11 +1,12 @@
 """Text in and out: a checkpoint's tokenizer (`tokenizer.json`) and its chat template.
 
 Encoding and decoding are the `tokenizers` library's, set up from tokenizer_config.json the
-way transformers sets up a fast tokenizer (special tokens, `add_bos_token` / `add_eos_token`,
-`split_special_tokens`, `clean_up_tokenization_spaces`); chat templates are rendered the way
-transformers renders them: a sandboxed jinja2 environment with trim_blocks and lstrip_blocks,
-`raise_exception`, `tojson`, `strftime_now`, and the special tokens (`bos_token`, ...) as
-variables. So a prompt gives the ids `AutoTokenizer` gives (tests/test_tokenizer.py).
+way transformers sets up a fast tokenizer (special tokens, `split_special_tokens`,
+`clean_up_tokenization_spaces`; tokenizer.json's own post-processor adds bos/eos); chat
+templates are rendered the way transformers renders them: a sandboxed jinja2 environment with
+trim_blocks and lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`, and the special
+tokens (`bos_token`, ...) as variables. So a prompt gives the ids `AutoTokenizer` gives
+(tests/test_tokenizer.py).
 
 Unlike transformers, a truncation or padding setting in tokenizer.json is dropped: a prompt
 too long for the engine is refused by its length check, never cut silently.
@@ -115,7 +116,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
                          f"{_REFETCH}") from e
     config = _json(folder / "tokenizer_config.json")
     special = _special_tokens(config, _json(folder / "special_tokens_map.json"))
-    _configure(backend, config, special)
+    _configure(backend, config)
     ids = {name: backend.token_to_id(tok) for name, tok in special.items()}
     generation = _json(folder / "generation_config.json")
     source = _json(folder / "config.json").get(SOURCE_KEY, {})
@@ -212,21 +213,13 @@ def _special_tokens(config: dict[str, Any], legacy: dict[str, Any]) -> dict[str,
     return out
 
 
-def _configure(backend: Backend, config: dict[str, Any], special: dict[str, str]) -> None:
-    """What transformers' fast tokenizer changes on the backend it loads."""
+def _configure(backend: Backend, config: dict[str, Any]) -> None:
+    """What transformers' fast tokenizer changes on the backend it loads. (It ignores
+    tokenizer_config.json's add_bos_token / add_eos_token when tokenizer.json is there: the
+    file's post-processor decides.)"""
     backend.no_truncation()
     backend.no_padding()
     backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    if "add_bos_token" in config or "add_eos_token" in config:
-        bos, eos = special.get("bos_token"), special.get("eos_token")
-        add_bos = bool(config.get("add_bos_token")) and bos is not None
-        add_eos = bool(config.get("add_eos_token")) and eos is not None
-        single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
-        pair = (f"{single}{f' {bos}:1' if add_bos else ''} $B:1"
-                f"{f' {eos}:1' if add_eos else ''}")
-        tokens = [(t, backend.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
-        backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=tokens)
 
 
 def _id_set(value: Any) -> set[int]:
