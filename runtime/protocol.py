@@ -2,8 +2,9 @@
 
 Requests are validated by pydantic; a field the server does not implement is refused with a
 message (never silently ignored): unknown fields, `n` != 1, logprobs, penalties other than
-`repetition_penalty`, tools. Extra sampling fields beyond OpenAI's (vLLM's names): `top_k`,
-`min_p`, `repetition_penalty`, `stop_token_ids`.
+`repetition_penalty`, tools. Extra fields beyond OpenAI's (vLLM's names): `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos` (generate to the token limit whatever the
+eos ids; for benchmarks).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,10 +81,11 @@ class _Common(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def sampling(self, eos_ids: frozenset[int]) -> SamplingParams:
+        eos = frozenset() if self.ignore_eos else eos_ids
         return SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, seed=self.seed,
-            stop_ids=eos_ids | frozenset(self.stop_token_ids), stop=self.stop_strings())
+            stop_ids=eos | frozenset(self.stop_token_ids), stop=self.stop_strings())
 
     @property
     def include_usage(self) -> bool:

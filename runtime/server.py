@@ -419,8 +419,11 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, drain_s=args.drain_seconds)
     loop = EngineLoop(engine, max_queue=args.max_queue)
     app = create_app(Service(loop, tokenizer, server_config))
-    uvicorn.run(app, host=args.bind, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(args.drain_seconds) or None)
+    try:
+        uvicorn.run(app, host=args.bind, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.drain_seconds) or None)
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down gracefully
+        return 130
     return 0
 
 

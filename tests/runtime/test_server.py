@@ -1,0 +1,289 @@
+"""`python -m strata_runtime.server` on a tiny synthetic checkpoint, over localhost, through the
+official `openai` client (and raw HTTP for what a client library would not send).
+
+One server for the module (4 rows, 4 waiting, an API key from the environment); the last test
+stops it with SIGTERM while a request is in flight.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from strata_jax.synth import synthesize
+from strata_jax.tokenizer import byte_level_files
+from strata_runtime.server import main as server_main
+
+KEY = "test-key-123"
+ROWS, QUEUE, MAX_LEN = 4, 4, 512
+LONG = {"max_tokens": MAX_LEN - 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+MODEL = "tiny"
+PROMPTS = ["hello", "abc", "The", "xyz!", "1234", "é", "ok", "moe"]  # <= 8 tokens: one bucket
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("serve") / MODEL
+    synthesize("tiny", path, progress=False)
+    if not (path / "tokenizer.json").exists():  # until synth writes its tokenizer itself
+        for name, data in byte_level_files(512).items():
+            (path / name).write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")  # noqa: SIM115
+    env = dict(os.environ, STRATA_API_KEY=KEY, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata_runtime.server", str(checkpoint), "--port", str(port),
+         "--batch-capacity", str(ROWS), "--max-len", str(MAX_LEN), "--max-queue", str(QUEUE),
+         "--no-warmup", "--log-level", "warning", "--drain-seconds", "20"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx2.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx2.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            pytest.fail(f"the server did not start:\n{log.read()}")
+        time.sleep(0.2)
+    yield proc, base, log
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(api_key=KEY, base_url=server[1] + "/v1", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx2.Client(base_url=server[1], headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=60) as c:
+        yield c
+
+
+def metric(http, name: str, **labels) -> float:
+    text = http.get("/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
+def complete(client, prompt, stream=False, **kw):
+    """(text, finish_reason, usage) of one completion, streamed or not."""
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0.0, **kw}
+    if not stream:
+        out = client.completions.create(**kw)
+        return out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens
+    text, finish, usage = "", None, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    return text, finish, usage
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx2.get(server[1] + "/health").json() == {"status": "ok"}  # no key needed
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95, "top_k": 50}],
+                         ids=["greedy", "seeded"])
+def test_concurrent_streams_equal_single_runs(client, sampling):
+    def seeded(i):
+        if not sampling:
+            return {}
+        extra = {k: v for k, v in sampling.items() if k in ("top_k",)}
+        return {"temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                "seed": 100 + i, "extra_body": extra}
+
+    alone = [complete(client, p, **seeded(i)) for i, p in enumerate(PROMPTS)]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda ip: complete(client, ip[1], stream=True, **seeded(ip[0])),
+                                 enumerate(PROMPTS)))
+    assert together == alone
+    # a token limit, or an eos id before it (the random model emits </s> now and then)
+    assert all(n == 12 if finish == "length" else finish == "stop" and n < 12
+               for _, finish, n in alone), alone
+
+
+def test_chat_streamed_equals_non_streamed_with_the_same_seed(client):
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+          "temperature": 0.8, "seed": 7}
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 10
+
+
+def test_stop_string_cuts_the_text(client):
+    full, _, _ = complete(client, "hello", max_tokens=24)
+    stop = full[6:9]
+    for stream in (False, True):
+        text, finish, used = complete(client, "hello", stream=stream, max_tokens=24, stop=[stop])
+        assert (text, finish) == (full[: full.find(stop)], "stop")
+        assert used < 24
+
+
+MALFORMED = [
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n=1"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_LEN}, 400, "max_len"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "bogus": 1}, 400, "bogus"),
+    ({"model": MODEL, "prompt": [1, 10**6]}, 400, "vocab"),
+    ({"model": MODEL, "prompt": []}, 400, "empty"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt"),
+    ({"model": MODEL, "prompt": "x" * (MAX_LEN + 10)}, 400, "prompt has"),
+    ({"model": "other", "prompt": "hi"}, 404, "does not exist"),
+    ({"prompt": "hi"}, 400, "model"),
+]
+
+
+def test_malformed_requests_get_4xx_while_others_proceed(client, http):
+    reference = complete(client, "hello", max_tokens=60)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        out=complete(client, "hello", stream=True, max_tokens=60)))
+    worker.start()
+    for body, status, words in MALFORMED:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == status, (body, r.text)
+        assert words in r.json()["error"]["message"], (body, r.text)
+    r = http.post("/v1/completions", content=b"{not json",
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", content=b"x" * (2 << 20))
+    assert r.status_code == 413
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(model=MODEL, prompt="hi", n=3)
+    worker.join()
+    assert result["out"] == reference
+
+
+def _wait_idle(http, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(http, "strata_active_rows") != 0:
+        assert time.monotonic() < deadline, "rows were not freed"
+        time.sleep(0.05)
+
+
+def test_disconnect_mid_stream_frees_the_row(client, http):
+    _wait_idle(http)
+    before = metric(http, "strata_requests_total", state="cancelled")
+    stream = client.completions.create(model=MODEL, prompt="hello", stream=True, **LONG)
+    chunks = iter(stream)
+    got = [next(chunks) for _ in range(3)]
+    assert all(c.choices for c in got)
+    stream.close()
+    with pytest.raises(httpx2.TimeoutException):  # non-streamed: the client gives up
+        http.post("/v1/completions", timeout=0.1, json={
+            "model": MODEL, "prompt": "abc", "max_tokens": MAX_LEN - 8, "ignore_eos": True})
+    _wait_idle(http)
+    assert metric(http, "strata_requests_total", state="cancelled") == before + 2
+    assert complete(client, "hello")[1] == "length"
+
+
+def test_full_queue_answers_429(client, http):
+    _wait_idle(http)
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": MAX_LEN // 2, "temperature": 0,
+            "ignore_eos": True}
+
+    def post(_):
+        return http.post("/v1/completions", json=body)
+
+    with ThreadPoolExecutor(3 * (ROWS + QUEUE)) as pool:
+        answers = list(pool.map(post, range(3 * (ROWS + QUEUE))))
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= ROWS
+    refused = next(r for r in answers if r.status_code == 429)
+    assert "retry" in refused.json()["error"]["message"]
+    done = [r.json()["choices"][0] for r in answers if r.status_code == 200]
+    assert all(c["finish_reason"] == "length" and c["text"] == done[0]["text"] for c in done)
+    assert metric(http, "strata_requests_total", state="rejected") >= codes.count(429)
+
+
+def test_metrics_parse_as_prometheus_text(http):
+    _wait_idle(http)
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name in ("strata_decode_steps", "strata_decode_tokens", "strata_step_seconds",
+                 "strata_tier0_hit_rate", "strata_h2d_bytes", "strata_queue_depth",
+                 "strata_active_rows", "strata_requests", "strata_xla_compiles"):
+        assert name in families, name
+    assert families["strata_decode_steps"].type == "counter"
+    assert families["strata_decode_steps"].samples[0].value > 0
+    assert metric(http, "strata_queue_depth") == 0
+
+
+def test_api_key_is_enforced(server):
+    base = server[1]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for path in ("/v1/models", "/metrics"):
+            r = httpx2.get(base + path, headers=headers)
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+        r = httpx2.post(base + "/v1/completions", headers=headers, content=b"{")
+        assert r.status_code == 401
+    bad = openai.OpenAI(api_key="nope", base_url=base + "/v1", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi")
+
+
+def test_other_interfaces_need_an_api_key(checkpoint, monkeypatch, capsys):
+    monkeypatch.delenv("STRATA_API_KEY", raising=False)
+    assert server_main([str(checkpoint), "--bind", "0.0.0.0"]) == 2
+    assert "API key" in capsys.readouterr().err
+
+
+def test_sigterm_drains_in_flight_requests_and_exits(client, server):
+    proc, _, log = server
+    started, chunks = threading.Event(), []
+
+    def stream():
+        for chunk in client.completions.create(model=MODEL, prompt="abc", stream=True, **LONG):
+            chunks.append(chunk.choices[0])
+            started.set()
+
+    worker = threading.Thread(target=stream)
+    worker.start()
+    assert started.wait(30)
+    proc.send_signal(signal.SIGTERM)
+    worker.join(60)
+    assert chunks[-1].finish_reason == "length"  # finished, not cut off
+    assert proc.wait(60) == -signal.SIGTERM  # uvicorn re-raises the signal once shut down
+    log.seek(0)
+    assert "Traceback" not in log.read()
