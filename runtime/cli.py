@@ -277,6 +277,8 @@ def _generate(args: argparse.Namespace) -> int:
     if not given:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat for a "
                          "batch)")
+    if "" in args.stop:
+        raise ValueError("--stop: a stop string must not be empty")
     texts = any(isinstance(p, str) for p in given) or args.chat or args.stop
     has_tok = (Path(args.ckpt) / "tokenizer.json").is_file()
     tok = load_tokenizer(args.ckpt) if texts or has_tok else None

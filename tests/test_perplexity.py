@@ -14,10 +14,14 @@ import scipy.special
 import strata_jax
 from strata_jax.perplexity import evaluate_perplexity, perplexity, windows
 from strata_jax.quantize import quantize_checkpoint
-from strata_jax.synth import synthesize
-from strata_jax.tokenizer import TOKENIZER_FILES, byte_level_tokenizer, load_tokenizer
+from strata_jax.tokenizer import (
+    TOKENIZER_FILES,
+    byte_level_files,
+    byte_level_tokenizer,
+    load_tokenizer,
+)
 from strata_runtime.cli import main
-from tests.helpers import random_model, tiny_config
+from tests.helpers import random_model, tiny_config, write_checkpoint
 from tests.text_helpers import TEXT, TEXT_FILE, write_bpe_tokenizer
 
 HF_PPL_REL = 1e-6  # float32 logits on both sides (eager experts); measured 4e-8
@@ -44,7 +48,7 @@ def test_windows_refuse_bad_shapes():
 def test_perplexity_equals_float64_numpy_from_the_logits():
     """Batched, right-padded windows against one unpadded forward per chunk and scipy."""
     model = random_model(tiny_config(vocab_size=300), seed=3)
-    ids = byte_level_tokenizer(300).encode(TEXT[:600]).ids
+    ids = byte_level_tokenizer(300).encode(TEXT).ids[:641]  # 10 full windows: two shapes
     got = perplexity(model, ids, seq_len=64, batch=4)
     nll, count = 0.0, 0
     for begin in range(0, len(ids) - 1, 64):
@@ -119,7 +123,11 @@ def test_source_without_tokenizer_converts_and_says_so(hf_case, tmp_path, capsys
 
 def test_cli_float_and_quantized_side_by_side(tmp_path, capsys):
     float_ckpt, q_ckpt = tmp_path / "float", tmp_path / "int4"
-    synthesize("tiny", float_ckpt, progress=False)
+    cfg = tiny_config(vocab_size=300, hidden_size=128, expert_intermediate_size=128,
+                      head_dim=32, num_experts=4)  # int4 groups of 128 inputs
+    write_checkpoint(cfg, float_ckpt, seed=1)
+    for name, data in byte_level_files(cfg.vocab_size).items():
+        (float_ckpt / name).write_bytes(data)
     quantize_checkpoint(float_ckpt, q_ckpt, experts="int4-rtn", dense="int8", progress=False)
     assert (q_ckpt / "tokenizer.json").read_bytes() == (float_ckpt / "tokenizer.json").read_bytes()
     text = tmp_path / "text.txt"

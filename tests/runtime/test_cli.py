@@ -1,7 +1,25 @@
-"""`strata plan`: the engine's ledger, with the engine's knobs."""
+"""The `strata` command line: plan's ledger, every engine knob a flag, text generation
+through the tokenizer, timing apart from compilation, the persistent compilation cache."""
 
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import strata_jax
+from strata_jax import __version__
+from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.quantize import quantize_checkpoint
-from strata_runtime.cli import main
+from strata_jax.tokenizer import byte_level_files, load_tokenizer
+from strata_runtime.cli import build_parser, engine_config, main
+from strata_runtime.compile_cache import ENV as CACHE_ENV
+from strata_runtime.engine import EngineConfig
+from strata_runtime.engine_flags import resident_shape
 from tests.helpers import tiny_config, write_checkpoint
 
 
@@ -25,3 +43,198 @@ def test_plan_prints_the_engine_ledger_with_its_knobs(tmp_path, capsys):
     assert main([*tight[:-2], "--staging-slots", "0"]) == 2
     assert main(["plan", str(tmp_path / "float"), "--hbm", "1MiB"]) == 2
     assert "too small" in capsys.readouterr().err
+
+
+# --- strata generate: text, flags, timing, the compilation cache ------------------------------
+
+FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field, non-default
+    "hbm_budget": (["--hbm", "8GB"], "8GB"),
+    "host_budget": (["--host", "1.5GiB"], "1.5GiB"),
+    "batch_capacity": (["--batch-capacity", "3"], 3),
+    "max_len": (["--max-len", "96"], 96),
+    "workspace_floor": (["--workspace-floor", "64MiB"], "64MiB"),
+    "predictor": (["--predictor", "none"], "none"),
+    "policy": (["--policy", "lru"], "lru"),
+    "cache_fraction": (["--cache-fraction", "0.5"], 0.5),
+    "rebalance_every": (["--rebalance-every", "7"], 7),
+    "hysteresis": (["--hysteresis", "0.3"], 0.3),
+    "heat_decay": (["--heat-decay", "0.5"], 0.5),
+    "timeline": (["--timeline"], True),
+    "dequant": (["--dequant", "host"], "host"),
+    "fetch_threads": (["--fetch-threads", "2"], 2),
+    "resident_experts": (["--resident-experts", "5"], 5),
+    "host_experts": (["--host-experts", "6"], 6),
+    "heat_file": (["--heat", "HEAT"], "HEAT"),
+    "staging_slots": (["--staging-slots", "2"], 2),
+    "row_chunks": (["--no-row-chunks"], False),
+    "int4_tiles": (["--int4-tiles", "rows=128,stages=3,f16=false"],
+                   Int4Tiles(rows=128, stages=3, f16=False)),
+    "weight_layout": (["--weight-layout", "rows"], "rows"),
+}
+
+
+def test_every_engine_config_field_is_a_flag(tmp_path):
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    assert FIELD_FLAGS.keys() == fields.keys()  # a new knob needs its row here (and a flag)
+    heat = tmp_path / "heat.json"
+    heat.write_text("{}")
+    for command in ("generate", "plan"):
+        argv = [command, "CKPT"]
+        for flags, _ in FIELD_FLAGS.values():
+            argv += [str(heat) if f == "HEAT" else f for f in flags]
+        config = engine_config(build_parser().parse_args(argv))
+        for name, (_, want) in FIELD_FLAGS.items():
+            want = str(heat) if want == "HEAT" else want
+            assert getattr(config, name) == want != fields[name].default, (command, name)
+
+
+def test_plan_and_generate_share_the_engine_defaults():
+    for argv in (["plan", "CKPT", "--hbm", "1GB"], ["generate", "CKPT", "--hbm", "1GB"]):
+        assert engine_config(build_parser().parse_args(argv)) == EngineConfig(hbm_budget="1GB")
+    args = build_parser().parse_args(["generate", "CKPT"])
+    assert engine_config(args) is None
+    assert resident_shape(args) == (EngineConfig.batch_capacity, EngineConfig.max_len)
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--heat", "/nonexistent.json"], "--heat"),
+    (["--policy", "lru", "--staging-slots", "2"], "--policy, --staging-slots"),
+    (["--record-heat", "heat.json"], "--record-heat"),
+    (["--hbm", "1GB", "--heat", "/nonexistent.json"], "--heat /nonexistent.json: no such file"),
+])  # fmt: skip
+def test_engine_flags_without_hbm_are_refused(tmp_path, capsys, flags, named):
+    argv = ["generate", str(tmp_path), "--prompt-ids", "1,2", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.startswith("strata generate: error:")
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"strata {__version__}\n"
+    for command in ("generate", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "examples:" in text and "--max-len N KV positions per row" in text
+        assert "(default: 256)" in text and "(default: lfru)" in text
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache():
+    """The generate tests share their compiled programs (tests/runtime/conftest.py drops them
+    after every test; here they go at the end of the module)."""
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_programs_after_the_module():
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory):
+    """A tiny checkpoint with the synthetic models' byte-level tokenizer."""
+    cfg = tiny_config(vocab_size=300)
+    path = tmp_path_factory.mktemp("text") / "ckpt"
+    write_checkpoint(cfg, path, seed=2)
+    for name, data in byte_level_files(cfg.vocab_size).items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def run_json(argv: list[str], out) -> dict:
+    assert main([*argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_generate_text_matches_the_api(text_ckpt, tmp_path, capsys):
+    tok = load_tokenizer(text_ckpt)
+    model = strata_jax.load(text_ckpt)
+    prompts = ["Four score and", "We hold"]
+    doc = run_json(["generate", str(text_ckpt), "--prompt", prompts[0], "--prompt", prompts[1],
+                    "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--ignore-eos"],
+                   tmp_path / "out.json")
+    ids = [tok.encode(p) for p in prompts] + [[5, 6, 7]]
+    want = strata_jax.generate(model, ids, 6)
+    assert [r["prompt_ids"] for r in doc["requests"]] == ids
+    assert [r["new_ids"] for r in doc["requests"]] == want
+    shown = capsys.readouterr()
+    for r in doc["requests"]:
+        assert r["text"] == tok.decode(r["new_ids"]) and r["text"] in shown.out
+    assert "[5, 6, 7] -> " in shown.out and "tok_s" in shown.err  # stats on stderr
+    t = doc["timing"]
+    assert t["warmup_s"] > 0 and not t["includes_compilation"] and t["new_tokens"] == 18
+    assert t["tok_s"] == pytest.approx(18 / t["run_s"])
+
+
+def test_generate_chat_and_stops(text_ckpt, tmp_path):
+    tok = load_tokenizer(text_ckpt)
+    base = ["generate", str(text_ckpt), "--max-new-tokens", "8", "--no-warmup", "--ignore-eos"]
+    full = run_json([*base, "--chat", "--prompt", "Hi"], tmp_path / "a.json")["requests"][0]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert full["prompt_ids"] == tok.encode(chat, add_special_tokens=False)
+    new = full["new_ids"]
+    by_id = run_json([*base, "--chat", "--prompt", "Hi", "--stop-id", str(new[2])],
+                     tmp_path / "b.json")["requests"][0]
+    assert by_id["new_ids"] == new[: new.index(new[2]) + 1] and by_id["finish"] == "stop"
+    stop = full["text"][2:4]
+    assert len(stop) == 2
+    by_text = run_json([*base, "--chat", "--prompt", "Hi", "--stop", stop],
+                       tmp_path / "c.json")["requests"][0]
+    assert by_text["text"] == full["text"][: full["text"].index(stop)]
+
+
+def test_sampling_flags(text_ckpt, tmp_path, capsys):
+    argv = ["generate", str(text_ckpt), "--prompt", "Four", "--max-new-tokens", "5",
+            "--no-warmup", "--temperature", "0.9", "--top-p", "0.9", "--seed", "4"]
+    if "sampling" not in inspect.signature(strata_jax.generate).parameters:
+        assert main(argv) == 2 and "decodes greedily only" in capsys.readouterr().err
+        return
+    from strata_jax.sampling import SamplingParams
+
+    doc = run_json(argv, tmp_path / "s.json")
+    tok = load_tokenizer(text_ckpt)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=4, stop_ids=tok.eos_ids)
+    want = strata_jax.generate(strata_jax.load(text_ckpt), [tok.encode("Four")], 5,
+                               sampling=params)
+    assert doc["requests"][0]["new_ids"] == want[0]
+    assert doc["sampling"]["temperature"] == 0.9 and doc["sampling"]["seed"] == 4
+
+
+def test_generate_through_the_engine(text_ckpt, tmp_path, capsys):
+    heat = tmp_path / "heat.json"
+    argv = ["generate", str(text_ckpt), "--prompt", "Four score", "--max-new-tokens", "4",
+            "--ignore-eos", "--hbm", "1GiB", "--predictor", "none", "--record-heat", str(heat)]
+    doc = run_json(argv, tmp_path / "e.json")
+    want = strata_jax.generate(strata_jax.load(text_ckpt),
+                               [load_tokenizer(text_ckpt).encode("Four score")], 4)
+    assert doc["requests"][0]["new_ids"] == want[0] and heat.exists()
+    assert doc["engine"]["decode_steps"] == 3 and doc["engine"]["compile_s"] == 0  # warmed
+    assert "engine stats (the timed run):" in capsys.readouterr().err
+
+
+def test_second_call_hits_the_compilation_cache(tmp_path):
+    """Two fresh processes: the first writes the cache, the second adds nothing to it (every
+    program loaded, none compiled) and warms up faster."""
+    cfg = tiny_config(vocab_size=64, num_layers=1)
+    write_checkpoint(cfg, tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+    env = {**os.environ, CACHE_ENV: str(cache)}
+
+    def run(name: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        subprocess.run([sys.executable, "-m", "strata_runtime.cli", "generate",
+                        str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--max-new-tokens",
+                        "1", "--batch-capacity", "1", "--max-len", "16", "--json", str(out)],
+                       env=env, check=True, capture_output=True)
+        return json.loads(out.read_text())["timing"]
+
+    first = run("first")
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries
+    second = run("second")
+    assert sorted(p.name for p in cache.iterdir()) == entries
+    assert second["warmup_s"] < first["warmup_s"]
