@@ -66,7 +66,7 @@ GiB = 1 << 30
 START_POSITION = 16  # every row is live with this many cached positions
 CODE_STD = math.sqrt((16**2 - 1) / 12)  # std of a uniform int4 code in [-8, 7]
 
-UNROLL = {"on": True, "off": False}
+UNROLL = {"auto": None, "on": True, "off": False}
 SHAPES: dict[str, ModelConfig] = {
     "mixtral-8x7b": synth_config("mixtral-8x7b", layers=8),  # the benchmarks' shape
     # CPU smoke test: int4 needs input dims that are multiples of the 128-wide group
@@ -736,7 +736,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="fewer timed steps where a step is slow (at least 4)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-len", type=int, default=256)
-    ap.add_argument("--unroll", choices=sorted(UNROLL), default="off",
+    ap.add_argument("--unroll", choices=sorted(UNROLL), default="auto",
                     help="StepPlan.unroll of every program, the resident reference's too")
     ap.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
                     help="int4 slot layout (auto: tile-major where the Mosaic int4 kernel runs)")

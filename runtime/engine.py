@@ -11,6 +11,7 @@ cache policy, the heat rebalancing and the disk tier by donated in-place updates
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from strata_jax.checkpoint import CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
 from strata_jax.quant import dequantize_int4_jnp
+from strata_jax.sampling import GREEDY, SamplingParams, row_values
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.ledger import (
@@ -202,6 +204,9 @@ class Engine:
         self.params = api.read_dense_params(reader)
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles)
+        self._sampled_plan = dataclasses.replace(self.plan, sample=True)
+        self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
+        self._live = [False] * self.capacity  # the host's copy of state.live
         self._decode = step.decode_staged if self.staging else step.decode
         self._prefill = step.prefill_staged if self.staging else step.prefill
         self.state = step.init_state(cfg, self.capacity, self.max_len, self.device)
@@ -262,10 +267,12 @@ class Engine:
 
     # --- the contract: prefill / step / free over integer rows ---------------------------------
 
-    def prefill(self, row: int, tokens: list[int], start: int = 0) -> tuple[int | None, str | None]:
-        """Write `tokens` into row `row`'s KV from position `start` and make it live. Returns
-        (its next greedy token, None), or (None, the reason) if an expert it needs could not be
-        read (the row is then free)."""
+    def prefill(self, row: int, tokens: list[int], start: int = 0,
+                sampling: SamplingParams = GREEDY) -> tuple[int | None, str | None]:
+        """Write `tokens` into row `row`'s KV from position `start` and make it live; the row
+        draws its tokens by `sampling` (a seed of None draws a new one: fix it per request).
+        Returns (its next token, None), or (None, the reason) if an expert it needs could not
+        be read (the row is then free)."""
         if not 0 <= row < self.capacity:
             raise ValueError(f"row {row} is outside [0, {self.capacity})")
         if not tokens or start + len(tokens) > self.max_len:
@@ -274,15 +281,19 @@ class Engine:
         self._observe_pending()
         t0 = time.perf_counter()
         prompt = np.asarray(tokens, np.int32)
+        values = row_values(sampling)
+        self._greedy[row] = sampling.greedy
         out = None
         for first, size, count in step.prefill_chunks(len(prompt)):
             chunk = np.zeros(size, np.int32)
             chunk[:count] = prompt[first : first + count]
-            args = (row, chunk, start + first, count)
-            out, failed = self._run(f"prefill{size}", self._prefill, args, sync=True)
+            args = (row, chunk, start + first, count, values)
+            out, failed = self._run(f"prefill{size}", self._prefill, self.plan, args,
+                                    sync=True)
             if failed:
                 return None, failed[row]
         token = int(out.tokens)
+        self._live[row] = True
         self.counters.prefill_s += time.perf_counter() - t0
         self.counters.prefill_tokens += len(tokens)
         return token, None
@@ -290,7 +301,9 @@ class Engine:
     def step(self) -> StepResult:
         """Decode one token for every live row."""
         t0 = time.perf_counter()
-        out, failed = self._run("decode", self._decode, (), sync=self._disk_possible)
+        sampled = any(not g for g, on in zip(self._greedy, self._live, strict=True) if on)
+        plan = self._sampled_plan if sampled else self.plan
+        out, failed = self._run("decode", self._decode, plan, (), sync=self._disk_possible)
         self._observe_pending()  # the previous step's record, while this one runs
         self._pending = out
         tokens = np.asarray(out.tokens)
@@ -298,7 +311,7 @@ class Engine:
         if self._decode_compiled:
             self.counters.step_times.append(elapsed)
             self.counters.decode_steps += 1
-            self.counters.decode_tokens += int(np.asarray(self.state.live).sum())
+            self.counters.decode_tokens += sum(self._live)
         else:
             self._decode_compiled = True
             self.counters.compile_s += elapsed
@@ -308,20 +321,21 @@ class Engine:
     def free(self, row: int) -> None:
         """Row `row` is no longer live (its KV stays until overwritten)."""
         self.state = _set_live(self.state, row, False)
+        self._live[row] = False
 
     # --- one program, with the disk tier -------------------------------------------------------
 
-    def _run(self, name: str, program, args: tuple, sync: bool):
+    def _run(self, name: str, program, plan: step.StepPlan, args: tuple, sync: bool):
         """Dispatch `program` on the state; with `sync`, read its record at once and, if it
         routed to experts found only on disk, load them and run it again on the same input
         (its KV writes are the same), failing the rows of experts that cannot be read."""
         failed: dict[int, str] = {}
         while True:
-            before = (self.state.tokens, self.state.positions) if sync else None
+            before = (self.state.tokens, self.state.positions, self.state.sampler) if sync else None
             if before is not None:
                 before = jax.tree.map(jnp.copy, before)
             with self.timeline.span(name, "compute"):
-                self.state, out, pool = program(self.cfg, self.plan, self.params,
+                self.state, out, pool = program(self.cfg, plan, self.params,
                                                 self.residency.pool, self.residency.tiers(),
                                                 self.state, *args)
             if pool is not None:
@@ -336,7 +350,8 @@ class Engine:
                     self._admit(record)
                 return out, failed
             failed.update(self._from_disk([tuple(map(int, k)) for k in disk], record, args))
-            self.state = self.state.replace(tokens=before[0], positions=before[1])
+            self.state = self.state.replace(tokens=before[0], positions=before[1],
+                                            sampler=before[2])
             if args and failed:  # the prefilled row itself failed: nothing to run again
                 return out, failed
 
@@ -372,8 +387,7 @@ class Engine:
         picked = (np.asarray(record.experts[layer]) == expert).any(axis=-1)
         if args:  # a prefill chunk: every token is row args[0]'s
             return [int(args[0])] if picked.any() else []
-        live = np.asarray(self.state.live)
-        return [int(r) for r in np.nonzero(picked & live)[0]]
+        return [int(r) for r in np.nonzero(picked & np.array(self._live))[0]]
 
     def _host_victims(self, count: int, keep: set[Key]) -> list[Key]:
         """Host-tier experts to overwrite, coldest first, none with a device slot."""
@@ -462,18 +476,24 @@ class Engine:
             raise ValueError("the timeline is off; construct with EngineConfig(timeline=True)")
         self.timeline.export(path)
 
-    def generate_results(self, prompts: list[list[int]], max_new_tokens: int):
-        """One RequestResult per prompt (any number: continuous batching over the rows)."""
+    def generate_results(self, prompts: list[list[int]], max_new_tokens: int,
+                         sampling: SamplingParams | list[SamplingParams] = GREEDY):
+        """One RequestResult per prompt (any number: continuous batching over the rows);
+        `sampling` for every prompt, or one per prompt."""
         from strata_runtime.scheduler import Scheduler
 
         sched = Scheduler(self)
-        reqs = [sched.submit(p, max_new_tokens) for p in prompts]
+        settings = api.per_request(sampling, len(prompts))
+        reqs = [sched.submit(p, max_new_tokens, s) for p, s in zip(prompts, settings,
+                                                                  strict=True)]
         sched.run()
         return [RequestResult(r.tokens if r.error is None else [], r.error) for r in reqs]
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy new tokens of each prompt; raises RequestFailed if any request failed."""
-        results = self.generate_results(prompts, max_new_tokens)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+        """The new tokens of each prompt (`strata_jax.generate`'s, bit for bit); raises
+        RequestFailed if any request failed."""
+        results = self.generate_results(prompts, max_new_tokens, sampling)
         failed = {i: r.error for i, r in enumerate(results) if r.error}
         if failed:
             raise RequestFailed(failed, results)

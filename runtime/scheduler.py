@@ -12,12 +12,14 @@ fails alone.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from strata_jax.api import check_request
+from strata_jax.sampling import GREEDY, SamplingParams
 
 
 @dataclass(eq=False)
@@ -27,11 +29,12 @@ class Request:
     id: int
     prompt: list[int]
     max_new_tokens: int
-    stop_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = GREEDY  # its seed fixed at submission
     keep: bool = False
     tokens: list[int] = field(default_factory=list)  # generated, every turn
     error: str | None = None
     done: bool = False
+    cancelled: bool = False
     sequence: list[int] = field(default_factory=list)  # prompt, generated and resumed input
     budget: int = 0  # tokens still to generate this turn
     last_active: int = 0
@@ -52,12 +55,14 @@ class Scheduler:
         self.evictions = 0
         self._ids = itertools.count()
 
-    def submit(self, prompt: list[int], max_new_tokens: int, stop_ids=(),
-               keep: bool = False) -> Request:
-        """Queue a request; it joins the batch at the next step with a free row."""
+    def submit(self, prompt: list[int], max_new_tokens: int,
+               sampling: SamplingParams = GREEDY, keep: bool = False) -> Request:
+        """Queue a request; it joins the batch at the next step with a free row. A seed of
+        None in `sampling` is drawn now, so an evicted request resumes the same draws."""
         rid = next(self._ids)
         check_request(self.engine.cfg, rid, prompt, max_new_tokens, self.max_len)
-        req = Request(rid, list(prompt), max_new_tokens, frozenset(stop_ids), keep,
+        sampling = dataclasses.replace(sampling, seed=sampling.resolved_seed())
+        req = Request(rid, list(prompt), max_new_tokens, sampling, keep,
                       sequence=list(prompt), budget=max_new_tokens)
         self.queue.append(req)
         return req
@@ -74,6 +79,20 @@ class Scheduler:
             req.evicted = False
         self.queue.append(req)
         return req
+
+    def cancel(self, req: Request) -> None:
+        """End `req` now (a client went away): its row is freed and nothing more is generated;
+        `req.cancelled` says so. A finished request is left as it is."""
+        if req.done and not (req.keep and self._row_of(req) is not None):
+            return
+        if req in self.queue:
+            self.queue.remove(req)
+        row = self._row_of(req)
+        if row is not None:
+            if not req.done:
+                self.engine.free(row)
+            self.rows[row] = None
+        req.done, req.cancelled, req.keep = True, True, False
 
     def stream(self, req: Request) -> Iterator[int]:
         """Yield `req`'s tokens as they are produced, stepping the whole batch."""
@@ -120,7 +139,7 @@ class Scheduler:
                 self.rows[row], self.kv_len[row] = req, 0
             self.queue.popleft()
             start = self.kv_len[row]
-            token, error = self.engine.prefill(row, req.sequence[start:], start)
+            token, error = self.engine.prefill(row, req.sequence[start:], start, req.sampling)
             self.kv_len[row] = len(req.sequence)
             if error is not None:
                 self._fail(row, error)
@@ -151,7 +170,7 @@ class Scheduler:
         req.tokens.append(token)
         req.sequence.append(token)
         req.budget -= 1
-        req.done = req.budget == 0 or token in req.stop_ids
+        req.done = req.budget == 0 or token in req.sampling.stop_ids
         if req.done:
             self.engine.free(row)
             self.kv_len[row] = len(req.sequence) - 1  # the last token is not in the KV yet

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,7 @@ from strata_jax import step
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.config import ModelConfig
 from strata_jax.moe import ExpertPool
+from strata_jax.sampling import GREEDY, SamplingParams, row_values
 
 
 @dataclass(frozen=True)
@@ -162,42 +165,70 @@ def check_request(cfg: ModelConfig, index: int, prompt: Any, max_new_tokens: int
 
 
 def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, *,
+             sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
              batch_capacity: int = 16, max_len: int = 256) -> list[list[int]]:
-    """Greedy generation of the new tokens of each prompt, through the one compiled step
-    (`step.prefill` per row, then `step.decode` over `batch_capacity` rows of `max_len`
-    positions; groups of at most `batch_capacity` prompts in turn). A prompt's tokens do not
-    depend on the others; the offload engine with the same capacity and length gives the
-    same bits."""
+    """The new tokens of each prompt (up to `max_new_tokens`, ending early at a stop id),
+    through the one compiled step (`step.prefill` per row, then `step.decode` over
+    `batch_capacity` rows of `max_len` positions; groups of at most `batch_capacity` prompts
+    in turn). `sampling`: one SamplingParams for every prompt, or one per prompt. A prompt's
+    tokens do not depend on the others; the offload engine with the same capacity, length
+    and seeds gives the same bits."""
     if not prompts:
         raise ValueError("generate needs at least one prompt")
+    settings = per_request(sampling, len(prompts))
     for i, p in enumerate(prompts):
         check_request(model.config, i, p, max_new_tokens, max_len)
     out: list[list[int]] = []
     for first in range(0, len(prompts), batch_capacity):
-        group = prompts[first : first + batch_capacity]
-        out += _generate_group(model, group, max_new_tokens, batch_capacity, max_len)
-    return out
+        group = slice(first, first + batch_capacity)
+        out += _generate_group(model, prompts[group], settings[group], max_new_tokens,
+                               batch_capacity, max_len)
+    return [until_stop(tokens, s.stop_ids) for tokens, s in zip(out, settings, strict=True)]
 
 
-def _generate_group(model: Model, prompts, new: int, capacity: int, max_len: int):
-    cfg, plan = model.config, step.StepPlan()
-    args = (cfg, plan, model.params, model.experts, step.resident_tiers(model.slot_table))
+def per_request(sampling: SamplingParams | Sequence[SamplingParams],
+                count: int) -> list[SamplingParams]:
+    """One SamplingParams per request, each with its seed fixed (None draws one now)."""
+    if isinstance(sampling, SamplingParams):
+        sampling = [sampling] * count
+    sampling = list(sampling)
+    if len(sampling) != count:
+        raise ValueError(f"{len(sampling)} SamplingParams for {count} prompts")
+    return [dataclasses.replace(s, seed=s.resolved_seed()) for s in sampling]
+
+
+def until_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """`tokens` up to and including the first stop id."""
+    for i, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _generate_group(model: Model, prompts, settings, new: int, capacity: int, max_len: int):
+    cfg = model.config
+    sampled = step.StepPlan(sample=not all(s.greedy for s in settings))
+    args = (cfg, step.StepPlan(), model.params, model.experts,
+            step.resident_tiers(model.slot_table))
     state = step.init_state(cfg, capacity, max_len)
-    for row, prompt in enumerate(prompts):
-        state = prefill_row(args, state, row, prompt)
+    for row, (prompt, s) in enumerate(zip(prompts, settings, strict=True)):
+        state = prefill_row(args, state, row, prompt, s)
     tokens = [jnp.copy(state.tokens)]  # (decode donates the state)
     for _ in range(new - 1):
-        state, out, _ = step.decode(*args, state)
+        state, out, _ = step.decode(cfg, sampled, *args[2:], state)
         tokens.append(out.tokens)
     table = np.stack(jax.device_get(tokens), axis=1)
     return table[: len(prompts)].tolist()
 
 
-def prefill_row(args: tuple, state: step.DecodeState, row: int, prompt) -> step.DecodeState:
-    """Prefill `prompt` into `row` by `step.prefill_chunks` with the resident programs."""
+def prefill_row(args: tuple, state: step.DecodeState, row: int, prompt,
+                sampling: SamplingParams = GREEDY) -> step.DecodeState:
+    """Prefill `prompt` into `row` by `step.prefill_chunks` with the resident programs; the
+    row draws by `sampling` (its seed resolved)."""
     prompt = np.asarray(prompt, np.int32)
+    values = row_values(sampling)
     for start, size, count in step.prefill_chunks(len(prompt)):
         chunk = np.zeros(size, np.int32)
         chunk[:count] = prompt[start : start + count]
-        state, _, _ = step.prefill(*args, state, row, chunk, start, count)
+        state, _, _ = step.prefill(*args, state, row, chunk, start, count, values)
     return state

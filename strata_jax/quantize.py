@@ -327,21 +327,20 @@ def random_sequences(n: int, length: int, vocab_size: int, seed: int) -> np.ndar
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "length"))
-def _sample_batch(cfg, params, pool, slot_table, first, seed_words, length):
-    """Temperature-1 continuations of first tokens [B] to [B, length], through the step."""
+def _sample_batch(cfg, params, pool, slot_table, first, seeds, length):
+    """Temperature-1 continuations of first tokens [B] to [B, length] by the step's sampler;
+    row b draws with seed `seeds[b]` (uint32 [B, 2])."""
     b = first.shape[0]
-    key = jax.random.key(0)
-    for i in range(seed_words.shape[0]):
-        key = jax.random.fold_in(key, seed_words[i])
     out = jnp.zeros((b, length), jnp.int32).at[:, 0].set(first)
     tiers = step.resident_tiers(slot_table)
-    state = step.init_state(cfg, b, length).replace(tokens=first, live=jnp.ones(b, jnp.bool_))
+    state = step.init_state(cfg, b, length)
+    sampler = state.sampler.replace(temperature=jnp.ones(b, jnp.float32), seed=seeds)
+    state = state.replace(tokens=first, live=jnp.ones(b, jnp.bool_), sampler=sampler)
+    plan = step.StepPlan(sample=True)
 
     def body(i, carry):
         out, state = carry
-        state, step_out, _ = step.decode_step(cfg, step.StepPlan(), params, pool, tiers, state)
-        nxt = jax.random.categorical(jax.random.fold_in(key, i), step_out.logits)
-        state = state.replace(tokens=nxt.astype(jnp.int32))
+        state, _, _ = step.decode_step(cfg, plan, params, pool, tiers, state)
         return out.at[:, i + 1].set(state.tokens), state
 
     out, _ = jax.lax.fori_loop(0, length - 1, body, (out, state))
@@ -372,8 +371,9 @@ def sample_sequences(model: Model, n: int, length: int, seed: int, stream: int) 
     for i in range(0, n, SAMPLE_BATCH):
         batch = np.zeros(SAMPLE_BATCH, np.int32)
         batch[: min(SAMPLE_BATCH, n - i)] = first[i : i + SAMPLE_BATCH]
-        words = np.array([seed, stream, i], np.uint32)
-        out.append(np.asarray(_sample_batch(*args, batch, words, length))[: n - i])
+        seeds = np.random.SeedSequence([seed, stream, i]).generate_state(2 * SAMPLE_BATCH)
+        seeds = seeds.reshape(SAMPLE_BATCH, 2)
+        out.append(np.asarray(_sample_batch(*args, batch, seeds, length))[: n - i])
     return np.concatenate(out).astype(np.int32)
 
 

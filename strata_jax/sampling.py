@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,3 +70,96 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+
+@chex.dataclass(frozen=True)
+class SamplerRows:
+    """Every row's SamplingParams on the device ([B] each; `seed` [B, 2] uint32, the threefry
+    key of the row's seed) and `seen` [B, V] bool: the tokens of the row's sequence so far,
+    which the repetition penalty reads."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    penalty: jax.Array
+    seed: jax.Array
+    seen: jax.Array
+
+
+def greedy_rows(batch: int, vocab: int) -> SamplerRows:
+    # distinct buffers each: the state is donated, and one buffer may not be donated twice
+    return SamplerRows(temperature=jnp.zeros((batch,), jnp.float32),
+                       top_k=jnp.zeros((batch,), jnp.int32),
+                       top_p=jnp.ones((batch,), jnp.float32),
+                       min_p=jnp.zeros((batch,), jnp.float32),
+                       penalty=jnp.ones((batch,), jnp.float32),
+                       seed=jnp.zeros((batch, 2), jnp.uint32),
+                       seen=jnp.zeros((batch, vocab), jnp.bool_))
+
+
+def row_values(params: SamplingParams) -> tuple:
+    """The host scalars of one row, in the order `set_row` takes them (the seed must be
+    resolved: the scheduler fixes it when the request is submitted)."""
+    seed = params.resolved_seed()
+    return (np.float32(params.temperature), np.int32(params.top_k), np.float32(params.top_p),
+            np.float32(params.min_p), np.float32(params.repetition_penalty),
+            np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
+
+
+def set_row(rows: SamplerRows, row, values: tuple, fresh) -> SamplerRows:
+    """Row `row` takes `values` (`row_values`); with `fresh` its sequence starts anew."""
+    temperature, top_k, top_p, min_p, penalty, seed = values
+    seen = rows.seen.at[row].set(jnp.where(fresh, False, rows.seen[row]))
+    return rows.replace(temperature=rows.temperature.at[row].set(temperature),
+                        top_k=rows.top_k.at[row].set(top_k), top_p=rows.top_p.at[row].set(top_p),
+                        min_p=rows.min_p.at[row].set(min_p),
+                        penalty=rows.penalty.at[row].set(penalty),
+                        seed=rows.seed.at[row].set(seed), seen=seen)
+
+
+def mark_seen(rows: SamplerRows, row_ids: jax.Array, tokens: jax.Array,
+              valid: jax.Array) -> SamplerRows:
+    """Add `tokens` (rows `row_ids`, where `valid`) to the rows' sequences."""
+    rows_ix = jnp.where(valid, row_ids, rows.seen.shape[0])
+    return rows.replace(seen=rows.seen.at[rows_ix, tokens].set(True, mode="drop"))
+
+
+def penalize(logits: jax.Array, rows: SamplerRows) -> jax.Array:
+    """The repetition penalty on float32 logits [B, V]; a penalty of 1 returns the same bits."""
+    p = rows.penalty[:, None]
+    hit = jnp.where(logits > 0, logits / p, logits * p)
+    return jnp.where(rows.seen, hit, logits)
+
+
+def filtered_logits(logits: jax.Array, rows: SamplerRows) -> tuple[jax.Array, jax.Array]:
+    """The distribution a sampled row draws from: (logits sorted descending [B, V] with the
+    filtered-out tokens at -inf, their token ids). Temperature, then top-k, then top-p on
+    what top-k kept, then min-p."""
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    order = jnp.argsort(-logits, axis=-1, stable=True)
+    ranked = jnp.take_along_axis(logits, order, axis=-1) / t
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (rows.top_k[:, None] == 0) | (rank < rows.top_k[:, None])
+    ranked = jnp.where(keep, ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
+    keep &= (before < rows.top_p[:, None]) | (rank == 0)
+    keep &= probs >= rows.min_p[:, None] * probs[:, :1]
+    return jnp.where(keep, ranked, -jnp.inf), order
+
+
+def sample(logits: jax.Array, rows: SamplerRows, positions: jax.Array) -> jax.Array:
+    """Each row's next token [B] int32 from float32 logits [B, V]; `positions` [B]: where each
+    token will sit in its sequence (the draw's key is (seed, position))."""
+    logits = penalize(logits, rows)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ranked, order = filtered_logits(logits, rows)
+
+    def draw(seed, position, row_logits):
+        key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), position)
+        return jax.random.categorical(key, row_logits)
+
+    pick = jax.vmap(draw)(rows.seed, positions.astype(jnp.uint32), ranked)
+    drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(rows.temperature > 0, drawn, greedy)

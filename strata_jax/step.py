@@ -29,6 +29,15 @@ from strata_jax.layers import attend, rms_norm
 from strata_jax.model import linear, lm_head, project_qkv, route_layer, with_shared
 from strata_jax.moe import combine_routed, routed_outputs
 from strata_jax.pool import ExpertPool
+from strata_jax.sampling import (
+    GREEDY,
+    SamplerRows,
+    greedy_rows,
+    mark_seen,
+    row_values,
+    sample,
+    set_row,
+)
 
 PREDICTORS = ("none", "next-gate")
 
@@ -48,14 +57,20 @@ class StepPlan:
     default for the row count."""
     int4_tiles: Int4Tiles | None = None
     """Tiles of the Mosaic int4 kernel, where it runs (None = tuned per expert shape)."""
-    unroll: bool = False
-    """Unroll the layer scan: no device loop (each iteration costs a GPU a predicate read)
-    and static layer slices instead of a copy of each layer's weights; a longer compile.
-    Faster when every expert is resident, but XLA then fuses differently from the rolled
-    program, so on a GPU its bits may differ from a rolled (offloaded) run's
-    (docs/design.md, "Measured"): an ablation, off by default."""
-
+    unroll: bool | None = None
+    """Unroll the layer scan: no device loop (on a GPU each iteration costs a predicate read)
+    and static layer slices instead of a copy of each layer's weights, for a longer compile.
+    None: unrolled on GPUs, rolled elsewhere (where the loop is cheap and the compile is
+    what costs). Every program compiles without excess precision (`COMPILER_OPTIONS`), so
+    rolled and unrolled, resident and offloaded programs give the same bits
+    (docs/design.md, "Measured")."""
+    sample: bool = False
+    """Compile the sampler into decode (`sampling.sample`): rows with a temperature draw,
+    the others take the argmax of their penalized logits. False: the plain argmax, for
+    batches whose live rows are all greedy (the sort the sampler needs is not free)."""
     def __post_init__(self) -> None:
+        if self.unroll is None:  # resolved now: the plan is a static argument, part of the key
+            object.__setattr__(self, "unroll", jax.default_backend() == "gpu")
         if self.staging < 0:
             raise ValueError(f"StepPlan.staging must be >= 0, got {self.staging}")
         if self.predictor not in PREDICTORS:
@@ -81,13 +96,15 @@ class DecodeState:
 
     `tokens` [B] int32: each row's last token, placed at `positions` [B] by the next step;
     `k`, `v` [L, B, max_len, kv_heads, head_dim]: the cache; `live` [B] bool: rows in use
-    (others compute on padding, route nothing and move nothing)."""
+    (others compute on padding, route nothing and move nothing); `sampler`: each row's
+    sampling settings and the tokens its sequence has seen."""
 
     tokens: jax.Array
     positions: jax.Array
     k: jax.Array
     v: jax.Array
     live: jax.Array
+    sampler: SamplerRows
 
     @property
     def max_len(self) -> int:
@@ -134,7 +151,8 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int,
     state = DecodeState(tokens=jnp.zeros((batch,), jnp.int32),
                         positions=jnp.zeros((batch,), jnp.int32),
                         k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                        live=jnp.zeros((batch,), jnp.bool_))
+                        live=jnp.zeros((batch,), jnp.bool_),
+                        sampler=greedy_rows(batch, cfg.vocab_size))
     return jax.device_put(state, device or jax.devices()[0])
 
 
@@ -340,27 +358,33 @@ _STATIC = ("cfg", "plan")
 
 def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
             state: DecodeState):
-    """One token for every live row: (the state with the greedy next tokens, StepOutput, the
-    pool (None when `plan.staging` is 0))."""
+    """One token for every live row: (the state with the next tokens, StepOutput, the pool
+    (None when `plan.staging` is 0))."""
     x = params["embed"][state.tokens][:, None, :]
     positions = jnp.where(state.live, state.positions, state.max_len)[:, None]
     x, k, v, pool, record = run_layers(cfg, plan, params, pool, tiers, x, positions,
                                        state.live, state.k, state.v)
     logits = lm_head(cfg, params, x[:, 0])
-    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if plan.sample:
+        nxt = sample(logits, state.sampler, state.positions + 1)
+    else:
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     nxt = jnp.where(state.live, nxt, state.tokens)
+    rows = jnp.arange(nxt.shape[0])
     state = state.replace(tokens=nxt, positions=state.positions + state.live.astype(jnp.int32),
-                          k=k, v=v)
+                          k=k, v=v, sampler=mark_seen(state.sampler, rows, nxt, state.live))
     out = StepOutput(tokens=nxt, logits=logits, record=record)
     return state, out, pool if plan.staging else None
 
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
-             state: DecodeState, row, tokens, start, count):
+             state: DecodeState, row, tokens, start, count, sampling=None):
     """A chunk of one row's prompt: tokens [T] (the first `count` real) placed at positions
-    start, start + 1, ... of row `row`, which becomes live with its greedy next token at
-    position start + count. Returns (state, StepOutput with the logits [V] of the chunk's
-    last real token, pool (None when `plan.staging` is 0))."""
+    start, start + 1, ... of row `row`, which becomes live with its next token at position
+    start + count, drawn by `sampling` (`sampling.row_values`, None: greedy; the row's
+    settings from now on; at start 0 its sequence starts anew). Returns (state, StepOutput
+    with the logits [V] of the chunk's last real token, pool (None when `plan.staging` is
+    0))."""
     t = tokens.shape[0]
     real = jnp.arange(t) < count
     positions = jnp.where(real, start + jnp.arange(t), state.max_len)[None].astype(jnp.int32)
@@ -368,18 +392,29 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     x, k, v, pool, record = run_layers(cfg, plan, params, pool, tiers, x, positions, real,
                                        state.k, state.v, row=row)
     logits = lm_head(cfg, params, x[0, jnp.maximum(count - 1, 0)])
-    nxt = jnp.argmax(logits).astype(jnp.int32)
-    state = state.replace(tokens=state.tokens.at[row].set(nxt),
+    sampler = set_row(state.sampler, row, row_values(GREEDY) if sampling is None else sampling,
+                      start == 0)
+    sampler = mark_seen(sampler, jnp.full((t,), row), tokens, real)
+    own = jax.tree.map(lambda a: a[row][None], sampler)
+    nxt = sample(logits[None], own, jnp.reshape(start + count, (1,)))[0]
+    sampler = mark_seen(sampler, jnp.reshape(row, (1,)), nxt[None], jnp.ones((1,), jnp.bool_))
+    state = state.replace(tokens=state.tokens.at[row].set(nxt), sampler=sampler,
                           positions=state.positions.at[row].set(start + count),
                           live=state.live.at[row].set(True), k=k, v=v)
     out = StepOutput(tokens=nxt, logits=logits, record=record)
     return state, out, pool if plan.staging else None
 
 
-decode = jax.jit(decode_step, static_argnames=_STATIC, donate_argnames=("state",))
-decode_staged = jax.jit(decode_step, static_argnames=_STATIC, donate_argnames=("state", "pool"))
-prefill = jax.jit(prefill_step, static_argnames=_STATIC, donate_argnames=("state",))
-prefill_staged = jax.jit(prefill_step, static_argnames=_STATIC, donate_argnames=("state", "pool"))
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+"""Every program rounds each op to its dtype: left to itself XLA keeps fused bf16
+intermediates in f32, which differs between fusions, so the bits would depend on how the
+program was fused (rolled or not, offloaded or not)."""
+
+_jit = functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=COMPILER_OPTIONS)
+decode = _jit(decode_step, donate_argnames=("state",))
+decode_staged = _jit(decode_step, donate_argnames=("state", "pool"))
+prefill = _jit(prefill_step, donate_argnames=("state",))
+prefill_staged = _jit(prefill_step, donate_argnames=("state", "pool"))
 
 PREFILL_CHUNK = 64  # tokens per prefill program; shorter tails take a power-of-two bucket
 
@@ -394,10 +429,11 @@ def prefill_chunks(length: int) -> list[tuple[int, int, int]]:
     return chunks
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def forward(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers, tokens):
+def forward_pass(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
+                 tokens):
     """Full causal forward of tokens [B, T] -> (float32 logits [B, T, V], StepRecord); every
-    expert has a slot (`plan.staging` 0)."""
+    expert has a slot (`plan.staging` 0). Traceable inside other programs (training);
+    `forward` is its compiled program."""
     b, t = tokens.shape
     shape = (cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim)
     k = jnp.zeros(shape, jnp.dtype(cfg.dtype))
@@ -406,3 +442,6 @@ def forward(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: T
     x, _, _, _, record = run_layers(cfg, plan, params, pool, tiers, params["embed"][tokens],
                                     positions, live, k, k)
     return lm_head(cfg, params, x), record
+
+
+forward = _jit(forward_pass)

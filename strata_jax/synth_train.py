@@ -81,7 +81,7 @@ def _read_weights(reader: CheckpointReader) -> tuple[Tree, Tree]:
 
 
 def _model_args(cfg: ModelConfig, w: Tree, frozen: Tree) -> tuple[Tree, ExpertPool]:
-    """The params and resident pool that `step.forward` takes, traced from the trees."""
+    """The params and resident pool that `step.forward_pass` takes, traced from the trees."""
     params = dict(w["globals"])
     fused = [fuse_qkv({**lp, **fz}) for lp, fz in zip(w["layers"], frozen["layers"], strict=True)]
     params["layers"] = {k: jnp.stack([lp[k] for lp in fused]) for k in fused[0]}
@@ -93,7 +93,7 @@ def _loss(cfg: ModelConfig, w: Tree, frozen: Tree, tokens: jax.Array) -> jax.Arr
     """Mean next-token cross-entropy of sequences [B, T]."""
     params, pool = _model_args(cfg, w, frozen)
     tiers = step.resident_tiers(mdl.resident_slot_table(cfg))
-    logits, _ = step.forward(cfg, step.StepPlan(), params, pool, tiers, tokens[:, :-1])
+    logits, _ = step.forward_pass(cfg, step.StepPlan(), params, pool, tiers, tokens[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 

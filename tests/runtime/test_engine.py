@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import strata_jax
+from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.ledger import BudgetError
 from tests.helpers import tiny_config, write_checkpoint
@@ -77,6 +78,19 @@ def test_engine_matches_the_resident_api_and_queues_any_number_of_prompts(ckpt):
     ref = strata_jax.generate(strata_jax.load(ckpt), prompts, 6, **SHAPE)
     with _engine(ckpt, resident_experts=3) as engine:
         assert engine.generate(prompts, 6) == ref
+
+
+def test_sampled_requests_offloaded_equal_the_resident_api(ckpt):
+    """Seeded sampling, penalties and greedy rows sharing batches: the resident bits."""
+    settings = [SamplingParams(temperature=1.0, top_p=0.9, seed=3),
+                SamplingParams(repetition_penalty=1.5),
+                SamplingParams(temperature=0.7, top_k=4, min_p=0.1, seed=8), GREEDY,
+                SamplingParams(temperature=1.2, seed=11, repetition_penalty=1.2)]
+    prompts = (PROMPTS * 2)[: len(settings)]
+    ref = strata_jax.generate(strata_jax.load(ckpt), prompts, 6, sampling=settings, **SHAPE)
+    with _engine(ckpt, resident_experts=3) as engine:
+        assert engine.generate(prompts, 6, sampling=settings) == ref
+    assert ref[0] != strata_jax.generate(strata_jax.load(ckpt), prompts[:1], 6, **SHAPE)[0]
 
 
 def test_a_request_does_not_depend_on_its_batch(ckpt):

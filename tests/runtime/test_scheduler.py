@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from strata_jax.sampling import SamplingParams
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.scheduler import Scheduler
 from tests.helpers import tiny_config, write_checkpoint
@@ -41,9 +42,29 @@ def test_stop_ids_and_streaming(engine_factory):
     streamed = list(sched.stream(full))
     assert streamed == full.tokens and len(streamed) == 8
     stop = streamed[3]
-    early = sched.submit([4, 8, 15], 8, stop_ids={stop})
+    early = sched.submit([4, 8, 15], 8, SamplingParams(stop_ids={stop}))
     sched.run()
     assert early.tokens == streamed[: streamed.index(stop) + 1]
+
+
+def test_a_cancelled_request_frees_its_row_for_the_queue(engine_factory):
+    sched = Scheduler(engine_factory())  # 3 rows
+    reqs = [sched.submit([7, i + 1], 10) for i in range(3)]
+    waiting = sched.submit([3, 1, 4], 5)
+    sched.step()
+    sched.step()
+    sched.cancel(reqs[1])
+    assert reqs[1].done and reqs[1].cancelled and len(reqs[1].tokens) == 3  # prefill + 2
+    sched.step()
+    assert sched.rows[1] is waiting  # took the cancelled row at once
+    sched.cancel(waiting)
+    queued = sched.submit([2, 2], 4)
+    sched.cancel(queued)  # still queued: never prefilled
+    sched.run()
+    single = engine_factory()
+    assert not queued.tokens and queued not in sched.queue
+    for i in (0, 2):
+        assert reqs[i].tokens == single.generate([[7, i + 1]], 10)[0]
 
 
 def test_bad_requests_are_refused(engine_factory):

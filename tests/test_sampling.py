@@ -1,0 +1,152 @@
+"""Sampling inside the step: the filters against a float64 numpy reference, the draw's
+distribution, the penalty, and per-request reproducibility whatever shares the batch."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from strata_jax import api, sampling
+from strata_jax.sampling import SamplingParams
+from tests.helpers import random_model, tiny_config
+
+
+def rows_of(settings: list[SamplingParams], vocab: int, seen=None) -> sampling.SamplerRows:
+    rows = sampling.greedy_rows(len(settings), vocab)
+    for i, s in enumerate(settings):
+        rows = sampling.set_row(rows, i, sampling.row_values(s), True)
+    if seen is not None:
+        rows = rows.replace(seen=jnp.asarray(seen))
+    return rows
+
+
+def reference_probs(logits: np.ndarray, s: SamplingParams) -> np.ndarray:
+    """float64: temperature, top-k, top-p over what top-k kept, min-p; [V] probabilities."""
+    x = logits.astype(np.float64) / (s.temperature or 1.0)
+    order = np.argsort(-x, kind="stable")
+    kept = np.zeros(x.shape, bool)
+    k = s.top_k or len(x)
+    kept[order[:k]] = True
+    p = np.where(kept, np.exp(x - x.max()), 0.0)
+    p /= p.sum()
+    mass = 0.0
+    for i in order[:k]:
+        if mass >= s.top_p and i != order[0]:
+            kept[i] = False
+        mass += p[i]
+    kept &= p >= s.min_p * p.max()
+    q = np.where(kept, p, 0.0)
+    return q / q.sum()
+
+
+SETTINGS = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+            SamplingParams(temperature=1.0, top_p=0.6),
+            SamplingParams(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05),
+            SamplingParams(temperature=2.0, min_p=0.2)]
+
+
+def test_filtered_distribution_matches_float64_reference():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (len(SETTINGS), 64)).astype(np.float32)
+    ranked, order = sampling.filtered_logits(jnp.asarray(logits), rows_of(SETTINGS, 64))
+    ranked, order = np.asarray(ranked, np.float64), np.asarray(order)
+    for i, s in enumerate(SETTINGS):
+        got = np.zeros(64)
+        probs = np.exp(ranked[i] - ranked[i].max())
+        got[order[i]] = probs / probs.sum()
+        want = reference_probs(logits[i], s)
+        assert np.array_equal(got > 0, want > 0), f"row {i}: a different support"
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_draws_follow_the_distribution():
+    vocab, draws = 8, 4000
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.8, 1.9], np.float32)
+    s = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
+    rows = rows_of([s], vocab)  # one row's settings, tiled over `draws` rows of other seeds
+    rows = rows.replace(**{k: jnp.repeat(getattr(rows, k), draws, axis=0)
+                           for k in ("temperature", "top_k", "top_p", "min_p", "penalty",
+                                     "seen")},
+                        seed=jnp.stack([jnp.zeros(draws, jnp.uint32),
+                                        jnp.arange(draws, dtype=jnp.uint32)], axis=1))
+    tokens = sampling.sample(jnp.tile(jnp.asarray(logits), (draws, 1)), rows,
+                             jnp.full((draws,), 3))
+    freq = np.bincount(np.asarray(tokens), minlength=vocab) / draws
+    want = reference_probs(logits, s)
+    assert np.all(freq[want == 0] == 0)
+    sigma = np.sqrt(want * (1 - want) / draws)
+    assert np.all(np.abs(freq - want) <= 4 * sigma + 1e-9), (freq, want)
+
+
+def test_greedy_rows_take_the_argmax_and_a_penalty_of_one_keeps_the_bits():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 1, (3, 50)).astype(np.float32))
+    seen = rng.random((3, 50)) < 0.3
+    rows = rows_of([sampling.GREEDY] * 3, 50, seen)
+    assert np.array_equal(np.asarray(sampling.penalize(logits, rows)), np.asarray(logits))
+    tokens = sampling.sample(logits, rows, jnp.zeros(3, jnp.int32))
+    assert np.array_equal(np.asarray(tokens), np.argmax(np.asarray(logits), -1))
+
+
+def test_repetition_penalty_as_transformers_defines_it():
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, 1, (2, 40)).astype(np.float32)
+    seen = rng.random((2, 40)) < 0.5
+    rows = rows_of([SamplingParams(repetition_penalty=1.3),
+                    SamplingParams(repetition_penalty=0.7)], 40, seen)
+    got = np.asarray(sampling.penalize(jnp.asarray(logits), rows))
+    for i, p in enumerate((1.3, 0.7)):
+        want = np.where(logits[i] > 0, logits[i] / p, logits[i] * p)
+        np.testing.assert_allclose(got[i], np.where(seen[i], want, logits[i]), rtol=1e-6)
+
+
+def test_greedy_with_penalty_matches_a_reference_loop():
+    """Penalized greedy decoding through the step equals a numpy loop over the full forward's
+    logits (the penalty over prompt and generated tokens)."""
+    cfg = tiny_config("qwen3_moe")
+    m = random_model(cfg, seed=4)
+    prompt, new, penalty = [3, 9, 3, 27, 8], 6, 1.8
+    got = api.generate(m, [prompt], new, sampling=SamplingParams(repetition_penalty=penalty),
+                       max_len=32)[0]
+    seq = list(prompt)
+    for _ in range(new):  # the causal forward of the sequence padded to one length
+        padded = seq + [0] * (len(prompt) + new - len(seq))
+        x = api.logits(m, [padded])[0, len(seq) - 1].astype(np.float64)
+        hit = np.zeros(cfg.vocab_size, bool)
+        hit[seq] = True
+        x = np.where(hit, np.where(x > 0, x / penalty, x * penalty), x)
+        seq.append(int(np.argmax(x)))
+    assert got == seq[len(prompt):]
+    assert got != api.generate(m, [prompt], new, max_len=32)[0]  # the penalty changed tokens
+
+
+def test_a_seeded_request_gives_its_tokens_whatever_shares_the_batch():
+    cfg = tiny_config("mixtral")
+    m = random_model(cfg, seed=5)
+    mine = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    others = [SamplingParams(temperature=0.5, seed=7), sampling.GREEDY,
+              SamplingParams(temperature=1.5, top_k=3)]
+    shape = {"batch_capacity": 4, "max_len": 32}
+    alone = api.generate(m, [[1, 2, 3]], 10, sampling=mine, **shape)[0]
+    batch = api.generate(m, [[9, 9], [5], [1, 2, 3], [4, 4, 4, 4]], 10,
+                         sampling=[others[0], others[1], mine, others[2]], **shape)
+    assert batch[2] == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=1235)
+    assert api.generate(m, [[1, 2, 3]], 10, sampling=other_seed, **shape)[0] != alone
+
+
+def test_stop_ids_end_a_request_and_bad_settings_are_refused():
+    cfg = tiny_config("mixtral")
+    m = random_model(cfg, seed=6)
+    full = api.generate(m, [[1, 2, 3]], 8, max_len=32)[0]
+    stop = full[3]
+    out = api.generate(m, [[1, 2, 3]], 8, sampling=SamplingParams(stop_ids={stop}),
+                       max_len=32)[0]
+    assert out == full[: full.index(stop) + 1]
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 1.5},
+                {"repetition_penalty": 0}, {"stop": ("",)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        api.generate(m, [[1]], 4, sampling=[sampling.GREEDY] * 2)
