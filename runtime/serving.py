@@ -297,7 +297,9 @@ class EngineLoop:
                 self.counters.engine_errors += 1
             self._reset_scheduler()
             for job in list(state.jobs.values()):
-                self._finish(job, state, error=f"engine error: {type(err).__name__}: {err}")
+                unsent = tuple(job.request.tokens[job.sent :])
+                self._finish(job, state, tokens=unsent,
+                             error=f"engine error: {type(err).__name__}: {err}")
             return
         for job in list(state.jobs.values()):
             self._publish(job, state)
@@ -323,8 +325,7 @@ class EngineLoop:
     def _finish(self, job: _Job, state: _State, tokens: tuple[int, ...] = (),
                 error: str | None = None, cancelled: bool = False) -> None:
         state.jobs.pop(job.stream.id, None)
-        job.stream.post(Update(tokens=tokens, done=True, error=error, cancelled=cancelled))
-        with self._lock:
+        with self._lock:  # before the post: a consumer told "done" may submit at once
             self._in_flight -= 1
             self.counters.generated_tokens += len(tokens)
             if cancelled:
@@ -333,6 +334,7 @@ class EngineLoop:
                 self.counters.failed += 1
             else:
                 self.counters.finished += 1
+        job.stream.post(Update(tokens=tokens, done=True, error=error, cancelled=cancelled))
 
     def _reset_scheduler(self) -> None:
         """After an exception out of a step: free every row, start a fresh scheduler."""
