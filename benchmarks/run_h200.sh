@@ -29,7 +29,7 @@ if ((TEST_LIMIT > 0)); then
   {
     echo "# GPU tests at $HEAD on $GPU (-k '$TESTS_K', limit ${TEST_LIMIT}s)"
     timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE tests/test_step.py \
-      tests/runtime/test_engine.py tests/test_expert_kernels.py tests/test_int4_kernel.py \
+      tests/test_sampling.py tests/runtime/test_engine.py tests/test_expert_kernels.py tests/test_int4_kernel.py \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "^[WI]0" | tail -25 | cut -c1-400
     rc=${PIPESTATUS[0]}
     ((rc == 124 || rc == 137)) && echo "   tests timed out after ${TEST_LIMIT}s"
@@ -67,8 +67,9 @@ bench 60 --rows int4-3g --batch 16
 bench 75 --rows bf16-8g --batch 1
 bench 75 --rows bf16-8g --batch 16
 bench 60 --rows int4-1.5g --batch 16
-# ablations, if time is left: 2 staging slots leave HBM to tier-0 experts at B=16
-bench 50 --rows bf16-8g --batch 16 --staging 2 --predictors none
-bench 50 --rows int4-3g --batch 16 --staging 2 --predictors none
+# ablations, if time is left: the sampler's cost (sort of the logits) on the fastest row, and
+# the offloaded unrolled program against the rolled resident one, bit for bit
+bench 60 --rows int4-8g --batch 1,16 --sample
+bench 60 --rows int4-3g --batch 16 --check-unroll off --predictors next-gate
 python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
 echo "done at t=${SECONDS}s"

@@ -559,7 +559,8 @@ def build(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, hos
         return Setup(layout, full, step.resident_tiers(page), bpe, dense, kv, tile, None)
     reference = None
     if want_check(args, spec):
-        resident = Runner(cfg, step.StepPlan(unroll=UNROLL[args.unroll]), params, full,
+        unroll = UNROLL[args.check_unroll or args.unroll]
+        resident = Runner(cfg, step.StepPlan(unroll=unroll, sample=args.sample), params, full,
                           step.resident_tiers(page))
         reference = run_steps(resident, live_state(cfg, batch, args.max_len), 2)
     if "tier" not in host:
@@ -576,7 +577,7 @@ def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Set
     """Check (where a reference exists) and time one compiled configuration; the donated pool
     is handed back to `setup`."""
     plan = step.StepPlan(staging=setup.layout.staging, predictor=predictor,
-                         unroll=UNROLL[args.unroll])
+                         unroll=UNROLL[args.unroll], sample=args.sample)
     runner = Runner(cfg, plan, params, setup.pool, setup.tiers)
     exact: bool | str | None = "resident" if setup.layout.resident else None
     if setup.reference is not None:
@@ -586,6 +587,7 @@ def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Set
     setup.pool = runner.pool
     held = sum(a.nbytes for a in jax.tree.leaves((params, setup.pool))) + setup.kv
     return {"predictor": predictor, "exact": exact, "hbm_held_bytes": held,
+            "unroll": plan.unroll, "sample": plan.sample,
             "counts": record_counts(m.pop("records"), setup.bpe), **m}
 
 
@@ -738,6 +740,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--unroll", choices=sorted(UNROLL), default="auto",
                     help="StepPlan.unroll of every program, the resident reference's too")
+    ap.add_argument("--check-unroll", choices=sorted(UNROLL), default=None,
+                    help="StepPlan.unroll of the resident reference (default: --unroll's)")
+    ap.add_argument("--sample", action="store_true",
+                    help="compile the sampler into every program (StepPlan.sample)")
     ap.add_argument("--layout", choices=("auto", "rows", "tiles"), default="auto",
                     help="int4 slot layout (auto: tile-major where the Mosaic int4 kernel runs)")
     ap.add_argument("--check", choices=("auto", "always", "never"), default="auto",
