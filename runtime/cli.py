@@ -491,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("strata synth --shape tiny tiny",
                          'strata generate tiny --prompt "Four score" --max-new-tokens 16',
                          "strata plan CKPT --hbm 24GB --host 64GB",
+                         "strata serve CKPT --port 8000",
                          "strata <command> --help"))
     parser.add_argument("--version", action="version",
                         version=f"strata {strata_jax.__version__}")
@@ -541,13 +542,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(plan)
     plan.set_defaults(func=_plan)
     _add_quantize_parsers(sub, common)
+    from strata_runtime.server import add_serve_parser
+
+    add_serve_parser(sub, add_engine_flags)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        enable_compile_cache(not args.no_compile_cache)
+        enable_compile_cache(not getattr(args, "no_compile_cache", False))
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
         print(f"strata {args.command}: error: {e}", file=sys.stderr)

@@ -119,6 +119,8 @@ def test_version_and_help(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "examples:" in text and "--max-len N KV positions per row" in text
         assert "(default: 256)" in text and "(default: lfru)" in text
+    serve = build_parser().parse_args(["serve", "CKPT", "--hbm", "1GB"])
+    assert serve.func.__name__ == "serve" and engine_config(serve).hbm_budget == "1GB"
 
 
 @pytest.fixture(autouse=True)
