@@ -41,8 +41,9 @@ ENGINE_GAUGES = {
     "staging_slots": ("staging_slots", "Experts per staging half"),
 }
 REQUEST_STATES = ("finished", "failed", "cancelled", "rejected")
-REQUESTS_HELP = ("Requests by how they ended: finished (a stop or the token limit), failed (an "
-                 "error), cancelled (client gone, stop string, shutdown), rejected (queue full)")
+REQUESTS_HELP = ("Requests by how they ended: finished (a stop id or string, or the token "
+                 "limit), failed (an error), cancelled (client gone, shutdown), rejected "
+                 "(queue full)")
 
 
 class _SnapshotCollector(Collector):

@@ -160,7 +160,7 @@ class Service:
                     delta = text.push(token)
                     if text.finished:  # a stop string: the rest is not wanted
                         over = True
-                        self.loop.cancel(stream)
+                        self.loop.cancel(stream, stopped=True)
                         yield Piece(text=delta, finish="stop", tokens=count)
                         return
                     if delta:

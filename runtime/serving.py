@@ -89,11 +89,11 @@ class ServingCounters:
     rejected: int = 0
     """Refused because the queue was full."""
     finished: int = 0
-    """Ended normally (stop or length)."""
+    """Ended normally (a stop id or string, or the token limit)."""
     failed: int = 0
     """Ended with an error."""
     cancelled: int = 0
-    """Cancelled (client gone, stop string, shutdown)."""
+    """Cancelled (client gone, shutdown)."""
     engine_errors: int = 0
     """Exceptions out of a step (each fails the requests then in flight)."""
     generated_tokens: int = 0
@@ -161,6 +161,7 @@ class _Command:
     kind: str  # "submit" | "cancel" | "snapshot" | "stop"
     job: _Job | None = None
     stream: Stream | None = None
+    stopped: bool = False
     reply: Future | None = None
     deadline: float = 0.0
 
@@ -218,9 +219,10 @@ class EngineLoop:
         self._inbox.put(_Command(kind="submit", job=job))
         return stream
 
-    def cancel(self, stream: Stream) -> None:
-        """End the request now (a finished one is left alone); its row is freed."""
-        self._inbox.put(_Command(kind="cancel", stream=stream))
+    def cancel(self, stream: Stream, stopped: bool = False) -> None:
+        """End the request now (a finished one is left alone); its row is freed. `stopped`:
+        it reached a stop string, so it counts as finished, not cancelled."""
+        self._inbox.put(_Command(kind="cancel", stream=stream, stopped=stopped))
 
     def snapshot(self) -> Future[Snapshot]:
         """The state, read between two steps."""
@@ -271,7 +273,7 @@ class EngineLoop:
         elif command.kind == "cancel":
             job = state.jobs.get(command.stream.id)
             if job is not None:
-                self._cancel(job, state)
+                self._cancel(job, state, stopped=command.stopped)
         elif command.kind == "snapshot":
             try:
                 command.reply.set_result(self._snapshot(state))
@@ -315,12 +317,13 @@ class EngineLoop:
             with self._lock:
                 self.counters.generated_tokens += len(new)
 
-    def _cancel(self, job: _Job, state: _State, error: str | None = None) -> None:
+    def _cancel(self, job: _Job, state: _State, error: str | None = None,
+                stopped: bool = False) -> None:
         new: tuple[int, ...] = ()
         if job.request is not None:
             self._scheduler.cancel(job.request)
             new = tuple(job.request.tokens[job.sent :])
-        self._finish(job, state, tokens=new, error=error, cancelled=True)
+        self._finish(job, state, tokens=new, error=error, cancelled=not stopped)
 
     def _finish(self, job: _Job, state: _State, tokens: tuple[int, ...] = (),
                 error: str | None = None, cancelled: bool = False) -> None:
