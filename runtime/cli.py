@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import sys
 import textwrap
@@ -121,15 +120,6 @@ def _sampling(args: argparse.Namespace, eos_ids: frozenset[int]) -> SamplingPara
         stop_ids=frozenset(stop_ids))
 
 
-def _check_sampling_wired(sampling: SamplingParams) -> bool:
-    """Whether generate takes `sampling=`; if not, only greedy decoding can run."""
-    wired = "sampling" in inspect.signature(strata_jax.generate).parameters
-    if not wired and not sampling.greedy:
-        raise ValueError("--temperature/--repetition-penalty: this build decodes greedily "
-                         "only (the sampler is not wired into generate yet); drop them")
-    return wired
-
-
 def _needs_hbm(args: argparse.Namespace) -> None:
     for flag, value in (("--record-heat", args.record_heat),
                         ("--export-timeline", args.export_timeline)):
@@ -154,22 +144,20 @@ class Run:
     """The engine's statistics of the timed run (offload engine only)."""
 
 
-def _run_resident(args, prompts, sampling, wired: bool) -> Run:
+def _run_resident(args, prompts, sampling: SamplingParams) -> Run:
     capacity, max_len = resident_shape(args)
     t0 = time.perf_counter()
     model = strata_jax.load(args.ckpt)
     load_s = time.perf_counter() - t0
-    kw = {"batch_capacity": capacity, "max_len": max_len}
-    if wired:
-        kw["sampling"] = sampling
 
     def run(n: int) -> list[list[int]]:
-        return strata_jax.generate(model, prompts, n, **kw)
+        return strata_jax.generate(model, prompts, n, sampling=sampling,
+                                   batch_capacity=capacity, max_len=max_len)
 
     return _timed(args, run, load_s, None)
 
 
-def _run_engine(args, config, prompts, sampling, wired: bool) -> Run:
+def _run_engine(args, config, prompts, sampling: SamplingParams) -> Run:
     from strata_runtime.engine import Engine
 
     if args.export_timeline is not None:
@@ -179,7 +167,7 @@ def _run_engine(args, config, prompts, sampling, wired: bool) -> Run:
         load_s = time.perf_counter() - t0
 
         def run(n: int) -> list[list[int]]:
-            return engine.generate(prompts, n, **({"sampling": sampling} if wired else {}))
+            return engine.generate(prompts, n, sampling)
 
         result = _timed(args, run, load_s, engine)
         if args.record_heat:
@@ -204,13 +192,6 @@ def _timed(args, run, load_s: float, engine) -> Run:
     return Run(tokens=tokens, load_s=load_s, warmup_s=warmup_s, run_s=run_s, stats=stats)
 
 
-def _until_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     """`text` before the earliest stop string, and whether one was found."""
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -220,7 +201,6 @@ def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 def _requests(prompts, out, tok, args, sampling) -> list[dict[str, object]]:
     reqs = []
     for prompt, new in zip(prompts, out, strict=True):
-        new = _until_stop(new, sampling.stop_ids)
         req: dict[str, object] = {"prompt_ids": prompt, "new_ids": new}
         stopped = bool(new) and new[-1] in sampling.stop_ids
         if tok is not None:
@@ -284,11 +264,10 @@ def _generate(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.ckpt) if texts or has_tok else None
     prompts = encode_prompts(tok, given, chat=args.chat)
     sampling = _sampling(args, tok.eos_ids if tok is not None else frozenset())
-    wired = _check_sampling_wired(sampling)
     if config is None:
-        run = _run_resident(args, prompts, sampling, wired)
+        run = _run_resident(args, prompts, sampling)
     else:
-        run = _run_engine(args, config, prompts, sampling, wired)
+        run = _run_engine(args, config, prompts, sampling)
     reqs = _requests(prompts, run.tokens, tok, args, sampling)
     timing = _timing(run, reqs)
     if args.json != "-":
