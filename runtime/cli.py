@@ -338,7 +338,8 @@ def _add_generate_parser(sub: argparse._SubParsersAction, common) -> None:
     gen.add_argument("--json", default=None, metavar="OUT",
                      help="write requests, timing and stats as JSON to OUT ('-': stdout only)")
     gen.add_argument("--record-heat", default=None, metavar="FILE",
-                     help="write this run's routing statistics (needs --hbm)")
+                     help="write the routing statistics of the run, warm-up included "
+                          "(needs --hbm)")
     gen.add_argument("--export-timeline", default=None, metavar="FILE",
                      help="write the engine's step timeline as a Chrome trace (needs --hbm)")
     _add_sampling_flags(gen)
