@@ -2,7 +2,8 @@
 
 Supported `model_type`s: mixtral, qwen2_moe, qwen3_moe, olmoe. The whole source is checked
 (config fields, tensor names and shapes, read from the safetensors headers) before anything is
-written; then tensors are streamed one layer at a time into a `CheckpointWriter`.
+written; then tensors are streamed one layer at a time into a `CheckpointWriter`, and the
+tokenizer files the source has (`tokenizer.TOKENIZER_FILES`) are copied beside them.
 
 Safetensors files are read directly (8-byte header length, JSON header, raw little-endian
 data), so bfloat16 sources need neither torch nor an upcast: they decode to ml_dtypes.bfloat16.
