@@ -210,12 +210,13 @@ def create_app(service: Service) -> Guard:
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
-        started = service.start(body, service.completion_prompt(body), COMPLETION_MAX_TOKENS)
+        prompt = await asyncio.to_thread(service.completion_prompt, body)  # up to a MiB of text
+        started = service.start(body, prompt, COMPLETION_MAX_TOKENS)
         return await _respond(service, request, body, started, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request) -> Response:
-        prompt = service.chat_prompt(body)
+        prompt = await asyncio.to_thread(service.chat_prompt, body)
         started = service.start(body, prompt, max(1, service.loop.max_len - len(prompt)))
         return await _respond(service, request, body, started, chat=True)
 

@@ -21,7 +21,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from strata_jax.synth import synthesize
-from strata_jax.tokenizer import byte_level_files
 from strata_runtime.server import main as server_main
 
 KEY = "test-key-123"
@@ -40,10 +39,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("serve") / MODEL
-    synthesize("tiny", path, progress=False)
-    if not (path / "tokenizer.json").exists():  # until synth writes its tokenizer itself
-        for name, data in byte_level_files(512).items():
-            (path / name).write_bytes(data)
+    synthesize("tiny", path, progress=False)  # with its byte-level tokenizer
     return path
 
 
