@@ -369,7 +369,9 @@ def judge(result: dict, args) -> list[tuple[str, bool, str]]:
     ]
 
 
-def commit() -> str:
+def commit(given: str | None) -> str:
+    if given:
+        return given
     root = Path(__file__).resolve().parent.parent
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                          text=True).stdout.strip()
@@ -400,7 +402,7 @@ def report(result: dict, args, checks) -> str:
         f"# Server soak (`benchmarks/soak_server.py`), {time.strftime('%Y-%m-%d')}",
         "",
         f"Machine: {cpu_name()}, {os.cpu_count()} cores (shared with other work), CPU only "
-        f"(JAX {jax.__version__}); commit {commit()}.",
+        f"(JAX {jax.__version__}); commit {commit(args.commit)}.",
         f"Server: `python -m strata_runtime.server` on a synthetic `tiny` checkpoint "
         f"(byte-level tokenizer), `--batch-capacity {args.batch_capacity} --max-len "
         f"{args.max_len} --max-queue {args.max_queue}`, warm-up on, an API key.",
@@ -454,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest RSS growth after the first fifth counted as flat")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for soak_server.md")
+    parser.add_argument("--commit", default=None,
+                        help="the commit measured, when run from an exported tree (git archive)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.ckpt) if args.ckpt else make_checkpoint(Path(tmp))
