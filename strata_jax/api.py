@@ -15,15 +15,18 @@ import numpy as np
 
 from strata_jax import model as mdl
 from strata_jax import step
-from strata_jax.checkpoint import CheckpointReader
+from strata_jax.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
 from strata_jax.config import ModelConfig
+from strata_jax.flax_model import MoEModel
+from strata_jax.model import fuse_qkv
 from strata_jax.moe import ExpertPool
 from strata_jax.sampling import GREEDY, SamplingParams, row_values
 
 
 @dataclass(frozen=True)
 class Model:
-    """A resident model: dense params, an expert pool holding every expert, its slot table."""
+    """A resident model: the dense param tree (`dense_params`), an expert pool holding every
+    expert, its slot table."""
 
     config: ModelConfig
     params: dict[str, Any]
@@ -57,19 +60,26 @@ def resident_pool(config: ModelConfig, experts: dict[str, np.ndarray]) -> Expert
 def dense_params(
     config: ModelConfig, globals_: dict[str, np.ndarray], layers: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Device params the step takes: globals plus "layers", each name stacked over layers
-    (qkv fused), which the step scans."""
+    """The device param tree of the Flax model (`flax_model.MoEModel`) the step applies:
+    {"params": globals + "layers"}, each layer param stacked over layers (qkv fused)."""
     dtype = jnp.dtype(config.dtype)
     params: dict[str, Any] = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
     fused = [fuse_qkv({k: np.asarray(v) for k, v in lp.items()}) for lp in layers]
     params["layers"] = {k: _device_array(np.stack([lp[k] for lp in fused]), dtype)
                         for k in fused[0]}
-    return params
+    return {"params": params}
 
 
-def layer_params(params: dict[str, Any], layer: int) -> dict[str, Any]:
-    """One layer's dense params out of the stacked ones."""
-    return {k: v[layer] for k, v in params["layers"].items()}
+def init_params(config: ModelConfig, key: jax.Array, dense: str = "none") -> dict[str, Any]:
+    """Freshly initialized dense params (`MoEModel.init`), the tree `dense_params` lays out;
+    `dense`: "none" or "int8" (int8 matrices with per-channel scales). Experts are no params:
+    the one-token forward that `init` traces reads a single zero expert slot."""
+    dtype = jnp.dtype(config.dtype)
+    pool = ExpertPool(**{k: jnp.zeros((1, *expert_shape(config, k)), dtype)
+                         for k in EXPERT_KINDS})
+    tiers = step.resident_tiers(jnp.zeros((config.num_layers, config.num_experts), jnp.int32))
+    model = MoEModel(config, step.StepPlan(), dense)
+    return jax.jit(model.init)(key, jnp.zeros((1, 1), jnp.int32), pool, tiers)
 
 
 def read_dense_params(reader: CheckpointReader) -> dict[str, Any]:
@@ -84,21 +94,6 @@ def _device_array(v: Any, dtype) -> jax.Array:
     if v.dtype in (np.uint8, np.int8) or v.dtype.name == "bfloat16":
         return jnp.asarray(v)
     return jnp.asarray(v, dtype)
-
-
-def fuse_qkv(lp: dict[str, Any]) -> dict[str, Any]:
-    """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three.
-    Works on numpy and jax arrays alike."""
-    lp = dict(lp)
-    cat = np.concatenate if all(isinstance(lp[k], np.ndarray) for k in ("wq", "wk", "wv")
-                                if k in lp) else jnp.concatenate
-    for suffix in ("", "_scale"):
-        if f"wq{suffix}" in lp:
-            parts = [lp.pop(f"w{p}{suffix}") for p in "qkv"]
-            lp[f"wqkv{suffix}"] = cat(parts, axis=-1)
-    if "bq" in lp:
-        lp["bqkv"] = cat([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
-    return lp
 
 
 def load(path: str | os.PathLike) -> Model:

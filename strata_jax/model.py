@@ -1,22 +1,28 @@
 """The MoE decoder's building blocks: attention, routing, the MoE block, the LM head.
 
-Pure functions of one layer's dense params (`lp`, one entry of the stacked params the step
-scans) and the residual stream. `step.py` composes them into the one compiled program per
-step (docs/design.md); the quantizer calls them layer by layer. Expert weights arrive apart,
-as an `ExpertPool` plus the slot of each of the layer's experts (docs/design.md, "Seams").
+Pure functions of one layer's dense params (`lp`, one layer's slice of the params the Flax
+module scans) and the residual stream. `flax_model.DecoderLayer` composes them into a layer
+of the one compiled step (docs/design.md, "The step"); the quantizer calls them layer by
+layer. Expert weights arrive apart, as an `ExpertPool` plus the slot of each of the layer's
+experts (docs/design.md, "Seams"); in the step, the misses among them are copied in from the
+pinned-host tier (the "experts from the tiers" section).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
-from strata_jax.moe import ExpertPool, Routing, apply_experts, route
+from strata_jax.moe import ExpertPool, Routing, apply_experts, combine_routed, route, routed_outputs
+
+if TYPE_CHECKING:
+    from strata_jax.step import StepPlan
 
 Params = dict[str, Any]
 
@@ -104,3 +110,159 @@ def attention_heads(cfg, lp, x, positions):
     t = x.shape[1]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
     return attend(q, k, v, mask), k, v
+
+
+def fuse_qkv(lp: Params) -> Params:
+    """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three.
+    Works on numpy arrays, jax arrays and `jax.ShapeDtypeStruct`s (under `jax.eval_shape`)."""
+    lp = dict(lp)
+    cat = np.concatenate if all(isinstance(lp[k], np.ndarray) for k in ("wq", "wk", "wv")
+                                if k in lp) else jnp.concatenate
+    for suffix in ("", "_scale"):
+        if f"wq{suffix}" in lp:
+            parts = [lp.pop(f"w{p}{suffix}") for p in "qkv"]
+            lp[f"wqkv{suffix}"] = cat(parts, axis=-1)
+    if "bq" in lp:
+        lp["bqkv"] = cat([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=-1)
+    return lp
+
+
+def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, layer, row):
+    """Write the chunk's k/v into the stacked cache [L, B, max_len, kv, hd] (row `row`, or every
+    row when None) at `positions` [B, T] (out of range: dropped) and attend over layer
+    `layer`'s cache; residual included. Returns (x, k_all, v_all)."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    q, k, v = project_qkv(cfg, lp, h, positions)
+    b, t = positions.shape
+    rows = jnp.arange(b)[:, None] if row is None else jnp.full((b, 1), row)
+    rows = jnp.broadcast_to(rows, (b, t))
+    layer_ix = jnp.full((b, t), layer)
+    k_all = k_all.at[layer_ix, rows, positions].set(k, mode="drop")
+    v_all = v_all.at[layer_ix, rows, positions].set(v, mode="drop")
+    if row is None:
+        kc, vc = k_all[layer], v_all[layer]
+    else:
+        kc, vc = k_all[layer, row][None], v_all[layer, row][None]
+    mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]
+    return x + linear(attend(q, kc, vc, mask), lp, "wo"), k_all, v_all
+
+
+# --- experts from the tiers (docs/design.md, "The step") ---------------------------------------
+
+
+def _present(experts: jax.Array, token_live: jax.Array, num_experts: int) -> jax.Array:
+    """Live tokens routed to each expert [E] int32."""
+    live = jnp.broadcast_to(token_live[:, None], experts.shape).astype(jnp.int32)
+    return jnp.zeros((num_experts,), jnp.int32).at[experts.reshape(-1)].add(live.reshape(-1))
+
+
+def _first(mask: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """The ids of the first `count` set entries of `mask` [E] (id order) and which are real."""
+    order = jnp.argsort(~mask, stable=True)[:count].astype(jnp.int32)
+    return order, mask[order]
+
+
+def _copy_in(pool: ExpertPool, host: ExpertPool, host_slots: jax.Array, first_slot,
+             count) -> ExpertPool:
+    """Copy host slots `host_slots[:count]` into pool slots first_slot, first_slot + 1, ...
+    One dynamic slice of the pinned-host arrays straight into `device_put` per expert: only
+    the slice crosses the link (docs/design.md, "Measured"; a gather would be host compute)."""
+
+    def one(j, arrays):
+        src = host_slots[j]
+        moved = []
+        for buf, src_buf in zip(arrays, host, strict=True):
+            if buf is None:
+                moved.append(None)
+                continue
+            piece = jax.device_put(src_buf[src], jax.memory.Space.Device)
+            moved.append(jax.lax.dynamic_update_index_in_dim(buf, piece, first_slot + j, 0))
+        return ExpertPool(*moved)
+
+    return jax.lax.fori_loop(0, count, one, pool)
+
+
+def _slot_row(ids: jax.Array, real: jax.Array, first_slot, num_experts: int) -> jax.Array:
+    """[E] int32: slot first_slot + j for expert ids[j] (real entries), else -1."""
+    target = jnp.where(real, ids, num_experts)
+    slots = first_slot + jnp.arange(ids.shape[0], dtype=jnp.int32)
+    return jnp.full((num_experts,), -1, jnp.int32).at[target].set(slots, mode="drop")
+
+
+def _resident_experts(plan: StepPlan, h, routing, pool, page_row):
+    picks = routed_outputs(h, routing, pool, page_row, jnp.ones(page_row.shape, jnp.bool_),
+                           plan.row_chunks, plan.int4_tiles)
+    return combine_routed(routing, picks).astype(h.dtype)
+
+
+def _offload_experts(plan: StepPlan, h, routing, pool, host, slot_of, missing, host_row, half):
+    """The layer's experts in passes: pass p copies the p-th group of `staging` misses into
+    staging half `half` and computes them (pass 0 also every expert that already has a slot);
+    each pick is filled by exactly one pass, so the sum is the resident one bit for bit."""
+    m, e = plan.staging, slot_of.shape[0]
+    base = pool.num_slots - 2 * m + half * m
+    order = jnp.argsort(~missing, stable=True).astype(jnp.int32)
+    n = jnp.sum(missing, dtype=jnp.int32)
+    padded = jnp.concatenate([order, jnp.full((m,), e, jnp.int32)])
+
+    def one_pass(p, carry):
+        pool, picks = carry
+        ids = jax.lax.dynamic_slice_in_dim(padded, p * m, m)
+        real = (p * m + jnp.arange(m)) < n
+        count = jnp.clip(n - p * m, 0, m)
+        pool = _copy_in(pool, host, host_row[jnp.minimum(ids, e - 1)], base, count)
+        staged = _slot_row(ids, real, base, e)
+        take = (staged >= 0) | ((p == 0) & (slot_of >= 0))
+        row = jnp.maximum(jnp.where(staged >= 0, staged, slot_of), 0)
+        out = routed_outputs(h, routing, pool, row, take, plan.row_chunks, plan.int4_tiles)
+        return pool, jnp.where(take[routing.experts][..., None], out, picks)
+
+    picks = jnp.zeros((*routing.experts.shape, h.shape[-1]), jnp.float32)
+    passes = jnp.maximum(1, -(-n // m))
+    pool, picks = jax.lax.fori_loop(0, passes, one_pass, (pool, picks))
+    return combine_routed(routing, picks).astype(h.dtype), pool, n
+
+
+def prefetch(cfg: ModelConfig, plan: StepPlan, pool, host, x_attn, next_lp, next_page,
+             next_host, token_live, half, last):
+    """Copy what layer l+1's router (`next_lp`) picks on layer l's stream into half `half`
+    (the half layer l+1 reads first): returns the pool and the prefetched ids [staging]
+    (-1: none). The last layer (`last`) prefetches nothing."""
+    _, guess = route_layer(cfg, next_lp, x_attn)
+    wanted = (_present(guess.experts, token_live, cfg.num_experts) > 0) & ~last
+    wanted &= (next_page < 0) & (next_host >= 0)
+    ids, real = _first(wanted, plan.staging)
+    base = pool.num_slots - 2 * plan.staging + half * plan.staging
+    count = jnp.sum(real, dtype=jnp.int32)
+    pool = _copy_in(pool, host, next_host[ids], base, count)
+    return pool, jnp.where(real, ids, -1)
+
+
+def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows, token_live,
+               pre_ids, half):
+    """Route the layer and compute its experts from wherever they lie. rows = (page,
+    host_page) of this layer; `pre_ids`: the experts prefetched into the other half. Returns
+    (x, pool, the layer's `step.StepRecord` fields)."""
+    page_row, host_row = rows
+    h, routing = route_layer(cfg, lp, x)
+    counts = _present(routing.experts, token_live, cfg.num_experts)
+    present = counts > 0
+    hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    fields = {"counts": counts, "experts": routing.experts, "hits": hits}
+    if plan.staging == 0:
+        out = _resident_experts(plan, h, routing, pool, page_row)
+        fields.update(prefetched=zero, fetched=zero, issued=zero,
+                      disk=jnp.zeros_like(present))
+        return x + with_shared(cfg, lp, h, out).reshape(x.shape), pool, fields
+    pre_slot = _slot_row(pre_ids, pre_ids >= 0, pool.num_slots - 2 * plan.staging
+                         + (1 - half) * plan.staging, cfg.num_experts)
+    slot_of = jnp.where(page_row >= 0, page_row, pre_slot)
+    missing = present & (slot_of < 0)
+    disk = missing & (host_row < 0)
+    prefetched = jnp.sum(present & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
+    out, pool, fetched = _offload_experts(plan, h, routing, pool, host, slot_of,
+                                          missing & ~disk, host_row, half)
+    fields.update(prefetched=prefetched, fetched=fetched,
+                  issued=jnp.sum(pre_ids >= 0, dtype=jnp.int32), disk=disk)
+    return x + with_shared(cfg, lp, h, out).reshape(x.shape), pool, fields

@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from strata_jax import model as mdl
 from strata_jax import step
-from strata_jax.api import fuse_qkv
 from strata_jax.checkpoint import FLOAT, CheckpointReader, CheckpointWriter
 from strata_jax.config import ModelConfig
 from strata_jax.pool import ExpertPool
@@ -81,12 +80,14 @@ def _read_weights(reader: CheckpointReader) -> tuple[Tree, Tree]:
 
 
 def _model_args(cfg: ModelConfig, w: Tree, frozen: Tree) -> tuple[Tree, ExpertPool]:
-    """The params and resident pool that `step.forward_pass` takes, traced from the trees."""
+    """The param tree (as `api.dense_params` lays it out) and resident pool that
+    `step.forward_pass` takes, traced from the trees."""
     params = dict(w["globals"])
-    fused = [fuse_qkv({**lp, **fz}) for lp, fz in zip(w["layers"], frozen["layers"], strict=True)]
+    fused = [mdl.fuse_qkv({**lp, **fz})
+             for lp, fz in zip(w["layers"], frozen["layers"], strict=True)]
     params["layers"] = {k: jnp.stack([lp[k] for lp in fused]) for k in fused[0]}
     pool = ExpertPool(**{k: v.reshape(-1, *v.shape[2:]) for k, v in w["experts"].items()})
-    return params, pool
+    return {"params": params}, pool
 
 
 def _loss(cfg: ModelConfig, w: Tree, frozen: Tree, tokens: jax.Array) -> jax.Array:

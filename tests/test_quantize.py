@@ -193,7 +193,7 @@ def test_quantized_checkpoint_loads(case):
     assert meta["quantize"]["fallbacks"] == case.report["fallbacks"]
     model = strata_jax.load(case.dst)
     assert model.experts.quantized and model.experts.w1.dtype == np.uint8
-    assert model.params["layers"]["wqkv"].dtype == np.int8
+    assert model.params["params"]["layers"]["wqkv"].dtype == np.int8
 
 
 def test_quantized_model_generates(hf_case):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import strata_jax
 from strata_jax import step, synth
 from strata_jax.checkpoint import CheckpointReader
+from strata_jax.flax_model import MoEModel
 from strata_runtime.cli import main
 
 TOKENS = np.arange(24, dtype=np.int32).reshape(2, 12) * 7 % 512
@@ -198,10 +200,10 @@ def test_deep_bf16_activations_stay_finite() -> None:
     live = jnp.ones((TOKENS.size,), jnp.bool_)
     kv = jnp.zeros((cfg.num_layers, *TOKENS.shape, cfg.num_kv_heads, cfg.head_dim),
                    jnp.bfloat16)
-    run = jax.jit(step.run_layers, static_argnums=(0, 1))
-    x = run(cfg, step.StepPlan(), model.params, model.experts,
-            step.resident_tiers(model.slot_table), model.params["embed"][TOKENS], positions,
-            live, kv, kv)[0]
+    module = MoEModel(cfg, step.StepPlan())
+    run = jax.jit(functools.partial(module.apply, method="run_layers"))
+    x = run(model.params, model.params["params"]["embed"][TOKENS], positions, live,
+            model.experts, step.resident_tiers(model.slot_table), kv, kv)[0]
     rms = float(jnp.sqrt(jnp.mean(x.astype(jnp.float32) ** 2)))
     assert np.isfinite(rms) and 1 < rms < 20
 

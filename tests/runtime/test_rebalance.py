@@ -31,9 +31,9 @@ def _window(engine, seed, calls=3):
 def _shift_popularity(engine, seed):
     """Permute every layer's router bias: different experts become hot."""
     rng = np.random.default_rng(seed)
-    bias = np.asarray(engine.params["layers"]["router_bias"])
+    bias = np.asarray(engine.params["params"]["layers"]["router_bias"])
     shifted = np.stack([b[rng.permutation(b.size)] for b in bias])
-    engine.params["layers"]["router_bias"] = jnp.asarray(shifted, bias.dtype)
+    engine.params["params"]["layers"]["router_bias"] = jnp.asarray(shifted, bias.dtype)
 
 
 def test_rebalancing_recovers_hit_rate_after_drift(skewed):

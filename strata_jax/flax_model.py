@@ -1,0 +1,229 @@
+"""The model as a Flax (linen) module: dense weights are its params, experts its call arguments.
+
+docs/design.md, "The step". `MoEModel` holds the globals (embed, final norm, lm head) and
+`layers`: one `DecoderLayer` scanned over the layer axis by `nn.scan`, so the param tree is
+`{"params": {"embed", "final_norm", ["lm_head"], "layers": {name: [L, ...]}}}`, each layer param
+stacked over layers as `api.dense_params` and the checkpoint reader lay it out. The expert pool,
+the tiers (page tables, pinned-host tier), the KV cache and the next layer's router params (what
+the prefetch reads) enter as call arguments and as the scan's carry and xs, never as params: one
+compiled program serves every residency. Pure functional: `init` / `apply`, no state kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from strata_jax.checkpoint import dense_layer_arrays, global_shapes, numpy_dtype
+from strata_jax.config import ModelConfig
+from strata_jax.model import cached_attention, fuse_qkv, lm_head, prefetch, tiered_moe
+from strata_jax.pool import ExpertPool
+
+if TYPE_CHECKING:
+    from strata_jax.step import StepPlan, Tiers
+
+ROUTER_KEYS = ("mlp_norm", "router", "router_bias")  # what layer l's prefetch reads of layer l+1
+Variables = dict[str, Any]
+
+
+@functools.cache
+def layer_specs(cfg: ModelConfig, dense: str = "none") -> dict[str, jax.ShapeDtypeStruct]:
+    """One layer's dense params as the module declares them: the stored arrays of a checkpoint
+    whose dense quantization is `dense` ("none" / "int8", `checkpoint.dense_layer_arrays`), with
+    q/k/v fused (`model.fuse_qkv`)."""
+    stored = dense_layer_arrays(cfg, {"dense": dense, "experts": "none"})
+    structs = {k: jax.ShapeDtypeStruct(shape, numpy_dtype(dtype))
+               for k, (shape, dtype) in stored.items()}
+    return jax.eval_shape(fuse_qkv, structs)
+
+
+def dense_quant(variables: Variables) -> str:
+    """The dense quantization of a param tree: "int8" when its layers carry scales."""
+    return "int8" if "wqkv_scale" in variables["params"]["layers"] else "none"
+
+
+def model_for(cfg: ModelConfig, plan: StepPlan, variables: Variables) -> MoEModel:
+    """The module that applies `variables` under `plan`."""
+    return MoEModel(cfg, plan, dense_quant(variables))
+
+
+def _initializer(name: str, dtype) -> Callable[..., jax.Array]:
+    """Norm weights and scales 1, biases and int8 codes 0, the embedding N(0, 1), every other
+    weight N(0, 1 / fan-in) (the LM head [V, D] reads D inputs, the others their axis 0)."""
+    if jnp.issubdtype(dtype, jnp.integer) or name in ("bqkv", "router_bias"):
+        return nn.initializers.zeros
+    if name.endswith(("norm", "_scale")):
+        return nn.initializers.ones
+    if name == "embed":
+        return nn.initializers.normal(1.0)
+    fan_in = -1 if name == "lm_head" else 0
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype=dtype) -> jax.Array:
+        return jax.random.normal(key, shape, dtype) * jnp.asarray(shape[fan_in] ** -0.5, dtype)
+
+    return init
+
+
+class LayerCarry(NamedTuple):
+    """What one layer hands the next: the residual stream, the stacked caches, the pool and
+    the experts it prefetched into the next layer's staging half (-1: none)."""
+
+    x: jax.Array
+    """[B, T, D] residual stream."""
+    k: jax.Array
+    """[L, B, max_len, kv, hd] key cache."""
+    v: jax.Array
+    """[L, B, max_len, kv, hd] value cache."""
+    pool: ExpertPool
+    """The device pool (slots, cache slots, the two staging halves)."""
+    prefetched: jax.Array
+    """[max(staging, 1)] int32 expert ids prefetched for the next layer."""
+
+
+class LayerRows(NamedTuple):
+    """Each layer's slice of the step's per-layer inputs (the scan's xs)."""
+
+    layer: jax.Array
+    """The layer index."""
+    page: jax.Array
+    """[E] int32 pool slot of each expert, or -1."""
+    host_page: jax.Array
+    """[E] int32 pinned-host slot of each expert, or -1."""
+    next_router: dict[str, jax.Array] | None
+    """The next layer's `ROUTER_KEYS` params (the last layer: the first's); None: no
+    prefetch compiled (or at `init`, before the params exist)."""
+    next_page: jax.Array
+    """The next layer's `page`."""
+    next_host_page: jax.Array
+    """The next layer's `host_page`."""
+
+
+class ChunkInputs(NamedTuple):
+    """What every layer reads alike (broadcast over the scan)."""
+
+    positions: jax.Array
+    """[B, T] int32 cache position of each token (out of range: dropped)."""
+    token_live: jax.Array
+    """[B * T] bool: tokens whose routing counts and moves experts."""
+    host: ExpertPool | None
+    """The pinned-host tier (None when every expert has a device slot)."""
+    row: jax.Array | None
+    """The one cache row a prefill chunk writes, or None: row b of the batch."""
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer over a chunk: attention over the cache, then the MoE block with its
+    experts served from the pool and the tiers (`model.tiered_moe`), then the next-gate prefetch
+    for the next layer. Its params are the layer's dense params (`layer_specs`)."""
+
+    cfg: ModelConfig
+    """The model's shape and math switches."""
+    plan: StepPlan
+    """What is compiled besides the shape (staging, predictor, kernel knobs)."""
+    dense: str = "none"
+    """Dense quantization: "none", or "int8" (matrices int8 with per-channel scales)."""
+
+    @nn.compact
+    def __call__(self, carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
+        cfg, plan = self.cfg, self.plan
+        lp = {k: self.param(k, _initializer(k, s.dtype), s.shape, s.dtype)
+              for k, s in layer_specs(cfg, self.dense).items()}
+        x, k_all, v_all = cached_attention(cfg, lp, carry.x, inputs.positions, carry.k,
+                                           carry.v, rows.layer, inputs.row)
+        half = rows.layer % 2  # staging half this layer's demand copies use
+        x_attn = x
+        x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
+                                     (rows.page, rows.host_page), inputs.token_live,
+                                     carry.prefetched, half)
+        if rows.next_router is None:
+            pre_ids = jnp.full((max(plan.staging, 1),), -1, jnp.int32)
+        else:
+            last = rows.layer + 1 == cfg.num_layers
+            pool, pre_ids = prefetch(cfg, plan, pool, inputs.host, x_attn, rows.next_router,
+                                     rows.next_page, rows.next_host_page, inputs.token_live,
+                                     half, last)
+        return LayerCarry(x, k_all, v_all, pool, pre_ids), record
+
+
+def _next_rows(tree: Any) -> Any:
+    """Each layer's entry replaced by the next layer's (the last by the first)."""
+    return jax.tree.map(lambda a: jnp.roll(a, -1, axis=0), tree)
+
+
+class MoEModel(nn.Module):
+    """The decoder: embedding, the scanned `DecoderLayer`s (`layers`), final norm, LM head.
+
+    `__call__` is the full causal forward (what `init` traces); `chunk` runs a chunk of
+    tokens against a cache (the step's decode and prefill); `run_layers` is the layer scan."""
+
+    cfg: ModelConfig
+    """The model's shape and math switches."""
+    plan: StepPlan
+    """What is compiled besides the shape; its `unroll` unrolls the layer scan."""
+    dense: str = "none"
+    """Dense quantization: "none" or "int8" (`dense_quant` reads it off a param tree)."""
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        self.globals = {k: self.param(k, _initializer(k, dtype), shape, dtype)
+                        for k, shape in global_shapes(cfg).items()}
+        scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
+                          split_rngs={"params": True}, in_axes=(0, nn.broadcast),
+                          length=cfg.num_layers, unroll=self.plan.unroll,
+                          check_constancy_invariants=False)
+        self.layers = scanned(cfg, self.plan, self.dense)
+
+    def __call__(self, tokens: jax.Array, pool: ExpertPool, tiers: Tiers):
+        """Full causal forward of tokens [B, T] through a fresh cache of T positions, every
+        token live: (float32 logits [B, T, V], the record's fields, each [L, ...])."""
+        cfg = self.cfg
+        b, t = tokens.shape
+        k = jnp.zeros((cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim),
+                      jnp.dtype(cfg.dtype))
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        live = jnp.ones((b * t,), jnp.bool_)
+        logits, (_, _, _, record) = self.chunk(tokens, positions, live, pool, tiers, k, k)
+        return logits, record
+
+    def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
+              v_all, row=None, pick=None):
+        """Tokens [B, T] at `positions` [B, T] against the caches: embed, `run_layers`, the LM
+        head of `pick(x)` (None: every position). Returns (float32 logits, (k_all, v_all,
+        pool, the record's fields))."""
+        x = self.globals["embed"][tokens]
+        x, k_all, v_all, pool, record = self.run_layers(x, positions, token_live, pool, tiers,
+                                                        k_all, v_all, row)
+        return lm_head(self.cfg, self.globals, x if pick is None else pick(x)), (
+            k_all, v_all, pool, record)
+
+    def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
+                   v_all, row=None):
+        """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [B * T]
+        marks tokens whose routing counts (and moves experts); `row`: the cache row of a
+        prefill chunk (None: row b is batch row b). Returns x, the caches, the pool and the
+        record's fields (`step.StepRecord`), each [L, ...]."""
+        n = self.cfg.num_layers
+        rows = LayerRows(layer=jnp.arange(n), page=tiers.page, host_page=tiers.host_page,
+                         next_router=self._next_router(), next_page=_next_rows(tiers.page),
+                         next_host_page=_next_rows(tiers.host_page))
+        pre0 = jnp.full((max(self.plan.staging, 1),), -1, jnp.int32)
+        carry = LayerCarry(x, k_all, v_all, pool, pre0)
+        carry, record = self.layers(carry, rows,
+                                    ChunkInputs(positions, token_live, tiers.host, row))
+        return carry.x, carry.k, carry.v, carry.pool, record
+
+    def _next_router(self) -> dict[str, jax.Array] | None:
+        """The stacked router params rolled by one layer, for the next-gate prefetch; None
+        without it, and at `init` (the params do not exist yet; prefetching moves no bits)."""
+        if not (self.plan.staging and self.plan.predictor == "next-gate"):
+            return None
+        if self.is_initializing():
+            return None
+        layers = self.variables["params"]["layers"]
+        return _next_rows({k: layers[k] for k in ROUTER_KEYS if k in layers})
