@@ -214,7 +214,7 @@ class Engine:
         self.counters = EngineStats(slot_bytes(reader, config).bytes_per_expert,
                                  link_gbps=None if self.resident else _link_rate(self.device))
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
-        self._decode_compiled = False  # its first call (compilation) is timed apart
+        self._compiled: set[step.StepPlan] = set()  # decode plans called once (compile timed apart)
         self._disk_possible = not self.resident and host < total
 
     # --- set-up --------------------------------------------------------------------------------
@@ -308,12 +308,10 @@ class Engine:
         self._pending = out
         tokens = np.asarray(out.tokens)
         elapsed = time.perf_counter() - t0
-        if self._decode_compiled:
-            self.counters.step_times.append(elapsed)
-            self.counters.decode_steps += 1
-            self.counters.decode_tokens += sum(self._live)
+        if plan in self._compiled:
+            self.counters.step_done(elapsed, sum(self._live))
         else:
-            self._decode_compiled = True
+            self._compiled.add(plan)
             self.counters.compile_s += elapsed
         self._end_step()
         return StepResult(tokens, failed, out.logits)
