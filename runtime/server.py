@@ -355,6 +355,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own flags (the engine's come from `engine_flags.add_engine_flags`)."""
     parser.add_argument("ckpt", help="Strata checkpoint folder (with its tokenizer)")
     group = parser.add_argument_group("server")
+    group.add_argument("--no-compile-cache", action="store_true",
+                       help="do not use JAX's persistent compilation cache "
+                            "(also: STRATA_COMPILE_CACHE=off)")
     group.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
                        help="interface to listen on (default: 127.0.0.1; any other needs an "
                             "API key). Not --host: that is the engine's host-memory budget")
@@ -396,11 +399,13 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from strata_jax.tokenizer import load_tokenizer
+    from strata_runtime.compile_cache import enable_compile_cache
     from strata_runtime.engine import Engine, EngineConfig
     from strata_runtime.engine_flags import engine_config, resident_shape
 
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     check_bind(args.bind, api_key)
+    enable_compile_cache(not args.no_compile_cache)  # a restarted server does not recompile
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     config = engine_config(args)
