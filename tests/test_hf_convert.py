@@ -4,6 +4,7 @@ real CLI, must reproduce transformers' logits and greedy generations."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 import signal
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 import strata_jax  # noqa: E402
+from strata_jax import api  # noqa: E402
 from strata_jax.checkpoint import CheckpointError  # noqa: E402
 from strata_jax.hf_convert import convert_hf, model_config_from_hf  # noqa: E402
 from strata_runtime import cli  # noqa: E402
@@ -238,6 +241,14 @@ def test_config_mapping(case):
     olmoe = case("olmoe").model.config
     assert (olmoe.qk_norm, olmoe.clip_qkv, olmoe.expert_intermediate_size) == ("full", 1.5, 32)
     assert case("mixtral").model.config.rope_theta == 1e6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_tree_is_the_flax_model_tree(case, family):
+    """The HF import gives the param tree that the Flax model's `init` lays out."""
+    model = case(family).model
+    init = jax.eval_shape(functools.partial(api.init_params, model.config), jax.random.key(0))
+    chex.assert_trees_all_equal_shapes_and_dtypes(init, model.params)
 
 
 # --- source layouts and dtypes -----------------------------------------------------------------
