@@ -80,7 +80,7 @@ def offloaded(path: Path, prompts: list[list[int]], resident_outs: list[list[int
     staging = 2 * mb.experts_per_layer * mb.bytes_per_expert
     budget = mb.global_bytes + mb.dense + kv + staging + mb.expert_bytes // 3
     config = EngineConfig(hbm_budget=budget, host_budget=mb.expert_bytes // 3,
-                          workspace_floor=0, **SHAPE)
+                          **SHAPE)
     engine = Engine.from_checkpoint(path, config)
     print(f"offload engine, HBM budget {budget / 1e6:.2f} MB for a "
           f"{mb.total / 1e6:.2f} MB model:")

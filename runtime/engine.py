@@ -30,15 +30,18 @@ from strata_jax.sampling import GREEDY, SamplingParams, row_values
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.ledger import (
+    BudgetError,
     Ledger,
     ModelBytes,
     default_staging_slots,
+    parse_bytes,
     plan_ledger,
 )
 from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
 from strata_runtime.residency import Key, Residency, as_held
 from strata_runtime.stats import EngineStats
 from strata_runtime.timeline import Timeline
+from strata_runtime.workspace import compiled_workspace, held_expert_shapes
 
 DEQUANT = ("device", "host")
 LAYOUTS = ("auto", "rows", "tiles")
@@ -57,8 +60,10 @@ class EngineConfig:
     """Rows of the compiled step (requests decoded together)."""
     max_len: int = 256
     """KV positions per row (prompt + generated tokens)."""
-    workspace_floor: int | str = "256MiB"
-    """Least HBM the ledger keeps for activations and scratch."""
+    workspace: int | str | None = None
+    """HBM the ledger keeps for activations and compiler scratch. None: the scratch XLA reports
+    for the compiled step programs at the planned layout (`runtime/workspace.py`); a size
+    ("256MiB", bytes) fixes it."""
     predictor: str = "next-gate"
     """"next-gate" copies layer l+1's predicted experts while layer l runs; "none" does not."""
     policy: str = "lfru"
@@ -152,12 +157,37 @@ def slot_bytes(reader: CheckpointReader, config: EngineConfig) -> ModelBytes:
 
 
 def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
-    """The ledger of `config` (which needs an `hbm_budget`) on `reader`'s checkpoint."""
-    return plan_ledger(
-        slot_bytes(reader, config), config.hbm_budget, config.host_budget,
-        batch_capacity=config.batch_capacity, max_len=config.max_len,
-        staging_slots=config.staging_slots, workspace_floor=config.workspace_floor,
-        min_pool_slots=1)
+    """The ledger of `config` (which needs an `hbm_budget`) on `reader`'s checkpoint. Without
+    a fixed `workspace`, the step programs of the proposed layout are compiled (abstractly) and
+    their scratch becomes the workspace line; a layout that this changes is measured again."""
+    if config.workspace is not None:
+        return _ledger(reader, config, parse_bytes(config.workspace))
+    shapes = held_expert_shapes(reader, host_dequantizes(config, reader),
+                                slot_tile(reader, config))
+    measured: dict[int, int] = {}  # staging slots of a layout (0: resident) -> its scratch
+    ledger = _ledger(reader, config, 0, check=False)
+    while ledger.staging_slots not in measured:
+        plan = step.StepPlan(staging=ledger.staging_slots, predictor=config.predictor,
+                             row_chunks=config.row_chunks, int4_tiles=config.int4_tiles)
+        measured[ledger.staging_slots] = compiled_workspace(
+            reader, plan, batch=config.batch_capacity, max_len=config.max_len, shapes=shapes)
+        ledger = _ledger(reader, config, measured[ledger.staging_slots], check=False)
+    return _ledger(reader, config, measured[ledger.staging_slots])
+
+
+def _ledger(reader: CheckpointReader, config: EngineConfig, workspace: int,
+            check: bool = True) -> Ledger:
+    """The split with a fixed workspace; `check=False` returns the layout even over budget."""
+    try:
+        return plan_ledger(
+            slot_bytes(reader, config), config.hbm_budget, config.host_budget,
+            batch_capacity=config.batch_capacity, max_len=config.max_len,
+            staging_slots=config.staging_slots, workspace_fraction=0.0,
+            workspace_floor=workspace, min_pool_slots=1)
+    except BudgetError as err:
+        if check:
+            raise
+        return err.ledger
 
 
 @dataclass(frozen=True)

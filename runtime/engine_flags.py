@@ -27,7 +27,7 @@ CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "dequant": DEQUANT,
            "weight_layout": LAYOUTS}
 WITHOUT_HBM = ("batch_capacity", "max_len")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
-METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace_floor": "SIZE",
+METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",
             "heat_file": "FILE", "int4_tiles": "K=V,..."}
 
 

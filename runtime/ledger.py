@@ -309,12 +309,39 @@ def plan_ledger(
 ) -> Ledger:
     """Split `hbm_budget` among dense, KV cache, staging, workspace and the expert pool.
 
-    `staging_slots` defaults to `default_staging_slots`; `min_pool_slots` defaults to that too.
-    `host_budget` None means unlimited pinned host memory. Raises `BudgetError` (with the
-    rendered ledger and the shortfall: how much larger the budget must be, its workspace share
-    included) when the minimum pool does not fit.
+    `staging_slots` defaults to `default_staging_slots`, halved (down to 1) while that does not
+    fit the budget; `min_pool_slots` defaults to the staging slots. `host_budget` None means
+    unlimited pinned host memory. Raises `BudgetError` (with the rendered ledger and the
+    shortfall: how much larger the budget must be, its workspace share included) when the
+    minimum pool does not fit.
     """
     _check_args(batch_capacity, max_len, workspace_fraction, staging_slots, min_pool_slots)
+    kw = dict(batch_capacity=batch_capacity, max_len=max_len, min_pool_slots=min_pool_slots,
+              workspace_fraction=workspace_fraction, workspace_floor=workspace_floor)
+    if staging_slots is not None:
+        return _plan(model, hbm_budget, host_budget, staging_slots=staging_slots, **kw)
+    slots = default_staging_slots(model, batch_capacity)
+    while True:
+        try:
+            return _plan(model, hbm_budget, host_budget, staging_slots=slots, **kw)
+        except BudgetError:
+            if slots == 1:
+                raise
+            slots //= 2
+
+
+def _plan(
+    model: ModelBytes,
+    hbm_budget: int | str,
+    host_budget: int | str | None,
+    *,
+    batch_capacity: int,
+    max_len: int,
+    staging_slots: int,
+    min_pool_slots: int | None,
+    workspace_fraction: float,
+    workspace_floor: int | str,
+) -> Ledger:
     hbm, floor = parse_bytes(hbm_budget), parse_bytes(workspace_floor)
     host = None if host_budget is None else parse_bytes(host_budget)
     bpe, total = model.bytes_per_expert, model.num_experts
@@ -325,7 +352,7 @@ def plan_ledger(
     if fixed + model.expert_bytes <= hbm:
         slots, pool = 0, total
     else:
-        slots = staging_slots or default_staging_slots(model, batch_capacity)
+        slots = staging_slots
         pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), total)
     ledger = Ledger(
         hbm_budget=hbm,

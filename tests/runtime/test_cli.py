@@ -33,15 +33,15 @@ def test_plan_prints_the_engine_ledger_with_its_knobs(tmp_path, capsys):
     assert main(args) == 0
     packed = capsys.readouterr().out
     assert "fully resident" in packed
-    assert main([*args, "--dequant", "host"]) == 0
+    assert main([*args, "--dequant", "host", "--workspace", "64MiB"]) == 0
     bf16 = capsys.readouterr().out
     assert "96.00 KiB each" in bf16 and "96.00 KiB each" not in packed  # 3 x 128 x 128 bf16
     tight = ["plan", str(tmp_path / "float"), "--hbm", "257.6MiB", "--max-len", "64",
-             "--batch-capacity", "1", "--staging-slots", "1"]
+             "--batch-capacity", "1", "--workspace", "256MiB", "--staging-slots", "1"]
     assert main(tight) == 0
     assert "staging (2 x 1 experts)" in capsys.readouterr().out
     assert main([*tight[:-2], "--staging-slots", "0"]) == 2
-    assert main(["plan", str(tmp_path / "float"), "--hbm", "1MiB"]) == 2
+    assert main(["plan", str(tmp_path / "float"), "--hbm", "1MiB", "--workspace", "0"]) == 2
     assert "too small" in capsys.readouterr().err
 
 
@@ -52,7 +52,7 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "host_budget": (["--host", "1.5GiB"], "1.5GiB"),
     "batch_capacity": (["--batch-capacity", "3"], 3),
     "max_len": (["--max-len", "96"], 96),
-    "workspace_floor": (["--workspace-floor", "64MiB"], "64MiB"),
+    "workspace": (["--workspace", "64MiB"], "64MiB"),
     "predictor": (["--predictor", "none"], "none"),
     "policy": (["--policy", "lru"], "lru"),
     "cache_fraction": (["--cache-fraction", "0.5"], 0.5),

@@ -97,11 +97,11 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
     bf16 = 3 * 128 * 256 * 2
     packed = ModelBytes.from_reader(reader).bytes_per_expert
     device = plan_for(reader, EngineConfig(hbm_budget="1GiB", dequant="device",
-                                           workspace_floor=0, max_len=24, batch_capacity=2))
+                                           workspace=0, max_len=24, batch_capacity=2))
     # every packed expert, or 2 staging + 2 pool slots of bf16 experts; + the 5 % workspace
     budget = device.dense + device.kv_cache + max(device.num_experts * packed, 4 * bf16)
     budget += budget // 10
-    knobs = dict(hbm_budget=budget, host_budget=packed * 5, workspace_floor=0, max_len=24,
+    knobs = dict(hbm_budget=budget, host_budget=packed * 5, workspace=0, max_len=24,
                  batch_capacity=2, staging_slots=1)
     assert plan_for(reader, EngineConfig(dequant="device", **knobs)).resident
     host = plan_for(reader, EngineConfig(dequant="host", **knobs))

@@ -113,7 +113,7 @@ def test_bad_requests_are_named_and_fail_alone(ckpt):
 
 def test_budget_goes_through_the_ledger(ckpt):
     with pytest.raises(BudgetError, match="too small"):
-        _engine(ckpt, hbm_budget="1MiB")
+        _engine(ckpt, hbm_budget="64KiB")
     with _engine(ckpt, hbm_budget="1GiB", host_budget="1MiB") as engine:
         assert engine.ledger.resident and engine.resident
 

@@ -141,13 +141,16 @@ def test_budget_too_small_names_the_ledger_and_the_shortfall():
     bpe = mb.bytes_per_expert
     minimum = mb.dense + 10 * mb.kv_bytes_per_token + 1000 + (4 + 2) * bpe  # staging + 2 slots
     with pytest.raises(BudgetError) as err:
-        _plan(mb, minimum - 100)
+        _plan(mb, minimum - 100, staging_slots=2)
     assert isinstance(err.value, ValueError) and err.value.shortfall == 100
     msg = str(err.value)
     for part in ("too small", "short by 100 B", "expert pool (1 slots)", "KV cache", "tier 0"):
         assert part in msg
     assert err.value.ledger.pool_slots == 1
     assert _plan(mb, minimum).pool_slots == 2  # exactly the minimum fits
+    # the default staging (2 here) halves until the pool fits: 1 staging slot, 3 pool slots
+    fallback = _plan(mb, minimum - 100)
+    assert (fallback.staging_slots, fallback.pool_slots) == (1, 3)
     with pytest.raises(BudgetError, match="OVER BUDGET"):
         _plan(mb, 5000)  # not even the dense weights fit
     assert _plan(mb, minimum - 2 * bpe, min_pool_slots=0).pool_slots == 0

@@ -1,0 +1,76 @@
+"""The ledger's workspace line: the temporary HBM the compiled step programs themselves need.
+
+docs/design.md, "The ledger". XLA reports, for a compiled program, the scratch it allocates
+besides its arguments and outputs (`memory_analysis().temp_size_in_bytes`): activations,
+logits, the sampler's sort, the expert kernels' buffers. The step's programs are compiled
+ahead of time here on abstract arguments (nothing is read or allocated) at the layout the
+ledger proposes: the two decode programs (greedy and sampled) and the largest prefill chunk.
+The pool and tiers are arguments, not scratch, so a pool of a few slots gives the same figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import api, step
+from strata_jax.checkpoint import CheckpointReader, expert_arrays
+from strata_jax.config import ModelConfig
+from strata_jax.pool import ExpertPool
+from strata_jax.sampling import GREEDY, row_values
+from strata_runtime.residency import as_held
+
+
+def held_expert_shapes(reader: CheckpointReader, host_dequant: bool,
+                       tile: tuple[int, int] | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of one expert's arrays as the pools hold them."""
+    cfg = reader.config
+    specs = expert_arrays(cfg.replace(dtype="bfloat16")) if host_dequant else reader.expert_specs
+    held = as_held({n: np.zeros(shape, jnp.dtype(dtype)) for n, (shape, dtype) in specs.items()},
+                   tile)
+    return {n: (a.shape, a.dtype.name) for n, a in held.items()}
+
+
+def _pool(shapes, slots: int, device: jax.Device, memory_kind: str) -> ExpertPool:
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    return ExpertPool(**{n: jax.ShapeDtypeStruct((slots, *shape), jnp.dtype(dtype),
+                                                 sharding=sharding)
+                         for n, (shape, dtype) in shapes.items()})
+
+
+def compiled_workspace(reader: CheckpointReader, plan: step.StepPlan, *, batch: int,
+                       max_len: int, shapes, device: jax.Device | None = None) -> int:
+    """Bytes of scratch of the largest of the decode (greedy, sampled) and prefill programs of
+    `plan` at (batch, max_len), compiled for `device` (default: the first). Remembered per
+    process: engines of one layout compile it once."""
+    dense = "int8" if reader.quantization["dense"] != "none" else "none"
+    key = tuple(sorted((n, tuple(shape), dtype) for n, (shape, dtype) in shapes.items()))
+    return _measure(reader.config, dense, plan, batch, max_len, key, device or jax.devices()[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _measure(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_len: int,
+             shapes: tuple, device: jax.Device) -> int:
+    shapes = {n: (shape, dtype) for n, shape, dtype in shapes}
+    params = jax.eval_shape(lambda: api.init_params(cfg, jax.random.key(0), dense))
+    slots = max(1, 2 * plan.staging + 1)
+    pool = _pool(shapes, slots, device, "device")
+    page = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_experts), jnp.int32)
+    host = _pool(shapes, 1, device, "pinned_host") if plan.staging else None
+    tiers = step.Tiers(page=page, host=host, host_page=page)
+    state = jax.eval_shape(lambda: step.init_state(cfg, batch, max_len, device))
+    decode = step.decode_staged if plan.staging else step.decode
+    prefill = step.prefill_staged if plan.staging else step.prefill
+    chunk = jax.ShapeDtypeStruct((step.PREFILL_CHUNK,), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    values = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype),
+                          row_values(GREEDY))
+    lowered = [decode.lower(cfg, p, params, pool, tiers, state)
+               for p in (plan, dataclasses.replace(plan, sample=True))]
+    lowered.append(prefill.lower(cfg, plan, params, pool, tiers, state, scalar, chunk, scalar,
+                                 scalar, values))
+    return max(int(lo.compile().memory_analysis().temp_size_in_bytes) for lo in lowered)
