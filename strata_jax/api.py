@@ -32,6 +32,7 @@ class Model:
     params: dict[str, Any]
     experts: ExpertPool
     slot_table: jax.Array
+    tokenizer: Any = None  # the checkpoint's strata_jax.tokenizer.Tokenizer, if it has one
 
 
 def from_arrays(
@@ -106,7 +107,18 @@ def load(path: str | os.PathLike) -> Model:
             for kind in reader.expert_specs
         }
     pool = resident_pool(cfg, experts)
-    return Model(cfg, read_dense_params(reader), pool, mdl.resident_slot_table(cfg))
+    return Model(cfg, read_dense_params(reader), pool, mdl.resident_slot_table(cfg),
+                 _tokenizer_of(path))
+
+
+def _tokenizer_of(path: str | os.PathLike):
+    """The checkpoint's tokenizer, or None when it has none (ids still work)."""
+    from strata_jax.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError:
+        return None
 
 
 def _stack_experts(ex, reader: CheckpointReader, kind: str, layers: int, experts: int):
@@ -159,17 +171,48 @@ def check_request(cfg: ModelConfig, index: int, prompt: Any, max_new_tokens: int
     check_tokens(cfg, prompt, what)
 
 
-def generate(model: Model, prompts: list[list[int]], max_new_tokens: int, *,
-             sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
-             batch_capacity: int = 16, max_len: int = 256) -> list[list[int]]:
-    """The new tokens of each prompt (up to `max_new_tokens`, ending early at a stop id),
+def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
+             max_new_tokens: int, *, sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
+             chat: bool = False, ignore_eos: bool = False, batch_capacity: int = 16,
+             max_len: int = 256) -> list[str] | list[list[int]]:
+    """The continuation of each prompt (up to `max_new_tokens`, ending early at a stop id),
     through the one compiled step (`step.prefill` per row, then `step.decode` over
     `batch_capacity` rows of `max_len` positions; groups of at most `batch_capacity` prompts
     in turn). `sampling`: one SamplingParams for every prompt, or one per prompt. A prompt's
     tokens do not depend on the others; the offload engine with the same capacity, length
-    and seeds gives the same bits."""
+    and seeds gives the same bits.
+
+    Prompts of token ids give the new ids. Text prompts (every prompt a str; `chat` applies
+    the model's chat template) go through the checkpoint's tokenizer and give text: the model's
+    end-of-sequence ids stop a request (unless `ignore_eos`), and the text is cut before the
+    first of `sampling.stop`'s strings."""
     if not prompts:
         raise ValueError("generate needs at least one prompt")
+    if not any(isinstance(p, str) for p in prompts):
+        if chat:
+            raise ValueError("chat=True needs text prompts (the template applies to text)")
+        return _generate_ids(model, prompts, max_new_tokens, sampling, batch_capacity, max_len)
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError("give every prompt as text or every prompt as token ids, not both")
+    from strata_jax.tokenizer import encode_prompts
+
+    tok = model.tokenizer
+    ids = encode_prompts(tok, prompts, chat=chat)
+    settings = per_request(sampling, len(prompts))
+    if not ignore_eos:
+        settings = [dataclasses.replace(s, stop_ids=s.stop_ids | tok.eos_ids) for s in settings]
+    out = _generate_ids(model, ids, max_new_tokens, settings, batch_capacity, max_len)
+    return [cut_at_stop(tok.decode(o), s.stop) for o, s in zip(out, settings, strict=True)]
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` up to (without) the earliest of the stop strings."""
+    ends = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return text[: min(ends)] if ends else text
+
+
+def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_capacity: int,
+                  max_len: int) -> list[list[int]]:
     settings = per_request(sampling, len(prompts))
     for i, p in enumerate(prompts):
         check_request(model.config, i, p, max_new_tokens, max_len)
