@@ -131,6 +131,9 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
         cfg, plan = self.cfg, self.plan
+        if not self.is_initializing() and self.has_variable("params", "wqkv_scale") != (
+                self.dense == "int8"):
+            raise ValueError(f"params do not match dense={self.dense!r} (see `model_for`)")
         lp = {k: self.param(k, _initializer(k, s.dtype), s.shape, s.dtype)
               for k, s in layer_specs(cfg, self.dense).items()}
         x, k_all, v_all = cached_attention(cfg, lp, carry.x, inputs.positions, carry.k,
@@ -220,10 +223,10 @@ class MoEModel(nn.Module):
 
     def _next_router(self) -> dict[str, jax.Array] | None:
         """The stacked router params rolled by one layer, for the next-gate prefetch; None
-        without it, and at `init` (the params do not exist yet; prefetching moves no bits)."""
-        if not (self.plan.staging and self.plan.predictor == "next-gate"):
-            return None
-        if self.is_initializing():
+        without it, and at `init` (the params do not exist yet; a prefetch changes no
+        output bit)."""
+        prefetches = self.plan.staging and self.plan.predictor == "next-gate"
+        if not prefetches or self.is_initializing():
             return None
         layers = self.variables["params"]["layers"]
         return _next_rows({k: layers[k] for k in ROUTER_KEYS if k in layers})

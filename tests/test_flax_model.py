@@ -113,3 +113,14 @@ def test_params_hold_no_experts(family):
     widths = {cfg.expert_intermediate_size, cfg.num_layers * cfg.num_experts}
     for leaf in jax.tree.leaves(params):
         assert not widths & set(leaf.shape), leaf.shape
+
+
+def test_apply_refuses_params_of_another_dense_quantization():
+    """An int8 tree applied as float (or the reverse) would misread the int8 codes."""
+    cfg = tiny_config()
+    m = random_model(cfg)
+    module = MoEModel(cfg, step.StepPlan(), "int8")
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="do not match dense='int8'"):
+        jax.eval_shape(module.apply, m.params, tokens, m.experts,
+                       step.resident_tiers(m.slot_table))
