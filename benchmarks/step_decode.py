@@ -142,8 +142,8 @@ def _scale_slots(key: jax.Array, slots: int, shape: tuple[int, ...], std: float)
 
 
 def random_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
-    """Dense params at the stacked layout `step` reads: globals + "layers" stacked on axis 0,
-    qkv fused as api.fuse_qkv makes it; every matrix scaled by 1 / sqrt(fan-in)."""
+    """The Flax model's param tree (`api.dense_params`' layout): globals + "layers" stacked on
+    axis 0, qkv fused; every matrix scaled by 1 / sqrt(fan-in)."""
     d, q, kv, n = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.num_layers
     dtype = cfg.dtype
     k = jax.random.split(key, 5)
@@ -154,10 +154,10 @@ def random_params(cfg: ModelConfig, key: jax.Array) -> dict[str, Any]:
         "mlp_norm": jnp.ones((n, d), dtype),
         "router": _normal(k[2], (n, d, cfg.num_experts), d**-0.5, dtype),  # logits std ~1
     }
-    return {"embed": _normal(k[3], (cfg.vocab_size, d), 1.0, dtype),
-            "final_norm": jnp.ones((d,), dtype),
-            "lm_head": _normal(k[4], (cfg.vocab_size, d), d**-0.5, dtype),  # [V, D]
-            "layers": layers}
+    return {"params": {"embed": _normal(k[3], (cfg.vocab_size, d), 1.0, dtype),
+                       "final_norm": jnp.ones((d,), dtype),
+                       "lm_head": _normal(k[4], (cfg.vocab_size, d), d**-0.5, dtype),  # [V, D]
+                       "layers": layers}}
 
 
 def int4_tile(cfg: ModelConfig, layout: str) -> tuple[int, int] | None:
@@ -415,7 +415,7 @@ def record_counts(records: list, bpe: int) -> dict[str, float]:
 
 def dense_read_bytes(params: dict[str, Any], batch: int) -> int:
     """Dense bytes a decode step reads: every param but the embedding table, plus B rows."""
-    embed = params["embed"]
+    embed = params["params"]["embed"]
     total = sum(a.nbytes for a in jax.tree.leaves(params))
     return total - embed.nbytes + batch * embed.shape[1] * embed.dtype.itemsize
 
