@@ -60,7 +60,9 @@ def _measure(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_
     slots = max(1, 2 * plan.staging + 1)
     pool = _pool(shapes, slots, device, "device")
     page = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_experts), jnp.int32)
-    host = _pool(shapes, 1, device, "pinned_host") if plan.staging else None
+    # two host slots: XLA turns a slice of a one-slot pinned-host array into a bitcast across
+    # memory spaces, which the GPU compiler rejects
+    host = _pool(shapes, 2, device, "pinned_host") if plan.staging else None
     tiers = step.Tiers(page=page, host=host, host_page=page)
     state = jax.eval_shape(lambda: step.init_state(cfg, batch, max_len, device))
     decode = step.decode_staged if plan.staging else step.decode
