@@ -17,7 +17,7 @@ def _picks(seed, n, k, e):
     return np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 40), k=st.integers(1, 4),
        e=st.integers(4, 12), rows=st.sampled_from([2, 4, 16]))
 def test_chunk_picks_place_every_taken_pick_once(seed, n, k, e, rows):

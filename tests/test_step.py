@@ -150,10 +150,10 @@ def run(m, plan, pool, tiers, steps=5, capacity=4):
     return np.stack(tokens), np.stack(logits), records
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
-@pytest.mark.parametrize("fraction,staging,predictor", [
-    (0.5, 2, "none"), (0.3, 3, "next-gate"), (0.0, 2, "next-gate"), (0.0, 12, "none"),
-    (1.0, 1, "next-gate"),
+@pytest.mark.parametrize("family,fraction,staging,predictor", [
+    ("qwen2_moe", 0.5, 2, "none"), ("olmoe", 0.3, 3, "next-gate"),
+    ("qwen2_moe", 0.0, 2, "next-gate"), ("olmoe", 0.0, 12, "none"),
+    ("olmoe", 1.0, 1, "next-gate"),
 ])  # fmt: skip
 def test_offloaded_tiers_give_the_resident_bits(family, fraction, staging, predictor):
     cfg = tiny_config(family)

@@ -74,24 +74,19 @@ def test_row_chunks_keep_the_bits_offloaded(ckpt):
     np.testing.assert_array_equal(got[1], ref[1])
 
 
-def test_engine_matches_the_resident_api_and_queues_any_number_of_prompts(ckpt):
-    prompts = PROMPTS * 3  # 9 requests through 4 rows
-    ref = strata_jax.generate(strata_jax.load(ckpt), prompts, 6, **SHAPE)
-    with _engine(ckpt, resident_experts=3) as engine:
-        assert engine.generate(prompts, 6) == ref
-
-
-def test_sampled_requests_offloaded_equal_the_resident_api(ckpt):
-    """Seeded sampling, penalties and greedy rows sharing batches: the resident bits."""
+def test_engine_matches_the_resident_api_queues_any_number_and_samples_per_row(ckpt):
+    """9 requests through 4 rows, seeded sampling, penalties and greedy rows sharing batches:
+    the resident API's bits."""
     settings = [SamplingParams(temperature=1.0, top_p=0.9, seed=3),
                 SamplingParams(repetition_penalty=1.5),
                 SamplingParams(temperature=0.7, top_k=4, min_p=0.1, seed=8), GREEDY,
-                SamplingParams(temperature=1.2, seed=11, repetition_penalty=1.2)]
-    prompts = (PROMPTS * 2)[: len(settings)]
-    ref = strata_jax.generate(strata_jax.load(ckpt), prompts, 6, sampling=settings, **SHAPE)
+                SamplingParams(temperature=1.2, seed=11, repetition_penalty=1.2)] + [GREEDY] * 4
+    prompts = PROMPTS * 3
+    model = strata_jax.load(ckpt)
+    ref = strata_jax.generate(model, prompts, 6, sampling=settings, **SHAPE)
     with _engine(ckpt, resident_experts=3) as engine:
         assert engine.generate(prompts, 6, sampling=settings) == ref
-    assert ref[0] != strata_jax.generate(strata_jax.load(ckpt), prompts[:1], 6, **SHAPE)[0]
+    assert ref[0] != strata_jax.generate(model, prompts[:1], 6, **SHAPE)[0]
 
 
 def test_a_request_does_not_depend_on_its_batch(ckpt):
