@@ -41,8 +41,8 @@ class SamplingParams:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     """Token ids that end the request (the stop token is returned)."""
     stop: tuple[str, ...] = ()
-    """Strings that end the request; applied to the detokenized text (`strata_runtime.text`),
-    which is cut before the stop string."""
+    """Strings that end the request, matched on the detokenized text, which is cut before the
+    stop string (`strata_jax.generate` after generation; the server while streaming)."""
 
     def __post_init__(self) -> None:
         checks = [
