@@ -120,8 +120,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     if "hbm_budget" not in given:
         stray = [flag_name(k) for k in given if k not in WITHOUT_HBM]
         if stray:
-            raise ValueError(f"{', '.join(stray)} only apply to the offload engine: add --hbm "
-                             "SIZE, or drop them")
+            raise ValueError(f"{', '.join(stray)}: only the offload engine takes "
+                             f"{'these flags' if len(stray) > 1 else 'this flag'}; add --hbm "
+                             "SIZE, or drop it")
         return None
     heat = given.get("heat_file")
     if heat is not None and not os.path.isfile(heat):
