@@ -7,6 +7,7 @@ by recency, so a burst of new experts cannot flush the frequently used ones.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -49,13 +50,13 @@ class ExpertCache:
         del self._uses[key]
 
     def victim(self) -> Key:
-        keys = list(self._order)  # least recent first
+        # min() keeps the first of equal keys, so ties go to the least recent: O(capacity)
         if self.policy == "lru":
-            return keys[0]
+            return next(iter(self._order))  # least recent first
         if self.policy == "lfu":
-            return min(keys, key=lambda k: (self._uses[k], keys.index(k)))
-        older = keys[: max(1, len(keys) // 2)]
-        return min(older, key=lambda k: (self._uses[k], older.index(k)))
+            return min(self._order, key=self._uses.__getitem__)
+        older = itertools.islice(self._order, max(1, len(self._order) // 2))
+        return min(older, key=self._uses.__getitem__)
 
 
 class HeatEstimate:
