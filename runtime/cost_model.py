@@ -1,0 +1,139 @@
+"""Hardware profiles and a small decode cost model (docs/design.md, "Traces and the simulator").
+
+One decode step of B live rows takes, in seconds,
+
+    t_hbm     = (dense_bytes + routed * bytes_per_expert) / hbm
+    t_compute = B * flops_per_token / matmul
+    t_copy    = misses * bytes_per_expert / link          link = min(pcie, host_read)
+    t_admit   = admissions * bytes_per_expert / link
+    step      = max(t_hbm, t_compute, h * t_copy) + (1 - h) * t_copy + t_admit + overhead
+
+and tok/s = B / step. `routed`, `misses` and `admissions` are distinct experts per step (from
+a replay, `strata_runtime.simulate`); `h` is the share of misses prefetched in time, whose
+copies overlap the step's HBM reads and math, while the others stall it; admissions are
+copies between steps (the engine's cache fills, after the step). The binding resource is the
+one busy longest: hbm (t_hbm), compute (t_compute), or the link (t_copy + t_admit), named
+"pcie" or "host-read" by the slower of the two. Not modelled: the KV cache read (pass it in
+`extra_hbm_bytes`), host round trips and launch gaps (`overhead_s`), disk reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from strata_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """The rates of one machine that the cost model reads."""
+
+    name: str
+    """The name `strata simulate --hardware` takes."""
+    pcie_gbps: float
+    """Pinned host -> device copy rate, GB/s (10^9 bytes/s), expert-sized copies."""
+    host_read_gbps: float
+    """Host DRAM read rate over all cores, GB/s: a copy's source cannot be read faster."""
+    hbm_gbps: float
+    """Device memory read rate, GB/s, as a large reduction achieves it."""
+    hbm_gib: float
+    """Device memory, GiB."""
+    matmul_tflops: float
+    """Dense matmul rate in the weights' dtype (bf16 / fp16), TFLOP/s."""
+    host_cores: int
+    """Host cores (not read by the model yet: for host compute of misses)."""
+    source: str = ""
+    """Where the figures come from."""
+
+    @property
+    def link_gbps(self) -> float:
+        return min(self.pcie_gbps, self.host_read_gbps)
+
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
+    HardwareProfile(
+        name="h200-pcie5", pcie_gbps=49.0, host_read_gbps=94.0, hbm_gbps=4600.0,
+        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16,
+        source="measured on the H200 machine (../shared/DESIGN.md, benchmarks/results): "
+               "pinned copies 50-54 GB/s alone, 48.9 inside the step; host DRAM 94 GB/s; HBM "
+               "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores"),
+    HardwareProfile(
+        name="rtx3090-pcie3-xeon-v4", pcie_gbps=12.0, host_read_gbps=150.0, hbm_gbps=936.0,
+        hbm_gib=24.0, matmul_tflops=35.0, host_cores=40,
+        source="the write-up's machine (SEED_SUMMARY.md): PCIe 3.0 x16 ~12 GB/s real, dual "
+               "Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s fp16; 936 GB/s is the "
+               "3090's nominal GDDR6X rate"),
+    HardwareProfile(
+        name="rtx4090-pcie4", pcie_gbps=25.0, host_read_gbps=60.0, hbm_gbps=1000.0,
+        hbm_gib=24.0, matmul_tflops=82.0, host_cores=16,
+        source="nominal: PCIe 4.0 x16 ~25 GB/s real, ~1 TB/s GDDR6X, 82 TFLOP/s fp16; host "
+               "assumed a 16-core desktop with dual-channel DDR5 (~60 GB/s)"),
+)}
+
+
+def profile(name: str) -> HardwareProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {name!r}; shipped: "
+                         f"{', '.join(PROFILES)}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelCost:
+    """What one decode step of a model reads and computes."""
+
+    bytes_per_expert: int
+    """One routed expert as the slots hold it (w1, w3, w2, with scales if quantized)."""
+    dense_bytes: int
+    """Bytes read from HBM once per step whatever the batch: attention, routers, shared
+    experts, norms, the output head (not the embedding table: a step reads B of its rows)."""
+    flops_per_token: float
+    """Matmul FLOPs of one token: 2 x (dense parameters read + top_k x L x expert params)."""
+
+
+def model_cost(cfg: ModelConfig, *, dense_bytes_per_param: float = 2.0,
+               expert_bytes_per_param: float = 2.0) -> ModelCost:
+    """`ModelCost` of a model (bf16 by default; 0.5 + scales for int4 experts, etc.)."""
+    counts = cfg.param_counts()
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
+    dense = counts["dense"] - embed
+    active = dense + cfg.top_k * cfg.num_layers * 3 * d * f
+    return ModelCost(bytes_per_expert=int(3 * d * f * expert_bytes_per_param),
+                     dense_bytes=int(dense * dense_bytes_per_param),
+                     flops_per_token=2.0 * active)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The cost model's answer for one decode step."""
+
+    tok_s: float
+    """Predicted decode tokens per second: B / step_s."""
+    step_s: float
+    """Predicted seconds per decode step."""
+    binding: str
+    """The resource busy longest: "hbm", "compute", "pcie" or "host-read"."""
+    terms: dict[str, float]
+    """Seconds per step of each term: t_hbm, t_compute, t_copy, t_admit."""
+
+
+def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: float,
+            misses: float, admissions: float = 0.0, hidden: float = 0.0,
+            extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0) -> Prediction:
+    """Decode tok/s by the module docstring's formula; `routed`, `misses`, `admissions` are
+    distinct experts per step, `hidden` the share of misses prefetched in time."""
+    if batch <= 0 or not 0.0 <= hidden <= 1.0:
+        raise ValueError(f"need batch > 0 and 0 <= hidden <= 1, got {batch}, {hidden}")
+    bpe, link = model.bytes_per_expert, hw.link_gbps * 1e9
+    terms = {"t_hbm": (model.dense_bytes + extra_hbm_bytes + routed * bpe) / (hw.hbm_gbps * 1e9),
+             "t_compute": batch * model.flops_per_token / (hw.matmul_tflops * 1e12),
+             "t_copy": misses * bpe / link, "t_admit": admissions * bpe / link}
+    step = (max(terms["t_hbm"], terms["t_compute"], hidden * terms["t_copy"])
+            + (1.0 - hidden) * terms["t_copy"] + terms["t_admit"] + overhead_s)
+    link_name = "pcie" if hw.pcie_gbps <= hw.host_read_gbps else "host-read"
+    busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
+            link_name: terms["t_copy"] + terms["t_admit"]}
+    return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
+                      terms=terms)
