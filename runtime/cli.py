@@ -465,6 +465,166 @@ def _add_quantize_parsers(sub: argparse._SubParsersAction, common) -> None:
     evp.set_defaults(func=_eval_ppl)
 
 
+# ------------------------------------------------------------------------------ traces
+
+
+def _trace_stats(args: argparse.Namespace) -> int:
+    from strata_runtime.trace import load_trace, trace_stats
+
+    trace = load_trace(args.trace)
+    print(f"{args.trace}: {trace.num_layers} layers, {trace.num_experts} experts, "
+          f"top-{trace.top_k}, seed {trace.seed}")
+    print(trace_stats(trace).render())
+    return 0
+
+
+def _trace_synth(args: argparse.Namespace) -> int:
+    from strata_runtime.trace import save_trace, synthetic_trace
+
+    trace = synthetic_trace(args.layers, args.experts, args.top_k, args.steps, args.rows,
+                            args.skew, args.seed, drift_at=args.drift_at)
+    save_trace(args.out, trace)
+    print(f"wrote {args.out}: {trace.num_steps} steps of {args.rows} rows")
+    return 0
+
+
+def _model_cost(args: argparse.Namespace, trace):
+    """The bytes and FLOPs of the traced model: the flags, else --shape, else the trace's
+    `model_config` metadata."""
+    from strata_jax.config import ModelConfig
+    from strata_runtime.cost_model import ModelCost, model_cost
+
+    cfg = None
+    if args.shape is not None:
+        from strata_jax.synth import SHAPES
+
+        cfg = SHAPES[args.shape].replace(num_layers=trace.num_layers)
+    elif "model_config" in trace.extra:
+        cfg = ModelConfig.from_dict(trace.extra["model_config"])
+    if cfg is not None and (cfg.num_experts, cfg.top_k) != (trace.num_experts, trace.top_k):
+        raise ValueError(f"the model has {cfg.num_experts} experts, top-{cfg.top_k}; the trace "
+                         f"{trace.num_experts}, top-{trace.top_k}")
+    if cfg is None and args.bytes_per_expert is None:
+        raise ValueError("the cost model needs the model's bytes: give --shape NAME, or "
+                         "--bytes-per-expert B (and --dense-bytes B)")
+    base = model_cost(cfg) if cfg is not None else None
+    bpe = args.bytes_per_expert if args.bytes_per_expert is not None else base.bytes_per_expert
+    dense = args.dense_bytes if args.dense_bytes is not None else (
+        base.dense_bytes if base is not None else 0)
+    flops = args.flops_per_token or (base.flops_per_token if base is not None else float(
+        dense + trace.top_k * trace.num_layers * bpe))  # 2 FLOPs per 2-byte parameter
+    return ModelCost(bytes_per_expert=bpe, dense_bytes=dense, flops_per_token=flops)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from strata_runtime.cache_policy import POLICIES
+    from strata_runtime.cost_model import profile
+    from strata_runtime.simulate import compare, pinned_by_heat, predict_replay
+    from strata_runtime.trace import load_trace
+
+    hw = profile(args.hardware)
+    trace = load_trace(args.trace)
+    model = _model_cost(args, trace)
+    total = trace.num_layers * trace.num_experts
+    pinned_n = total // 4 if args.pinned is None else args.pinned
+    cache = total // 8 if args.cache is None else args.cache
+    staging = args.staging if args.staging is not None else min(
+        trace.num_experts, trace.top_k * int(trace.live_rows().max(initial=1)))
+    pinned = pinned_by_heat(trace, pinned_n)
+    results, opt = compare(trace, args.policy or POLICIES, pinned=pinned, cache=cache,
+                           staging=staging, admission=args.admission)
+    print(f"{args.trace} on {hw.name}: {len(pinned)} pinned (hottest of the trace), {cache} "
+          f"cache slots, {staging} staging slots, {args.admission} admission, "
+          f"{model.bytes_per_expert / 1e6:.3g} MB per expert, {model.dense_bytes / 1e9:.3g} GB "
+          f"dense, {trace.num_steps} steps\n")
+    print("| policy | hits | hit rate | Belady hit rate | perfect-prefetch bound | copies/step "
+          "| predicted tok/s | binding | tok/s, perfect prefetch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    steps = max(trace.num_steps, 1)
+    for r in [*results, opt]:
+        now = predict_replay(hw, model, trace, r, hidden=args.hidden)
+        best = predict_replay(hw, model, trace, r, hidden=r.prefetch_bound)
+        print(f"| {r.name} | {r.hits} / {r.accesses} | {r.hit_rate:.3f} | {opt.hit_rate:.3f} "
+              f"| {r.prefetch_bound:.3f} | {r.copies / steps:.2f} | {now.tok_s:.4g} "
+              f"| {now.binding} | {best.tok_s:.4g} |")
+    print("\npredicted tok/s: misses prefetched in time " f"{args.hidden:.0%} (--hidden); "
+          "copies include the engine's admissions (strata_runtime.cost_model)")
+    return 0
+
+
+def _add_trace_parsers(sub: argparse._SubParsersAction, common) -> None:
+    """`strata trace stats`, `strata trace synth` and `strata simulate`."""
+    from strata_runtime.cache_policy import POLICIES
+    from strata_runtime.cost_model import PROFILES
+    from strata_runtime.ledger import parse_bytes
+    from strata_runtime.simulate import ADMISSIONS
+
+    tr = sub.add_parser("trace", help="routing traces: statistics, synthetic ones")
+    tr_sub = tr.add_subparsers(dest="what", required=True)
+    st = tr_sub.add_parser(
+        "stats", parents=[common], formatter_class=_Formatter,
+        help="per-layer popularity and the reuse-distance histogram of a trace",
+        epilog=_examples("strata trace stats run.trace.npz"))
+    st.add_argument("trace", help="routing trace (.npz, strata_runtime/trace.py)")
+    st.set_defaults(func=_trace_stats)
+    sy = tr_sub.add_parser(
+        "synth", parents=[common], formatter_class=_Formatter,
+        help="write a synthetic decode trace with Zipf-like expert popularity",
+        epilog=_examples("strata trace synth skew.npz --layers 8 --experts 64 --top-k 4 "
+                         "--steps 500 --rows 16 --skew 1.0 --drift-at 250"))
+    sy.add_argument("out")
+    sy.add_argument("--layers", type=int, required=True)
+    sy.add_argument("--experts", type=int, required=True)
+    sy.add_argument("--top-k", type=int, required=True)
+    sy.add_argument("--steps", type=int, required=True, help="decode steps")
+    sy.add_argument("--rows", type=int, default=8, help="live rows per step")
+    sy.add_argument("--skew", type=float, default=1.0,
+                    help="Zipf exponent of each layer's popularity (0: uniform)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--drift-at", type=int, default=None, metavar="STEP",
+                    help="from this step on, every layer's popularity is permuted afresh")
+    sy.set_defaults(func=_trace_synth)
+
+    sim = sub.add_parser(
+        "simulate", parents=[common], formatter_class=_Formatter,
+        help="replay a trace through the cache policies, Belady and the cost model",
+        description=_describe(
+            "Replay a routing trace through the engine's cache policies (its ExpertCache, fed "
+            "as the engine feeds it), Belady's optimum on the same pinned set and cache slots, "
+            "and a perfect prefetcher; predict decode tok/s on a hardware profile "
+            "(strata_runtime/cost_model.py) and name the binding resource."),
+        epilog=_examples("strata simulate run.npz --hardware h200-pcie5 --shape mixtral-8x7b",
+                         "strata simulate skew.npz --hardware rtx3090-pcie3-xeon-v4 --policy lru "
+                         "--pinned 64 --cache 32 --bytes-per-expert 60MB --dense-bytes 2GB"))
+    sim.add_argument("trace", help="routing trace (.npz)")
+    sim.add_argument("--hardware", required=True, choices=tuple(PROFILES),
+                     help="hardware profile of the cost model")
+    sim.add_argument("--policy", action="append", choices=POLICIES, default=None,
+                     help="cache policy to replay; repeatable (unset: all)")
+    sim.add_argument("--pinned", type=int, default=None, metavar="N",
+                     help="experts pinned in HBM, the trace's hottest (unset: a quarter)")
+    sim.add_argument("--cache", type=int, default=None, metavar="N",
+                     help="cache slots the policy manages (unset: an eighth of the experts)")
+    sim.add_argument("--staging", type=int, default=None, metavar="N",
+                     help="staging slots of the perfect prefetcher (unset: top_k x rows)")
+    sim.add_argument("--admission", choices=ADMISSIONS, default="engine",
+                     help="engine: a step's experts enter the cache after the next step "
+                          "(the engine's lag); demand: at their miss (Belady's model)")
+    sim.add_argument("--hidden", type=float, default=0.0, metavar="X",
+                     help="share of misses prefetched in time, for the predicted tok/s")
+    sim.add_argument("--shape", default=None,
+                     choices=("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b"),
+                     help="the model's bytes and FLOPs from this shape (bf16, the trace's "
+                          "layers)")
+    sim.add_argument("--bytes-per-expert", type=parse_bytes, default=None, metavar="B",
+                     help="bytes of one expert as the slots hold it (e.g. 117MB)")
+    sim.add_argument("--dense-bytes", type=parse_bytes, default=None, metavar="B",
+                     help="bytes read once per step besides the experts")
+    sim.add_argument("--flops-per-token", type=float, default=None, metavar="F",
+                     help="matmul FLOPs per token (unset: 2 per 2-byte parameter read)")
+    sim.set_defaults(func=_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata", description=__doc__, formatter_class=_Formatter,
@@ -522,6 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(plan)
     plan.set_defaults(func=_plan)
     _add_quantize_parsers(sub, common)
+    _add_trace_parsers(sub, common)
     from strata_runtime.server import add_serve_parser
 
     add_serve_parser(sub, add_engine_flags)
