@@ -1,4 +1,4 @@
-"""The quickstart notebook executes end to end."""
+"""The notebooks execute end to end."""
 
 from pathlib import Path
 
@@ -8,11 +8,22 @@ import nbclient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-def test_quickstart_runs(tmp_path):
-    nb = jupytext.read(NOTEBOOKS / "quickstart.py")
+def _execute(name: str, tmp_path: Path) -> str:
+    """Run notebooks/`name`; no cell may fail. Returns the text of every output."""
+    nb = jupytext.read(NOTEBOOKS / name)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert any("top-20% share" in o.get("text", "") for o in outputs)
+    return "".join(o.get("text", "") for o in outputs)
+
+
+def test_quickstart_runs(tmp_path):
+    assert "top-20% share" in _execute("quickstart.py", tmp_path)
+
+
+def test_traces_runs(tmp_path):
+    text = _execute("traces.py", tmp_path)
+    assert "| cache slots | static | lru | lfu | lfru | belady |" in text
+    assert "saved" in text and "tok/s (pcie)" in text
