@@ -17,15 +17,21 @@
 #                     whole sweep takes ~4 min alone: TESTS_K= runs it, with a larger TEST_LIMIT)
 #   STEP_ARGS=...     extra arguments for every row (default: at most 64 timed steps, ~5 s/pass)
 #   JAX_CACHE=0       no persistent compilation cache (shared by the row processes)
+#   PARTS="tests step disk"  which parts run: the GPU tests, the step rows, the disk-tier row
+#                     (benchmarks/disk_tier.py: a synthetic checkpoint written to local disk,
+#                     decoded through the engine with half of the experts in tier 1)
+#   DISK_ARGS=...     extra arguments for the disk-tier row
 source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-560}
 TEST_LIMIT=${TEST_LIMIT:-240}
 TESTS_K=${TESTS_K-"not mosaic_kernel_on_gpu or tiles0- or tiles14 or tiles15"}
 STEP_ARGS=${STEP_ARGS:-"--steps 64 --seconds-per-pass 5"}
+PARTS=${PARTS:-"tests step disk"}
+DISK_ARGS=${DISK_ARGS:-"--batch 1,16 --check"}
 HEAD="$(git rev-parse --short HEAD 2>/dev/null || echo '(no git)') $(date -Is)"
 GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)
 
-if ((TEST_LIMIT > 0)); then
+if ((TEST_LIMIT > 0)) && [[ $PARTS == *tests* ]]; then
   {
     echo "# GPU tests at $HEAD on $GPU (-k '$TESTS_K', limit ${TEST_LIMIT}s)"
     timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE tests/test_step.py \
@@ -58,18 +64,26 @@ bench() {  # LIMIT_S ARGS...: one row process, cut at LIMIT_S or what is left of
   return 0
 }
 
-echo "== t=${SECONDS}s: bandwidths"
-timeout 90 python3 -m benchmarks.step_decode --measure --out "$OUT" 2>&1 | grep -v "^[WI]0"
-bench 90 --rows resident-bf16 --batch 1,16
-bench 75 --rows int4-8g --batch 1,16      # int4 fits 8 GiB whole: the resident int4 program
-bench 60 --rows int4-3g --batch 1         # int4 rows are checked bit for bit against resident
-bench 60 --rows int4-3g --batch 16
-bench 75 --rows bf16-8g --batch 1
-bench 75 --rows bf16-8g --batch 16
-bench 60 --rows int4-1.5g --batch 16
-# ablations, if time is left: the sampler's cost (sort of the logits) on the fastest row, and
-# the offloaded unrolled program against the rolled resident one, bit for bit
-bench 60 --rows int4-8g --batch 1,16 --sample
-bench 60 --rows int4-3g --batch 16 --check-unroll off --predictors next-gate
-python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
+if [[ $PARTS == *step* ]]; then
+  echo "== t=${SECONDS}s: bandwidths"
+  timeout 90 python3 -m benchmarks.step_decode --measure --out "$OUT" 2>&1 | grep -v "^[WI]0"
+  bench 90 --rows resident-bf16 --batch 1,16
+  bench 75 --rows int4-8g --batch 1,16      # int4 fits 8 GiB whole: the resident int4 program
+  bench 60 --rows int4-3g --batch 1         # int4 rows are checked bit for bit against resident
+  bench 60 --rows int4-3g --batch 16
+  bench 75 --rows bf16-8g --batch 1
+  bench 75 --rows bf16-8g --batch 16
+  bench 60 --rows int4-1.5g --batch 16
+  # ablations, if time is left: the sampler's cost (sort of the logits) on the fastest row, and
+  # the offloaded unrolled program against the rolled resident one, bit for bit
+  bench 60 --rows int4-8g --batch 1,16 --sample
+  bench 60 --rows int4-3g --batch 16 --check-unroll off --predictors next-gate
+  python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
+fi
+if [[ $PARTS == *disk* ]]; then
+  left=$((BUDGET_S - SECONDS - 10))
+  echo "== t=${SECONDS}s, timeout ${left}s: disk tier $DISK_ARGS"
+  timeout -k 10 "$left" python3 -m benchmarks.disk_tier --out "$OUT" $DISK_ARGS 2>&1 \
+    | grep -v "^[WI]0"
+fi
 echo "done at t=${SECONDS}s"

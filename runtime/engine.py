@@ -223,17 +223,20 @@ class Engine:
         heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
         pinned, host_keys = placement(cfg, min(resident, total) - cache, host, heat)
         self.staging = 0 if self.resident else staging
+        self._disk_possible = not self.resident and host < total
         self.residency = Residency(
             cfg.num_layers, cfg.num_experts, self.device, self._load, pinned,
             len(pinned) + cache, self.staging, None if self.resident else host_keys,
-            self._host_slots(len(pinned), host),
+            self._host_slots(len(pinned), cache, host),
             read=lambda fn, keys: list(self._threads.map(fn, keys)))
         self.pinned = set(pinned)
         self.cache = ExpertCache(config.policy, cache)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         self.params = api.read_dense_params(reader)
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
-                                  row_chunks=config.row_chunks, int4_tiles=config.int4_tiles)
+                                  row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
+                                  resume=self._disk_possible)
+        self._starts: dict[tuple[int, int], step.Resume] = {}  # per (rows, tokens)
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
         self._live = [False] * self.capacity  # the host's copy of state.live
@@ -245,7 +248,6 @@ class Engine:
                                  link_gbps=None if self.resident else _link_rate(self.device))
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
         self._compiled: set[step.StepPlan] = set()  # decode plans called once (compile timed apart)
-        self._disk_possible = not self.resident and host < total
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -265,14 +267,17 @@ class Engine:
             host = config.host_experts
         return resident, min(host, total), min(staging, cfg.num_experts)
 
-    def _host_slots(self, pinned: int, host: int) -> int:
-        """Tier-1 slots: `host`, but at least what one step's disk misses can need, since
-        they all pass through tier 1 before the step runs again (the extra slots start
+    def _host_slots(self, pinned: int, cache: int, host: int) -> int:
+        """Tier-1 slots: `host`, but at least what one layer's disk misses can need besides
+        the tier-1 experts that also hold a device slot (cached ones, and pinned ones once
+        rebalancing has swapped them in), since a stalled step resumes at that layer once
+        they are all in tier 1 (docs/design.md, "Disk stalls"; the extra slots start
         empty)."""
         cfg = self.cfg
         per_layer = min(cfg.num_experts, cfg.top_k * max(self.capacity, step.PREFILL_CHUNK))
+        held = cache + (pinned if self.config.rebalance_every else 0)
         total = cfg.num_layers * cfg.num_experts
-        return max(host, min(total - pinned, cfg.num_layers * per_layer))
+        return max(host, min(total - pinned, per_layer + held))
 
     def _load(self, key: Key) -> dict[str, np.ndarray]:
         """One expert from disk (verified) as the pools hold it."""
@@ -354,10 +359,13 @@ class Engine:
     # --- one program, with the disk tier -------------------------------------------------------
 
     def _run(self, name: str, program, plan: step.StepPlan, args: tuple, sync: bool):
-        """Dispatch `program` on the state; with `sync`, read its record at once and, if it
-        routed to experts found only on disk, load them and run it again on the same input
-        (its KV writes are the same), failing the rows of experts that cannot be read."""
+        """Dispatch `program` on the state; with `sync`, read its record at once and, if a
+        layer routed to experts found only on disk, load that layer's and run the step again
+        from that layer on the same input (docs/design.md, "Disk stalls"), failing the rows
+        of experts that cannot be read. Returns (StepOutput, failed rows)."""
         failed: dict[int, str] = {}
+        resume = self._from_start(args) if plan.resume else None
+        done = None  # the record of the layers before the resume layer
         while True:
             before = (self.state.tokens, self.state.positions, self.state.sampler) if sync else None
             if before is not None:
@@ -365,30 +373,47 @@ class Engine:
             with self.timeline.span(name, "compute"):
                 self.state, out, pool = program(self.cfg, plan, self.params,
                                                 self.residency.pool, self.residency.tiers(),
-                                                self.state, *args)
+                                                self.state, *args, resume=resume)
             if pool is not None:
                 self.residency.pool = pool
             if not sync:
                 return out, failed
             record = jax.device_get(out.record)
+            if done is not None:
+                record = _spliced(done, record, int(resume.layer))
             disk = np.argwhere(record.disk)
             if not len(disk):
+                out = out.replace(record=record)
                 if name.startswith("prefill"):
                     self.counters.observe(record)
                     self._admit(record)
                 return out, failed
-            failed.update(self._from_disk([tuple(map(int, k)) for k in disk], record, args))
+            layer = int(disk[:, 0].min())  # the later layers ran on a wrong input
+            keys = [(layer, int(e)) for e in disk[disk[:, 0] == layer, 1]]
+            failed.update(self._from_disk(keys, record, args))
             self.state = self.state.replace(tokens=before[0], positions=before[1],
                                             sampler=before[2])
             if args and failed:  # the prefilled row itself failed: nothing to run again
                 return out, failed
+            done, resume = record, step.Resume(layer=jnp.int32(layer), saved=out.saved)
+
+    def _from_start(self, args: tuple) -> step.Resume:
+        """The resume argument of a run from the first layer, kept per shape (a decode step
+        when `args` is empty, else a prefill chunk of `args[1]`'s length)."""
+        shape = (1, len(args[1])) if args else (self.capacity, 1)
+        if shape not in self._starts:
+            self._starts[shape] = jax.device_put(step.from_start(self.cfg, *shape),
+                                                 self.device)
+        return self._starts[shape]
 
     def _from_disk(self, keys: list[Key], record, args) -> dict[int, str]:
-        """Load `keys` into tier 1 (coldest host experts make room); rows routed to an expert
-        whose chunk fails verification fail, and leave the batch."""
+        """Load `keys` (one layer's) into tier 1 (coldest host experts outside the layer's
+        routed ones make room); rows routed to an expert whose chunk fails verification fail,
+        and leave the batch."""
         t0 = time.perf_counter()
         failed: dict[int, str] = {}
-        routed = {(int(layer), int(e)) for layer, e in np.argwhere(np.asarray(record.counts) > 0)}
+        layer = keys[0][0]
+        routed = {(layer, int(e)) for e in np.nonzero(np.asarray(record.counts)[layer] > 0)[0]}
         victims = self._host_victims(len(keys), routed)
         for key, arrays in zip(keys, self._threads.map(self._try_load, keys), strict=True):
             if isinstance(arrays, str):
@@ -398,7 +423,8 @@ class Engine:
                     self.free(r)
                 self.counters.failed_requests += len(rows)
                 continue
-            self.residency.admit_host(key, arrays, victims.pop(0) if victims else None)
+            full = None not in self.residency.host_key
+            self.residency.admit_host(key, arrays, victims.pop(0) if full else None)
             self.counters.disk_loads += 1
         self.counters.disk_stall_s += time.perf_counter() - t0
         return failed
@@ -554,6 +580,12 @@ def _link_rate(device: jax.Device, nbytes: int = 64 << 20) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(jax.device_put(x, on_device))
     return nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
+def _spliced(done, record, layer: int):
+    """The record of a step resumed at `layer`: the layers before it from `done` (the run
+    that stalled there), the others from `record`."""
+    return jax.tree.map(lambda a, b: np.concatenate([a[:layer], b[layer:]]), done, record)
 
 
 _CPU = jax.devices("cpu")[0]

@@ -117,9 +117,11 @@ class Residency:
 
     def tiers(self) -> Tiers:
         """The page tables as the step reads them (uploaded again only after a change)."""
-        if self._tiers is None:
+        if self._tiers is None:  # copies: the CPU backend may alias a numpy argument, and
+            # the tables change in place while a dispatched step may still read them
             self._tiers = jax.device_put(
-                Tiers(page=self.page, host=None, host_page=self.host_page), self.device)
+                Tiers(page=self.page.copy(), host=None, host_page=self.host_page.copy()),
+                self.device)
             self._tiers = self._tiers.replace(host=self.host)
         return self._tiers
 

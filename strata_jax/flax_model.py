@@ -83,6 +83,11 @@ class LayerCarry(NamedTuple):
     """The device pool (slots, cache slots, the two staging halves)."""
     prefetched: jax.Array
     """[max(staging, 1)] int32 expert ids prefetched for the next layer."""
+    saved: jax.Array | None = None
+    """[B, T, D]: the input of the first layer that routed to an expert found only on disk,
+    what the step resumes from (None: no resume compiled)."""
+    stalled: jax.Array | None = None
+    """bool []: a layer so far routed to an expert found only on disk."""
 
 
 class LayerRows(NamedTuple):
@@ -114,6 +119,9 @@ class ChunkInputs(NamedTuple):
     """The pinned-host tier (None when every expert has a device slot)."""
     row: jax.Array | None
     """The one cache row a prefill chunk writes, or None: row b of the batch."""
+    resume: tuple[jax.Array, jax.Array] | None = None
+    """(first layer, its input [B, T, D]): layers before the first pass their input through
+    and write nothing (-1: a run from the start); None: no resume compiled."""
 
 
 class DecoderLayer(nn.Module):
@@ -136,21 +144,41 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"params do not match dense={self.dense!r} (see `model_for`)")
         lp = {k: self.param(k, _initializer(k, s.dtype), s.shape, s.dtype)
               for k, s in layer_specs(cfg, self.dense).items()}
-        x, k_all, v_all = cached_attention(cfg, lp, carry.x, inputs.positions, carry.k,
-                                           carry.v, rows.layer, inputs.row)
+        x_in, positions, token_live, skip = _resumed(carry, rows, inputs)
+        x, k_all, v_all = cached_attention(cfg, lp, x_in, positions, carry.k, carry.v,
+                                           rows.layer, inputs.row)
         half = rows.layer % 2  # staging half this layer's demand copies use
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
-                                     (rows.page, rows.host_page), inputs.token_live,
+                                     (rows.page, rows.host_page), token_live,
                                      carry.prefetched, half)
         if rows.next_router is None:
             pre_ids = jnp.full((max(plan.staging, 1),), -1, jnp.int32)
         else:
             last = rows.layer + 1 == cfg.num_layers
             pool, pre_ids = prefetch(cfg, plan, pool, inputs.host, x_attn, rows.next_router,
-                                     rows.next_page, rows.next_host_page, inputs.token_live,
+                                     rows.next_page, rows.next_host_page, token_live,
                                      half, last)
-        return LayerCarry(x, k_all, v_all, pool, pre_ids), record
+        if skip is None:
+            return LayerCarry(x, k_all, v_all, pool, pre_ids), record
+        stall = jnp.any(record["disk"])
+        saved = jnp.where(stall & ~carry.stalled, x_in, carry.saved)
+        return LayerCarry(jnp.where(skip, x_in, x), k_all, v_all, pool, pre_ids, saved,
+                          carry.stalled | stall), record
+
+
+def _resumed(carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
+    """(the layer's input, positions, live tokens, whether it is skipped): a layer before the
+    resume layer is skipped (positions out of range drop its cache writes, no token routes or
+    moves an expert) and the resume layer takes the saved input (docs/design.md, "Disk
+    stalls"). Without resume compiled, the chunk's own, and skip None."""
+    if inputs.resume is None:
+        return carry.x, inputs.positions, inputs.token_live, None
+    first, saved = inputs.resume
+    skip = rows.layer < first
+    x = jnp.where(rows.layer == first, saved, carry.x)
+    positions = jnp.where(skip, carry.k.shape[2], inputs.positions)
+    return x, positions, inputs.token_live & ~skip, skip
 
 
 def _next_rows(tree: Any) -> Any:
@@ -191,35 +219,39 @@ class MoEModel(nn.Module):
                       jnp.dtype(cfg.dtype))
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         live = jnp.ones((b * t,), jnp.bool_)
-        logits, (_, _, _, record) = self.chunk(tokens, positions, live, pool, tiers, k, k)
+        logits, (_, _, _, record, _) = self.chunk(tokens, positions, live, pool, tiers, k, k)
         return logits, record
 
     def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-              v_all, row=None, pick=None):
+              v_all, row=None, pick=None, resume=None):
         """Tokens [B, T] at `positions` [B, T] against the caches: embed, `run_layers`, the LM
         head of `pick(x)` (None: every position). Returns (float32 logits, (k_all, v_all,
-        pool, the record's fields))."""
+        pool, the record's fields, the saved input to resume from (None without resume)))."""
         x = self.globals["embed"][tokens]
-        x, k_all, v_all, pool, record = self.run_layers(x, positions, token_live, pool, tiers,
-                                                        k_all, v_all, row)
+        x, k_all, v_all, pool, record, saved = self.run_layers(
+            x, positions, token_live, pool, tiers, k_all, v_all, row, resume)
         return lm_head(self.cfg, self.globals, x if pick is None else pick(x)), (
-            k_all, v_all, pool, record)
+            k_all, v_all, pool, record, saved)
 
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-                   v_all, row=None):
+                   v_all, row=None, resume=None):
         """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [B * T]
         marks tokens whose routing counts (and moves experts); `row`: the cache row of a
-        prefill chunk (None: row b is batch row b). Returns x, the caches, the pool and the
-        record's fields (`step.StepRecord`), each [L, ...]."""
+        prefill chunk (None: row b is batch row b); `resume`: (first layer, its input), see
+        `ChunkInputs.resume`. Returns x, the caches, the pool, the record's fields
+        (`step.StepRecord`), each [L, ...], and the input of the first layer that stalled
+        on disk (None without resume)."""
         n = self.cfg.num_layers
         rows = LayerRows(layer=jnp.arange(n), page=tiers.page, host_page=tiers.host_page,
                          next_router=self._next_router(), next_page=_next_rows(tiers.page),
                          next_host_page=_next_rows(tiers.host_page))
         pre0 = jnp.full((max(self.plan.staging, 1),), -1, jnp.int32)
         carry = LayerCarry(x, k_all, v_all, pool, pre0)
+        if resume is not None:
+            carry = carry._replace(saved=jnp.zeros_like(x), stalled=jnp.zeros((), jnp.bool_))
         carry, record = self.layers(carry, rows,
-                                    ChunkInputs(positions, token_live, tiers.host, row))
-        return carry.x, carry.k, carry.v, carry.pool, record
+                                    ChunkInputs(positions, token_live, tiers.host, row, resume))
+        return carry.x, carry.k, carry.v, carry.pool, record, carry.saved
 
     def _next_router(self) -> dict[str, jax.Array] | None:
         """The stacked router params rolled by one layer, for the next-gate prefetch; None

@@ -67,6 +67,14 @@ class StepPlan:
     """Compile the sampler into decode (`sampling.sample`): rows with a temperature draw,
     the others take the argmax of their penalized logits. False: the plain argmax, for
     batches whose live rows are all greedy (the sort the sampler needs is not free)."""
+    resume: bool = False
+    """Compile the resume from a layer (docs/design.md, "Disk stalls"): the step saves the
+    input of the first layer that routed to an expert found only on disk, and the host, once
+    it has loaded that layer's experts, runs the step again from that layer (the layers
+    before it pass their input through and write nothing). Tier 1 then needs room for one
+    layer's experts, not a whole step's. For engines whose tier 1 does not hold every
+    expert."""
+
     def __post_init__(self) -> None:
         if self.unroll is None:  # resolved now: the plan is a static argument, part of the key
             object.__setattr__(self, "unroll", jax.default_backend() == "gpu")
@@ -139,6 +147,24 @@ class StepOutput:
     tokens: jax.Array
     logits: jax.Array
     record: StepRecord
+    saved: jax.Array | None = None
+    """With `StepPlan.resume`: the input of the first layer that stalled on disk, what the
+    next run of the same step resumes from (`Resume`)."""
+
+
+@chex.dataclass(frozen=True)
+class Resume:
+    """Where a run of a step starts: at layer `layer` (int32 []; -1: the start) from its
+    input `saved` [B, T, D] (`StepOutput.saved` of the stalled run; ignored at -1)."""
+
+    layer: jax.Array
+    saved: jax.Array
+
+
+def from_start(cfg: ModelConfig, rows: int, tokens: int) -> Resume:
+    """A `Resume` that runs a step of `rows` x `tokens` from its first layer."""
+    return Resume(layer=jnp.full((), -1, jnp.int32),
+                  saved=jnp.zeros((rows, tokens, cfg.hidden_size), jnp.dtype(cfg.dtype)))
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int,
@@ -168,14 +194,25 @@ def resident_tiers(page: jax.Array) -> Tiers:
 _STATIC = ("cfg", "plan")
 
 
+def _resume(cfg: ModelConfig, plan: StepPlan, resume: Resume | None, rows: int,
+            tokens: int) -> tuple[jax.Array, jax.Array] | None:
+    """The model's resume argument: None without `plan.resume`; else `resume` (default: from
+    the start)."""
+    if not plan.resume:
+        return None
+    resume = resume if resume is not None else from_start(cfg, rows, tokens)
+    return resume.layer, resume.saved
+
+
 def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
-            state: DecodeState):
+            state: DecodeState, resume: Resume | None = None):
     """One token for every live row: (the state with the next tokens, StepOutput, the pool
-    (None when `plan.staging` is 0))."""
+    (None when `plan.staging` is 0)). `resume` (with `plan.resume`): run from a layer."""
     positions = jnp.where(state.live, state.positions, state.max_len)[:, None]
-    logits, (k, v, pool, record) = model_for(cfg, plan, params).apply(
+    logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
         params, state.tokens[:, None], positions, state.live, pool, tiers, state.k, state.v,
-        pick=lambda x: x[:, 0], method="chunk")
+        pick=lambda x: x[:, 0], method="chunk",
+        resume=_resume(cfg, plan, resume, state.tokens.shape[0], 1))
     if plan.sample:
         nxt = sample(logits, state.sampler, state.positions + 1)
     else:
@@ -184,24 +221,26 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
     rows = jnp.arange(nxt.shape[0])
     state = state.replace(tokens=nxt, positions=state.positions + state.live.astype(jnp.int32),
                           k=k, v=v, sampler=mark_seen(state.sampler, rows, nxt, state.live))
-    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record))
+    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved)
     return state, out, pool if plan.staging else None
 
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
-             state: DecodeState, row, tokens, start, count, sampling=None):
+             state: DecodeState, row, tokens, start, count, sampling=None,
+             resume: Resume | None = None):
     """A chunk of one row's prompt: tokens [T] (the first `count` real) placed at positions
     start, start + 1, ... of row `row`, which becomes live with its next token at position
     start + count, drawn by `sampling` (`sampling.row_values`, None: greedy; the row's
     settings from now on; at start 0 its sequence starts anew). Returns (state, StepOutput
     with the logits [V] of the chunk's last real token, pool (None when `plan.staging` is
-    0))."""
+    0)). `resume` (with `plan.resume`): run from a layer."""
     t = tokens.shape[0]
     real = jnp.arange(t) < count
     positions = jnp.where(real, start + jnp.arange(t), state.max_len)[None].astype(jnp.int32)
-    logits, (k, v, pool, record) = model_for(cfg, plan, params).apply(
+    logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
         params, tokens[None], positions, real, pool, tiers, state.k, state.v, row=row,
-        pick=lambda x: x[0, jnp.maximum(count - 1, 0)], method="chunk")
+        pick=lambda x: x[0, jnp.maximum(count - 1, 0)], method="chunk",
+        resume=_resume(cfg, plan, resume, 1, t))
     sampler = set_row(state.sampler, row, row_values(GREEDY) if sampling is None else sampling,
                       start == 0)
     sampler = mark_seen(sampler, jnp.full((t,), row), tokens, real)
@@ -211,7 +250,7 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     state = state.replace(tokens=state.tokens.at[row].set(nxt), sampler=sampler,
                           positions=state.positions.at[row].set(start + count),
                           live=state.live.at[row].set(True), k=k, v=v)
-    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record))
+    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved)
     return state, out, pool if plan.staging else None
 
 
