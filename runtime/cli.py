@@ -490,7 +490,7 @@ def _trace_synth(args: argparse.Namespace) -> int:
 
 def _model_cost(args: argparse.Namespace, trace):
     """The bytes and FLOPs of the traced model: the flags, else --shape, else the trace's
-    `model_config` metadata."""
+    `model_config` metadata (its `bytes_per_expert`, if recorded, over the bf16 size)."""
     from strata_jax.config import ModelConfig
     from strata_runtime.cost_model import ModelCost, model_cost
 
@@ -508,6 +508,8 @@ def _model_cost(args: argparse.Namespace, trace):
         raise ValueError("the cost model needs the model's bytes: give --shape NAME, or "
                          "--bytes-per-expert B (and --dense-bytes B)")
     base = model_cost(cfg) if cfg is not None else None
+    if base is not None and "bytes_per_expert" in trace.extra:  # as the engine's slots held it
+        base = dataclasses.replace(base, bytes_per_expert=int(trace.extra["bytes_per_expert"]))
     bpe = args.bytes_per_expert if args.bytes_per_expert is not None else base.bytes_per_expert
     dense = args.dense_bytes if args.dense_bytes is not None else (
         base.dense_bytes if base is not None else 0)

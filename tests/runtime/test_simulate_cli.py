@@ -1,10 +1,13 @@
 """`strata trace synth`, `strata trace stats` and `strata simulate`: files, tables, errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from strata_jax.synth import SHAPES
 from strata_runtime.cli import main
-from strata_runtime.trace import load_trace
+from strata_runtime.trace import load_trace, save_trace, synthetic_trace
 
 SYNTH = ["--layers", "2", "--experts", "16", "--top-k", "2", "--steps", "40", "--rows", "4",
          "--skew", "1.2"]
@@ -67,6 +70,16 @@ def test_simulate_with_explicit_bytes(trace_file, capsys):
     out = capsys.readouterr().out
     assert "117 MB per expert, 2 GB dense" in out and "in time 50%" in out
     assert "| pcie |" in out
+
+
+def test_simulate_reads_the_model_from_a_recorded_trace(tmp_path, capsys):
+    cfg = SHAPES["tiny"]
+    path = tmp_path / "rec.npz"
+    t = synthetic_trace(cfg.num_layers, cfg.num_experts, cfg.top_k, 20, 2, 1.0, seed=1)
+    save_trace(path, dataclasses.replace(t, extra={"model_config": cfg.to_dict(),
+                                                     "bytes_per_expert": 55_000}))
+    assert main(["simulate", str(path), "--hardware", "rtx4090-pcie4", "--policy", "lru"]) == 0
+    assert "0.055 MB per expert" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("extra, message", [
