@@ -4,7 +4,8 @@
 A trace is one compressed `.npz` file (`np.savez_compressed`, no pickles) of these arrays:
 
 - `meta`: a 0-d unicode array holding JSON: `format` ("strata-trace"), `version` (1),
-  `num_layers`, `num_experts`, `top_k`, `seed` (int or null) and `extra` (a free-form dict).
+  `num_layers`, `num_experts`, `top_k`, `seed` (int or null) and `extra` (a free-form dict;
+  `strata simulate` reads `model_config`, a ModelConfig.to_dict(), and `bytes_per_expert`).
 - `experts` int16 [R, L, k]: the expert ids each live row picked at each layer; rows of all
   steps concatenated in step order, only live rows stored.
 - `rows` int32 [R]: the batch row of each stored row.
