@@ -41,6 +41,7 @@ from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_bindin
 from strata_runtime.residency import Key, Residency, as_held
 from strata_runtime.stats import EngineStats
 from strata_runtime.timeline import Timeline
+from strata_runtime.trace import TraceWriter
 from strata_runtime.workspace import compiled_workspace, held_expert_shapes
 
 DEQUANT = ("device", "host")
@@ -78,6 +79,10 @@ class EngineConfig:
     """EMA decay of the per-step routing counts (the heat)."""
     timeline: bool = False
     """Record step and disk-load spans for `export_timeline`."""
+    record_trace: str | None = None
+    """Write every step's routing (per layer, the experts each live row picked, and the
+    row's request) to this trace file (`runtime/trace.py`) when the engine closes, for
+    `strata trace stats` and `strata simulate`."""
     dequant: str = "device"
     """int4 experts: "device" (packed over the wire, dequantized in the kernel) or "host"
     (dequantized to bf16 when loaded into tier 1: 4x the bytes per copy)."""
@@ -247,6 +252,13 @@ class Engine:
         self.counters = EngineStats(slot_bytes(reader, config).bytes_per_expert,
                                  link_gbps=None if self.resident else _link_rate(self.device))
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
+        self._request: list[int | None] = [None] * self.capacity  # each row's request id
+        self._pending_rows: tuple[np.ndarray, list[int | None]] | None = None  # at dispatch
+        self.trace = None if config.record_trace is None else TraceWriter(
+            config.record_trace, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+            top_k=cfg.top_k, extra={"model_config": dataclasses.asdict(cfg),
+                                    "bytes_per_expert": self.counters.bytes_per_expert,
+                                    "checkpoint": str(reader.path)})
         self._compiled: set[step.StepPlan] = set()  # decode plans called once (compile timed apart)
 
     # --- set-up --------------------------------------------------------------------------------
@@ -292,6 +304,9 @@ class Engine:
         return cls(CheckpointReader(path), config)
 
     def close(self) -> None:
+        self._observe_pending()
+        if self.trace is not None:
+            self.trace.close()
         self._threads.shutdown(wait=True)
 
     def __enter__(self) -> Engine:
@@ -303,11 +318,12 @@ class Engine:
     # --- the contract: prefill / step / free over integer rows ---------------------------------
 
     def prefill(self, row: int, tokens: list[int], start: int = 0,
-                sampling: SamplingParams = GREEDY) -> tuple[int | None, str | None]:
+                sampling: SamplingParams = GREEDY,
+                request: int | None = None) -> tuple[int | None, str | None]:
         """Write `tokens` into row `row`'s KV from position `start` and make it live; the row
-        draws its tokens by `sampling` (a seed of None draws a new one: fix it per request).
-        Returns (its next token, None), or (None, the reason) if an expert it needs could not
-        be read (the row is then free)."""
+        draws its tokens by `sampling` (a seed of None draws a new one: fix it per request);
+        `request` names it in the routing trace. Returns (its next token, None), or (None,
+        the reason) if an expert it needs could not be read (the row is then free)."""
         if not 0 <= row < self.capacity:
             raise ValueError(f"row {row} is outside [0, {self.capacity})")
         if not tokens or start + len(tokens) > self.max_len:
@@ -318,6 +334,7 @@ class Engine:
         prompt = np.asarray(tokens, np.int32)
         values = row_values(sampling)
         self._greedy[row] = sampling.greedy
+        self._request[row] = request
         out = None
         for first, size, count in step.prefill_chunks(len(prompt)):
             chunk = np.zeros(size, np.int32)
@@ -327,6 +344,9 @@ class Engine:
                                     sync=True)
             if failed:
                 return None, failed[row]
+            if self.trace is not None:
+                self.trace.add(out.record.experts, np.arange(size) < count, [request] * size,
+                               prefill=True)
         token = int(out.tokens)
         self._live[row] = True
         self.counters.prefill_s += time.perf_counter() - t0
@@ -338,9 +358,10 @@ class Engine:
         t0 = time.perf_counter()
         sampled = any(not g for g, on in zip(self._greedy, self._live, strict=True) if on)
         plan = self._sampled_plan if sampled else self.plan
+        rows = (np.array(self._live), list(self._request))  # as dispatched, for the trace
         out, failed = self._run("decode", self._decode, plan, (), sync=self._disk_possible)
         self._observe_pending()  # the previous step's record, while this one runs
-        self._pending = out
+        self._pending, self._pending_rows = out, rows
         tokens = np.asarray(out.tokens)
         elapsed = time.perf_counter() - t0
         if plan in self._compiled:
@@ -458,6 +479,8 @@ class Engine:
             return
         record = jax.device_get(self._pending.record)
         self._pending = None
+        if self.trace is not None:
+            self.trace.add(record.experts, *self._pending_rows)
         self.counters.observe(record)
         self._admit(record)
 

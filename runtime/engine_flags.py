@@ -28,7 +28,7 @@ CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "dequant": DEQUANT,
 WITHOUT_HBM = ("batch_capacity", "max_len")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
 METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",
-            "heat_file": "FILE", "int4_tiles": "K=V,..."}
+            "heat_file": "FILE", "record_trace": "FILE", "int4_tiles": "K=V,..."}
 
 
 def flag_name(field: str) -> str:

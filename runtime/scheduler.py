@@ -43,7 +43,7 @@ class Request:
 
 class Scheduler:
     """Runs an engine's rows as a continuous batch. The engine needs `cfg`, `capacity`,
-    `max_len`, `prefill(row, tokens, start)`, `step()` and `free(row)`."""
+    `max_len`, `prefill(row, tokens, start, sampling, request)`, `step()` and `free(row)`."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -139,7 +139,8 @@ class Scheduler:
                 self.rows[row], self.kv_len[row] = req, 0
             self.queue.popleft()
             start = self.kv_len[row]
-            token, error = self.engine.prefill(row, req.sequence[start:], start, req.sampling)
+            token, error = self.engine.prefill(row, req.sequence[start:], start, req.sampling,
+                                               req.id)
             self.kv_len[row] = len(req.sequence)
             if error is not None:
                 self._fail(row, error)

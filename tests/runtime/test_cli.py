@@ -60,6 +60,7 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "hysteresis": (["--hysteresis", "0.3"], 0.3),
     "heat_decay": (["--heat-decay", "0.5"], 0.5),
     "timeline": (["--timeline"], True),
+    "record_trace": (["--record-trace", "run.npz"], "run.npz"),
     "dequant": (["--dequant", "host"], "host"),
     "fetch_threads": (["--fetch-threads", "2"], 2),
     "resident_experts": (["--resident-experts", "5"], 5),
