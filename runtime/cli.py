@@ -627,6 +627,126 @@ def _add_trace_parsers(sub: argparse._SubParsersAction, common) -> None:
     sim.set_defaults(func=_simulate)
 
 
+# ------------------------------------------------------------------------------ bench, sweep
+
+
+def _bench_config(args: argparse.Namespace):
+    """The EngineConfig of the engine flags; without --hbm every expert gets an HBM slot
+    (hbm_budget None), unless --resident-experts and the like say otherwise."""
+    ns = argparse.Namespace(**vars(args))
+    if not hasattr(ns, "hbm_budget"):
+        ns.hbm_budget = None
+    return engine_config(ns)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from strata_runtime.bench import BenchSettings, render_summary, run_bench, write_rows
+
+    config = _bench_config(args)
+    settings = BenchSettings(prompts=args.prompts, prompt_len=args.prompt_len, new=args.new,
+                             repeats=args.repeats, seed=args.seed, hardware=args.hardware)
+
+    def progress(row: dict) -> None:
+        if row["kind"] == "repeat":
+            print(f"repeat {row['repeat'] + 1}/{settings.repeats}: {row['tok_s']:.4g} tok/s, "
+                  f"decode {row['decode_tok_s'] or 0:.4g} tok/s", file=sys.stderr, flush=True)
+
+    result = run_bench(args.ckpt, config, settings, on_row=progress)
+    print(render_summary(result.summary))
+    if args.json_out is not None:
+        write_rows(result.rows, args.json_out)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from strata_runtime.sweep import describe, finish, load_sweep, run_sweep
+
+    sweep = load_sweep(args.sweep, checkpoint=args.checkpoint)
+    if args.dry_run:
+        print(describe(sweep))
+        return 0
+    out = Path(args.out) if args.out is not None else Path(f"sweep-{Path(args.sweep).stem}")
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    rows = run_sweep(sweep, out, resume=args.resume, overwrite=args.overwrite, log=log)
+    print(finish(rows, out, f"strata sweep {args.sweep}"))
+    print(f"wrote {out / 'sweep.jsonl'}, {out / 'sweep.md'}, {out / 'sweep.png'}",
+          file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _add_bench_parsers(sub: argparse._SubParsersAction, common) -> None:
+    """`strata bench` and `strata sweep`."""
+    from strata_runtime.bench import BenchSettings
+    from strata_runtime.cost_model import PROFILES
+
+    defaults = BenchSettings()
+    b = sub.add_parser(
+        "bench", parents=[common], formatter_class=_Formatter,
+        help="repeated, fingerprinted tok/s of the engine, beside its bound and the cost model",
+        description=_describe(
+            "Bench the offload engine on synthetic prompts drawn from --seed: a warm-up run "
+            "(compilation) apart, then --repeats timed runs with the counters reset before "
+            "each. Prints the median tok/s with a 95% percentile-bootstrap interval, step "
+            "p50/p99, hit rates, bytes per tier, the bound from the counted bytes and FLOPs "
+            "over ceilings measured at the start, and the cost model's prediction. Without "
+            "--hbm every expert gets an HBM slot (runtime/bench.py)."),
+        epilog=_examples(
+            "strata bench CKPT --hbm 8GB --host 32GB --repeats 5 --json-out bench.jsonl",
+            "strata bench CKPT --resident-experts 8 --batch-capacity 4 --max-len 64 "
+            "--prompts 8 --prompt-len 8 --new 16",
+            "strata bench CKPT --hbm 24GB --predictor none --policy static --hardware "
+            "rtx3090-pcie3-xeon-v4"))
+    b.add_argument("ckpt", help="Strata checkpoint folder")
+    b.add_argument("--prompts", type=int, default=defaults.prompts, metavar="N",
+                   help="synthetic prompts per timed run (continuous batching over the rows)")
+    b.add_argument("--prompt-len", type=int, default=defaults.prompt_len, metavar="L",
+                   help="ids per prompt")
+    b.add_argument("--new", type=int, default=defaults.new, metavar="N",
+                   help="tokens generated per prompt")
+    b.add_argument("--repeats", type=int, default=defaults.repeats, metavar="R",
+                   help="timed runs after the warm-up")
+    b.add_argument("--seed", type=int, default=defaults.seed, metavar="S",
+                   help="draws the prompts (the same seed gives the same tokens)")
+    b.add_argument("--hardware", default=defaults.hardware,
+                   choices=("measured", *PROFILES),
+                   help="the cost model's profile: this run's measured ceilings, or a shipped "
+                        "one")
+    b.add_argument("--json-out", default=None, metavar="PATH",
+                   help="write JSON lines: one per repeat, then the summary ('-': stdout)")
+    add_engine_flags(b)
+    b.set_defaults(func=_bench)
+
+    sw = sub.add_parser(
+        "sweep", parents=[common], formatter_class=_Formatter,
+        help="bench a ladder or grid of engine knobs from a TOML file: table and plot",
+        description=_describe(
+            "Run `strata bench` in this process for every [[rung]] (or every point of a "
+            "[grid]) of a TOML file, each on a fresh engine; rows are appended to "
+            "OUT/sweep.jsonl as they finish, then OUT/sweep.md (printed) and OUT/sweep.png "
+            "are written. Every rung is checked before anything runs. The schema: "
+            "runtime/sweep.py and docs/design.md, 'Benchmarks and sweeps'."),
+        epilog=_examples("strata sweep sweeps/tiny_ladder.toml --out /tmp/tiny",
+                         "strata sweep sweeps/seed_ladder.toml --dry-run",
+                         "strata sweep sweeps/seed_ladder.toml --out benchmarks/results/ladder "
+                         "--resume"))
+    sw.add_argument("sweep", metavar="SWEEP.toml", help="the sweep file")
+    sw.add_argument("--out", default=None, metavar="DIR",
+                    help="output folder; unset: ./sweep-<file stem>")
+    sw.add_argument("--dry-run", action="store_true",
+                    help="print the resolved rungs and run nothing")
+    sw.add_argument("--checkpoint", default=None, metavar="CKPT",
+                    help="bench this checkpoint instead of [base]'s (a [synth] of [base]'s "
+                         "checkpoint writes it here if it is missing)")
+    sw.add_argument("--resume", action="store_true",
+                    help="keep OUT/sweep.jsonl's rows and run only the rungs without one")
+    sw.add_argument("--overwrite", action="store_true",
+                    help="start OUT/sweep.jsonl afresh")
+    sw.set_defaults(func=_sweep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="strata", description=__doc__, formatter_class=_Formatter,
@@ -685,6 +805,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_plan)
     _add_quantize_parsers(sub, common)
     _add_trace_parsers(sub, common)
+    _add_bench_parsers(sub, common)
     from strata_runtime.server import add_serve_parser
 
     add_serve_parser(sub, add_engine_flags)

@@ -1,0 +1,645 @@
+"""`strata bench`: repeated, fingerprinted throughput runs of the offload engine, each beside
+its bound and the cost model's prediction (docs/design.md, "Benchmarks and sweeps").
+
+One bench: a fresh `Engine` from the checkpoint and an `EngineConfig`; `prompts` synthetic
+prompts of `prompt_len` ids drawn from the seed; a warm-up `generate` of the same prompts and
+length timed apart (it compiles prefill and decode, and the helpers that only a disk stall, a
+cache admission or a rebalancing calls, which a short warm-up may not meet), then `repeats`
+timed `generate` calls, the engine's counters reset before each (placement, cache, tier 1 and
+heat are kept: the timed runs see the warm-up's state). Greedy decoding with no stop ids, so
+every request yields exactly `new` tokens and the same seed gives the same tokens.
+
+Per repeat: tok/s = generated tokens / wall seconds of the timed `generate` (prefill, decode and
+the scheduler's host work), the engine's decode-only tok/s, step p50 / p99, hit rates, and the
+bytes and FLOPs the run's counters give:
+  - HBM: per program call (decode step or prefill chunk) the dense params but the embedding
+    table, the KV cache (decode: every row's `max_len` positions; a prefill chunk: its row's),
+    and every distinct routed expert (bytes as the slots hold them);
+  - host -> device: demand copies + prefetches issued + cache admissions (`EngineStats`);
+  - disk: disk loads x bytes per expert;
+  - FLOPs: 2 x active parameters x (prompt + generated tokens) (`cost_model.model_cost`;
+    attention's own math left out).
+The bound divides each by its ceiling, measured once at the start of a run
+(`measure_ceilings`): time >= max(t_hbm, t_compute) + t_link + t_disk, since the engine's
+copies and disk loads serialize with the step that waits for them while HBM reads and matmuls
+overlap; bound tok/s = generated tokens / that time, `ratio` = measured / bound (1.0: at the
+ceiling), `binds` = the largest term. `roofline_tok_s` is the looser bound with every term
+overlapped (max of all).
+
+The cost model (`cost_model.predict`) predicts decode tok/s from the same counters as
+per-program-call means (`prediction`), on the ceilings measured in the run (profile
+"measured") or a shipped profile; compare it with the engine's decode tok/s.
+
+The median's 95 % interval is a percentile bootstrap of the median over the repeats (10,000
+resamples drawn from the bench seed): it cannot be wider than the repeats' range, so it is
+narrow for few repeats (use 5 or more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax import step
+from strata_jax.checkpoint import CheckpointReader
+from strata_runtime.cost_model import HardwareProfile, ModelCost, model_cost, predict, profile
+from strata_runtime.engine import Engine, EngineConfig, _link_rate
+
+REPO = Path(__file__).resolve().parents[1]
+LEVEL = 0.95
+RESAMPLES = 10_000
+INTERVAL_METHOD = (f"percentile bootstrap of the median over the repeats ({RESAMPLES} "
+                   "resamples, seeded by the bench seed)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchSettings:
+    """What one bench runs besides the engine's knobs (`strata bench` flags, sweep keys)."""
+
+    prompts: int = 8
+    """Synthetic prompts per timed run (continuous batching over `batch_capacity` rows)."""
+    prompt_len: int = 16
+    """Ids per prompt."""
+    new: int = 32
+    """Tokens generated per prompt."""
+    repeats: int = 5
+    """Timed runs after the warm-up."""
+    seed: int = 0
+    """Draws the prompts (and the bootstrap's resamples)."""
+    hardware: str = "measured"
+    """The cost model's profile: "measured" (this run's ceilings) or a shipped profile."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "prompt_len", "new", "repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.hardware != "measured":
+            profile(self.hardware)  # a ValueError naming the shipped ones
+
+
+def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` ids in [3, vocab), a pure function of its arguments."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(min(3, vocab - 1), vocab, length).tolist() for _ in range(count)]
+
+
+def median_interval(values: list[float], seed: int = 0, level: float = LEVEL,
+                    resamples: int = RESAMPLES) -> dict[str, Any]:
+    """The median of `values` and its percentile-bootstrap interval at `level` (widened to
+    contain the median, which resampling cannot leave out for an odd count)."""
+    v = np.asarray(values, np.float64)
+    med = float(np.median(v))
+    if len(v) < 2:
+        lo = hi = med
+    else:
+        idx = np.random.default_rng(seed).integers(0, len(v), (resamples, len(v)))
+        meds = np.median(v[idx], axis=1)
+        lo, hi = (float(x) for x in np.percentile(meds, [50 * (1 - level), 50 * (1 + level)]))
+    return {"median": med, "lo": min(lo, med), "hi": max(hi, med), "level": level,
+            "method": INTERVAL_METHOD, "values": [float(x) for x in v]}
+
+
+# --- the machine ----------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20,
+                             check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> int | None:
+    """NUMA nodes the kernel lists (None: no /sys/devices/system/node)."""
+    if not root.is_dir():
+        return None
+    return sum(1 for p in root.glob("node[0-9]*") if p.is_dir())
+
+
+def nvidia_smi() -> list[dict[str, str]] | None:
+    """Per GPU: name, driver, PCIe generation (current, max) and width; None: no nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = ("name", "driver_version", "pcie.link.gen.current", "pcie.link.gen.max",
+              "pcie.link.width.current", "memory.total")
+    text = _run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"])
+    if text is None:
+        return None
+    return [dict(zip(fields, (c.strip() for c in line.split(",")), strict=False))
+            for line in text.splitlines() if line.strip()]
+
+
+def git_commit(repo: Path = REPO) -> dict[str, object] | None:
+    """The checkout's HEAD and whether tracked files differ from it; None: not a git checkout."""
+    head = _run(["git", "rev-parse", "HEAD"], cwd=repo)
+    if head is None:
+        return None
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
+    return {"commit": head, "dirty": bool(status) if status is not None else None}
+
+
+def hardware_fingerprint(link_gbps: float | None = None) -> dict[str, object]:
+    """Where a number was measured: device, jax / jaxlib, host cores and NUMA nodes, the
+    pinned host -> device rate (GPU only; `link_gbps` if already measured, else
+    `engine._link_rate`), nvidia-smi's PCIe generation, the git commit, python."""
+    import jaxlib
+
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    if gpu and link_gbps is None:
+        link_gbps = max(_link_rate(dev) for _ in range(3))
+    smi = nvidia_smi() if gpu else None
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count()
+    return {
+        "gpu": dev.device_kind if gpu else "cpu",
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "host_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "numa_nodes": numa_nodes(),
+        "pinned_h2d_gbps": link_gbps if gpu else None,
+        "pcie_gen": smi[0].get("pcie.link.gen.current") if smi else None,
+        "pcie_gen_max": smi[0].get("pcie.link.gen.max") if smi else None,
+        "pcie_width": smi[0].get("pcie.link.width.current") if smi else None,
+        "nvidia_smi": smi,
+        "git": git_commit(),
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _best(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_read_gbps(nbytes: int, threads: int | None = None) -> float:
+    """Host DRAM read GB/s: numpy sums of `threads` slices of one array at once (numpy lets
+    go of the GIL in the reduction), best of 3."""
+    threads = threads or os.cpu_count() or 1
+    x = np.ones(nbytes // 8, np.float64)
+    parts = np.array_split(x, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        seconds = _best(lambda: list(pool.map(np.sum, parts)), 3)
+    return x.nbytes / seconds / 1e9
+
+
+def _device_read_gbps(dev: jax.Device, nbytes: int, reps: int) -> float:
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), dev)
+    read = jax.jit(jnp.sum)
+    return x.nbytes / _best(lambda: read(x).block_until_ready(), reps) / 1e9
+
+
+def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int) -> float:
+    a = jax.device_put(jnp.ones((n, n), dtype), dev)
+    mm = jax.jit(lambda m: m @ m)
+    return 2 * n**3 / _best(lambda: mm(a).block_until_ready(), reps) / 1e12
+
+
+def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
+    """The rates the bound divides by, measured now on the default device: pinned host ->
+    device (`engine._link_rate`, best of 3 single copies), host read (`host_read_gbps`),
+    device-memory read (a jitted sum, best wall time), matmul (a jitted square matmul, bf16 on
+    a GPU, float32 on a CPU). `quick` (default: on a CPU backend) uses small arrays: the CPU
+    figures only make the bound's arithmetic run, they are not a GPU's."""
+    dev = jax.devices()[0]
+    quick = dev.platform == "cpu" if quick is None else quick
+    big, n, reps = (64 << 20, 512, 3) if quick else (1 << 30, 8192, 10)
+    link = max(_link_rate(dev, min(big, 64 << 20)) for _ in range(3))
+    host = host_read_gbps(big)
+    hbm = _device_read_gbps(dev, big, reps)
+    dtype = jnp.float32 if dev.platform == "cpu" else jnp.bfloat16
+    tflops = _matmul_tflops(dev, n, dtype, reps)
+    try:
+        stats = dev.memory_stats() or {}
+    except (AttributeError, NotImplementedError, RuntimeError):
+        stats = {}
+    return {"pinned_h2d_gbps": link, "host_read_gbps": host, "hbm_read_gbps": hbm,
+            "matmul_tflops": tflops, "matmul_dtype": jnp.dtype(dtype).name,
+            "hbm_gib": stats.get("bytes_limit", 0) / (1 << 30), "disk_read_gbps": {},
+            "sizes": {"read_bytes": big, "matmul_n": n}, "quick": quick}
+
+
+def drop_page_cache(root: Path) -> None:
+    """Ask the kernel to drop the cached pages of every file under `root`."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def disk_read_gbps(reader: CheckpointReader, threads: int, experts: int = 8) -> float:
+    """GB/s of reading (and verifying) whole experts cold, `threads` at a time as the
+    engine's fetch threads read them (page cache dropped first)."""
+    cfg = reader.config
+    keys = [(i // cfg.num_experts % cfg.num_layers, i % cfg.num_experts)
+            for i in range(min(experts, cfg.num_layers * cfg.num_experts))]
+    drop_page_cache(Path(reader.path) / "experts")
+
+    def one(key: tuple[int, int]) -> int:
+        return sum(reader.read_expert(*key, n).nbytes for n in reader.expert_specs)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(one, keys))
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def measured_profile(ceilings: dict[str, Any], fingerprint: dict[str, Any]) -> HardwareProfile:
+    """The cost model's profile of this run's ceilings."""
+    return HardwareProfile(
+        name="measured", pcie_gbps=ceilings["pinned_h2d_gbps"],
+        host_read_gbps=ceilings["host_read_gbps"], hbm_gbps=ceilings["hbm_read_gbps"],
+        hbm_gib=ceilings["hbm_gib"], matmul_tflops=ceilings["matmul_tflops"],
+        host_cores=int(fingerprint.get("host_cores") or 0),
+        source="measured at the start of this run (strata_runtime.bench.measure_ceilings)")
+
+
+# --- counting -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class Counts:
+    """What one timed run did, from the engine's counters (additive over repeats)."""
+
+    wall_s: float = 0.0
+    new_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    routed: int = 0
+    hits: int = 0
+    prefetched: int = 0
+    fetched: int = 0
+    issued: int = 0
+    admissions: int = 0
+    swaps: int = 0
+    disk_loads: int = 0
+    disk_stall_s: float = 0.0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                         for f in dataclasses.fields(self)})
+
+    @property
+    def steps(self) -> int:
+        """Program calls: decode steps and prefill chunks."""
+        return self.decode_steps + self.prefill_chunks
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """Bytes and FLOPs of the engine's model, as its slots and state hold them."""
+
+    bytes_per_expert: int
+    dense_bytes: int
+    """Read per program call: dense params but the embedding table (unless tied)."""
+    kv_bytes: int
+    """The whole KV cache (a decode step reads it all; a prefill chunk its row's share)."""
+    rows: int
+    flops_per_token: float
+
+    def hbm_bytes(self, c: Counts) -> float:
+        return (c.steps * self.dense_bytes + c.decode_steps * self.kv_bytes
+                + c.prefill_chunks * self.kv_bytes / self.rows + c.routed * self.bytes_per_expert)
+
+    def h2d_bytes(self, c: Counts) -> int:
+        return (c.fetched + c.issued + c.admissions) * self.bytes_per_expert
+
+    def disk_bytes(self, c: Counts) -> int:
+        return c.disk_loads * self.bytes_per_expert
+
+    def flops(self, c: Counts) -> float:
+        return self.flops_per_token * (c.decode_tokens + c.prefill_tokens)
+
+    def model(self) -> ModelCost:
+        return ModelCost(bytes_per_expert=self.bytes_per_expert, dense_bytes=self.dense_bytes,
+                         flops_per_token=self.flops_per_token)
+
+
+def engine_sizes(engine: Engine) -> Sizes:
+    cfg = engine.cfg
+    leaves = jax.tree.leaves(engine.params)
+    embed = engine.params["params"]["embed"]
+    dense = sum(a.nbytes for a in leaves) - (0 if cfg.tie_word_embeddings else embed.nbytes)
+    return Sizes(bytes_per_expert=int(engine.counters.bytes_per_expert), dense_bytes=int(dense),
+                 kv_bytes=int(engine.state.k.nbytes + engine.state.v.nbytes),
+                 rows=engine.capacity, flops_per_token=model_cost(cfg).flops_per_token)
+
+
+def _counts(engine: Engine, wall_s: float, new_tokens: int, prefill_chunks: int) -> Counts:
+    c = engine.counters
+    return Counts(wall_s=wall_s, new_tokens=new_tokens, decode_steps=c.decode_steps,
+                  decode_tokens=c.decode_tokens, decode_s=c.decode_s,
+                  prefill_chunks=prefill_chunks, prefill_tokens=c.prefill_tokens,
+                  prefill_s=c.prefill_s, routed=c.routed, hits=c.hits,
+                  prefetched=c.prefetched, fetched=c.fetched, issued=c.issued,
+                  admissions=c.admissions, swaps=c.swaps, disk_loads=c.disk_loads,
+                  disk_stall_s=c.disk_stall_s)
+
+
+def link_name(ceilings: dict[str, Any]) -> str:
+    return "pcie" if ceilings["pinned_h2d_gbps"] <= ceilings["host_read_gbps"] else "host-read"
+
+
+def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
+          disk_gbps: float | None) -> dict[str, Any]:
+    """The run's bound from its counted bytes and FLOPs and the measured ceilings (module
+    docstring); a disk term only where disk loads happened and a disk rate was measured."""
+    link = min(ceilings["pinned_h2d_gbps"], ceilings["host_read_gbps"]) * 1e9
+    seconds = {"hbm": sizes.hbm_bytes(c) / (ceilings["hbm_read_gbps"] * 1e9),
+               "compute": sizes.flops(c) / (ceilings["matmul_tflops"] * 1e12),
+               link_name(ceilings): sizes.h2d_bytes(c) / link}
+    disk = sizes.disk_bytes(c)
+    if disk and disk_gbps:
+        seconds["disk"] = disk / (disk_gbps * 1e9)
+    serial = max(seconds["hbm"], seconds["compute"]) + sum(
+        t for k, t in seconds.items() if k not in ("hbm", "compute"))
+    roof = max(seconds.values())
+    bound_tok_s = c.new_tokens / serial if serial > 0 else None
+    return {"seconds": seconds, "bound_s": serial, "bound_tok_s": bound_tok_s,
+            "roofline_tok_s": c.new_tokens / roof if roof > 0 else None,
+            "ratio": serial / c.wall_s if c.wall_s > 0 and serial > 0 else None,
+            "binds": max(seconds, key=seconds.get),
+            "disk_unbounded": bool(disk and not disk_gbps)}
+
+
+def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile) -> dict[str, Any] | None:
+    """The cost model's decode tok/s from the run's per-call means (None: no decode step).
+    Inputs: batch = live rows per decode step; routed, misses (demand copies + prefetched
+    experts: every routed expert without a tier-0 slot), admissions per program call (the
+    counters mix prefill chunks in); hidden = the misses' share the prefetch served;
+    extra_hbm_bytes = the KV cache. Prefetches issued but not used are not modelled."""
+    if not c.decode_steps or not c.steps:
+        return None
+    need = c.fetched + c.prefetched
+    inputs = {"batch": c.decode_tokens / c.decode_steps, "routed": c.routed / c.steps,
+              "misses": need / c.steps, "admissions": c.admissions / c.steps,
+              "hidden": c.prefetched / need if need else 0.0,
+              "extra_hbm_bytes": float(sizes.kv_bytes)}
+    p = predict(hw, sizes.model(), **inputs)
+    return {"profile": hw.name, "tok_s": p.tok_s, "binding": p.binding, "step_ms": 1e3 * p.step_s,
+            "terms_ms": {k: 1e3 * v for k, v in p.terms.items()},
+            "inputs": {**inputs, "bytes_per_expert": sizes.bytes_per_expert,
+                       "dense_bytes": sizes.dense_bytes,
+                       "flops_per_token": sizes.flops_per_token},
+            "compare_with": "decode_tok_s"}
+
+
+def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
+    """The per-run figures a row reports (step percentiles over `steps_s`)."""
+    t = np.asarray(steps_s) if steps_s else None
+    per = max(c.steps, 1)
+    return {
+        "tok_s": c.new_tokens / c.wall_s if c.wall_s > 0 else None,
+        "decode_tok_s": c.decode_tokens / c.decode_s if c.decode_s > 0 else None,
+        "step_ms_p50": float(np.percentile(t, 50) * 1e3) if t is not None else None,
+        "step_ms_p99": float(np.percentile(t, 99) * 1e3) if t is not None else None,
+        "tier0_hit_rate": c.hits / c.routed if c.routed else None,
+        "prefetch_hit_rate": c.prefetched / c.routed if c.routed else None,
+        "bytes": {"hbm": sizes.hbm_bytes(c), "h2d": sizes.h2d_bytes(c),
+                  "h2d_wasted": (c.issued - c.prefetched) * sizes.bytes_per_expert,
+                  "disk": sizes.disk_bytes(c)},
+        "per_step": {"hbm_GB": sizes.hbm_bytes(c) / per / 1e9,
+                     "h2d_GB": sizes.h2d_bytes(c) / per / 1e9,
+                     "disk_GB": sizes.disk_bytes(c) / per / 1e9,
+                     "ms_engine": 1e3 * (c.decode_s + c.prefill_s) / per,
+                     "ms_disk_stall": 1e3 * c.disk_stall_s / per},
+        "flops": sizes.flops(c),
+        "disk_loads": c.disk_loads,
+        "disk_stall_s": c.disk_stall_s,
+        "counts": dataclasses.asdict(c),
+    }
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """The JSON rows of a bench (one per repeat, then the summary) and the tokens of each
+    repeat."""
+
+    rows: list[dict[str, Any]]
+    tokens: list[list[list[int]]]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.rows[-1]
+
+
+def config_doc(config: EngineConfig) -> dict[str, Any]:
+    """`config` as JSON values (nested dataclasses as dicts)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def tokens_digest(tokens: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+
+
+def check_fits(config: EngineConfig, settings: BenchSettings) -> None:
+    need = settings.prompt_len + settings.new
+    if need > config.max_len:
+        raise ValueError(f"prompt_len {settings.prompt_len} + new {settings.new} = {need} "
+                         f"positions do not fit max_len {config.max_len}: raise max_len "
+                         "(--max-len) or shorten the run")
+
+
+def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSettings, *,
+              ceilings: dict[str, Any] | None = None,
+              fingerprint: dict[str, Any] | None = None, label: str | None = None,
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> BenchResult:
+    """Warm-up apart, `settings.repeats` timed runs of a fresh engine (module docstring).
+    `ceilings` and `fingerprint` are measured unless given (a sweep measures them once);
+    `on_row` sees each row as it is made."""
+    check_fits(config, settings)
+    reader = CheckpointReader(ckpt)
+    cfg = reader.config
+    prompts = synthetic_prompts(cfg.vocab_size, settings.prompts, settings.prompt_len,
+                                settings.seed)
+    ceilings = measure_ceilings() if ceilings is None else ceilings
+    if fingerprint is None:
+        fingerprint = hardware_fingerprint(ceilings["pinned_h2d_gbps"])
+    hw = (measured_profile(ceilings, fingerprint) if settings.hardware == "measured"
+          else profile(settings.hardware))
+    chunks = sum(len(step.prefill_chunks(len(p))) for p in prompts)
+    head = {"label": label, "checkpoint": str(reader.path), "seed": settings.seed}
+    rows: list[dict[str, Any]] = []
+    tokens: list[list[list[int]]] = []
+    counts: list[Counts] = []
+    steps_s: list[float] = []
+    t0 = time.perf_counter()
+    with Engine(reader, config) as engine:
+        build_s = time.perf_counter() - t0
+        sizes = engine_sizes(engine)
+        t0 = time.perf_counter()
+        engine.generate(prompts, settings.new)  # compiles what the timed runs call
+        warmup_s = time.perf_counter() - t0
+        compile_s = engine.stats()["compile_s"]
+        engine.reset_stats()
+        for r in range(settings.repeats):
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, settings.new)
+            wall = time.perf_counter() - t0
+            stats = engine.stats()  # observes the last step's record first
+            c = _counts(engine, wall, sum(len(t) for t in out), chunks)
+            run_steps = list(engine.counters.recent_steps)
+            engine.reset_stats()
+            disk = _disk_rate(ceilings, reader, config) if c.disk_loads else None
+            row = {"kind": "repeat", **head, "repeat": r, **_figures(c, sizes, run_steps),
+                   "bound": bound(c, sizes, ceilings, disk),
+                   "predicted": prediction(c, sizes, hw), "tokens_sha256": tokens_digest(out),
+                   "stats": stats, "fingerprint": fingerprint}
+            rows.append(row)
+            tokens.append(out)
+            counts.append(c)
+            steps_s += run_steps
+            if on_row is not None:
+                on_row(row)
+    total = sum(counts, Counts())
+    disk = _disk_rate(ceilings, reader, config) if total.disk_loads else None
+    figures = _figures(total, sizes, steps_s)
+    per_repeat = {k: median_interval([r[k] for r in rows], settings.seed)
+                  for k in ("tok_s", "decode_tok_s") if all(r[k] is not None for r in rows)}
+    b = bound(total, sizes, ceilings, disk)
+    tok = per_repeat["tok_s"]["median"]
+    b["ratio"] = tok / b["bound_tok_s"] if b["bound_tok_s"] else None  # of the median
+    summary = {
+        "kind": "summary", **head, "repeats": settings.repeats,
+        "settings": dataclasses.asdict(settings), "config": config_doc(config),
+        "tok_s": per_repeat["tok_s"], "decode_tok_s": per_repeat.get("decode_tok_s"),
+        **{k: figures[k] for k in ("step_ms_p50", "step_ms_p99", "tier0_hit_rate",
+                                   "prefetch_hit_rate", "bytes", "per_step", "flops")},
+        "disk_loads": float(np.median([c.disk_loads for c in counts])),
+        "disk_stall_s": float(np.median([c.disk_stall_s for c in counts])),
+        "bound": b, "predicted": prediction(total, sizes, hw), "ceilings": ceilings,
+        "sizes": dataclasses.asdict(sizes), "build_s": build_s, "warmup_s": warmup_s,
+        "compile_s": compile_s, "tokens_sha256": rows[0]["tokens_sha256"],
+        "tokens_equal_across_repeats": all(t == tokens[0] for t in tokens),
+        "numa": rows[0]["stats"].get("numa"), "fingerprint": fingerprint,
+    }
+    rows.append(summary)
+    if on_row is not None:
+        on_row(summary)
+    return BenchResult(rows, tokens)
+
+
+def _disk_rate(ceilings: dict[str, Any], reader: CheckpointReader,
+               config: EngineConfig) -> float:
+    """The checkpoint's cold expert read rate, measured once per checkpoint and kept in
+    `ceilings["disk_read_gbps"]` (after the timed runs: the drop of the page cache does not
+    touch them)."""
+    rates = ceilings.setdefault("disk_read_gbps", {})
+    key = str(reader.path)
+    if key not in rates:
+        rates[key] = disk_read_gbps(reader, config.fetch_threads)
+    return rates[key]
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _f(value: object, fmt: str = ".4g") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def interval_text(iv: dict[str, Any] | None, fmt: str = ".4g") -> str:
+    if iv is None:
+        return "-"
+    return f"{iv['median']:{fmt}} [{iv['lo']:{fmt}}, {iv['hi']:{fmt}}]"
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    """The summary row as the lines `strata bench` prints."""
+    st, b, p, c = s["settings"], s["bound"], s["predicted"], s["ceilings"]
+    fp = s["fingerprint"]
+    per = s["per_step"]
+    lines = [
+        f"{s['checkpoint']}: {st['prompts']} prompts x {st['prompt_len']} ids, {st['new']} new "
+        f"tokens each, {s['repeats']} repeats, seed {s['seed']}; warm-up {s['warmup_s']:.2f} s "
+        f"apart (compile {s['compile_s']:.2f} s), engine built in {s['build_s']:.2f} s",
+        f"machine: {fp['gpu']} ({fp['device_kind']}), jax {fp['jax']}, {fp['host_cores']} "
+        f"cores, NUMA nodes {_f(fp['numa_nodes'])}, PCIe gen {fp['pcie_gen'] or '-'}, commit "
+        f"{(fp['git'] or {}).get('commit', '-')[:12]}",
+        f"tok/s (generated / wall of the timed generate): {interval_text(s['tok_s'])} "
+        f"(median [{s['tok_s']['level']:.0%} interval: {s['tok_s']['method']}])",
+        f"decode tok/s (engine, decode steps only):     {interval_text(s['decode_tok_s'])}",
+        f"step ms p50 / p99 (every timed decode step):  {_f(s['step_ms_p50'])} / "
+        f"{_f(s['step_ms_p99'])}",
+        f"hit rates: tier 0 {_f(s['tier0_hit_rate'], '.3f')}, prefetched "
+        f"{_f(s['prefetch_hit_rate'], '.3f')}",
+        f"per program call (decode step or prefill chunk): HBM {per['hbm_GB']:.4g} GB, "
+        f"host->device {per['h2d_GB']:.4g} GB, disk {per['disk_GB']:.4g} GB; disk stalls "
+        f"{s['disk_stall_s']:.3g} s ({s['disk_loads']:g} loads) per repeat",
+        f"ceilings (measured at start): pinned h2d {c['pinned_h2d_gbps']:.3g} GB/s, host read "
+        f"{c['host_read_gbps']:.3g} GB/s, device read {c['hbm_read_gbps']:.4g} GB/s, matmul "
+        f"{c['matmul_tflops']:.3g} TFLOP/s ({c['matmul_dtype']})"
+        + ("; disk " + ", ".join(f"{v:.3g}" for v in c["disk_read_gbps"].values()) + " GB/s"
+           if c.get("disk_read_gbps") else ""),
+        f"bound (counted bytes and FLOPs / ceilings): {_f(b['bound_tok_s'])} tok/s, measured "
+        f"{_f(b['ratio'], '.3f')} of it, binds: {b['binds']}"
+        + (" (disk reads not bounded: no disk rate)" if b["disk_unbounded"] else ""),
+    ]
+    if p is not None:
+        lines.append(f"cost model (profile {p['profile']}): {p['tok_s']:.4g} decode tok/s, "
+                     f"binding {p['binding']} (measured decode tok/s "
+                     f"{interval_text(s['decode_tok_s'])})")
+    if not s["tokens_equal_across_repeats"]:
+        lines.append("warning: the repeats gave different tokens")
+    return "\n".join(lines)
+
+
+def write_rows(rows: list[dict[str, Any]], where: str | os.PathLike) -> None:
+    """JSON lines, one per row ('-': stdout)."""
+    text = "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows)
+    if str(where) == "-":
+        sys.stdout.write(text)
+    else:
+        Path(where).write_text(text)
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)

@@ -1,0 +1,140 @@
+"""`strata bench`: fingerprinted JSON lines (a row per repeat and a summary), the same tokens
+for the same seed, a median inside its interval, the bound's arithmetic."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from strata_runtime.bench import (
+    Counts,
+    Sizes,
+    bound,
+    hardware_fingerprint,
+    median_interval,
+    synthetic_prompts,
+)
+from strata_runtime.cli import main
+from tests.helpers import tiny_config, write_checkpoint
+
+FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes",
+               "pinned_h2d_gbps", "pcie_gen", "git", "python")
+# 3 of the 12 experts in HBM: demand copies and prefetches happen
+FLAGS = ["--resident-experts", "3", "--host-experts", "8", "--batch-capacity", "2",
+         "--max-len", "32", "--prompts", "3", "--prompt-len", "5", "--new", "6",
+         "--repeats", "3"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache():
+    """The bench runs share their compiled programs (dropped at the end of the module)."""
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_programs_after_the_module():
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "ck"
+    write_checkpoint(tiny_config(), path, seed=3)
+    return path
+
+
+def bench(ckpt, out, *extra: str) -> list[dict]:
+    assert main(["bench", str(ckpt), *FLAGS, "--json-out", str(out), *extra]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rows(ckpt, tmp_path_factory):
+    return bench(ckpt, tmp_path_factory.mktemp("out") / "a.jsonl", "--seed", "7")
+
+
+def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
+    assert [r["kind"] for r in rows] == ["repeat"] * 3 + ["summary"]
+    assert [r["repeat"] for r in rows[:3]] == [0, 1, 2]
+    for r in rows:
+        assert r["seed"] == 7
+        assert set(FINGERPRINT) <= r["fingerprint"].keys()
+        assert r["fingerprint"]["gpu"] == ("cpu" if jax.default_backend() == "cpu"
+                                           else jax.devices()[0].device_kind)
+        assert r["predicted"]["binding"] in ("hbm", "compute", "pcie", "host-read")
+        assert r["bound"]["binds"] in r["bound"]["seconds"]
+        assert 0 < r["bound"]["bound_tok_s"]
+    repeat = rows[0]
+    assert repeat["counts"]["new_tokens"] == 3 * 6
+    assert repeat["counts"]["fetched"] + repeat["counts"]["prefetched"] > 0  # offloaded
+    assert repeat["stats"]["tier0_experts"] == 3
+    s = rows[-1]
+    assert s["settings"] == {"prompts": 3, "prompt_len": 5, "new": 6, "repeats": 3, "seed": 7,
+                             "hardware": "measured"}
+    assert s["config"]["resident_experts"] == 3 and s["config"]["batch_capacity"] == 2
+    assert s["tokens_equal_across_repeats"]
+    assert s["tok_s"]["values"] == [r["tok_s"] for r in rows[:3]]
+    for key in ("pinned_h2d_gbps", "host_read_gbps", "hbm_read_gbps", "matmul_tflops"):
+        assert s["ceilings"][key] > 0
+    assert set(s["predicted"]["inputs"]) >= {"batch", "routed", "misses", "hidden",
+                                             "bytes_per_expert", "flops_per_token"}
+
+
+def test_the_interval_contains_the_median(rows):
+    for key in ("tok_s", "decode_tok_s"):
+        iv = rows[-1][key]
+        assert iv["lo"] <= iv["median"] <= iv["hi"]
+        assert iv["median"] == pytest.approx(float(np.median(iv["values"])))
+        assert "bootstrap" in iv["method"] and iv["level"] == 0.95
+    rng = np.random.default_rng(0)
+    for n in range(1, 9):
+        values = rng.lognormal(size=n).tolist()
+        iv = median_interval(values, seed=n)
+        assert iv["lo"] <= iv["median"] <= iv["hi"]
+        assert min(values) <= iv["lo"] and iv["hi"] <= max(values)
+        assert iv == median_interval(values, seed=n)  # seeded
+
+
+def test_same_seed_same_tokens_another_seed_other_prompts(ckpt, rows, tmp_path, capsys):
+    again = bench(ckpt, tmp_path / "b.jsonl", "--seed", "7")
+    assert again[-1]["tokens_sha256"] == rows[-1]["tokens_sha256"]
+    assert [r["tokens_sha256"] for r in again[:3]] == [r["tokens_sha256"] for r in rows[:3]]
+    other = bench(ckpt, tmp_path / "c.jsonl", "--seed", "8", "--repeats", "1")
+    assert other[-1]["tokens_sha256"] != rows[-1]["tokens_sha256"]
+    printed = capsys.readouterr().out
+    assert "tok/s (generated / wall of the timed generate)" in printed
+    assert "bound (counted bytes and FLOPs / ceilings)" in printed
+    assert "cost model (profile measured)" in printed
+    assert synthetic_prompts(97, 3, 5, 7) == synthetic_prompts(97, 3, 5, 7)
+    assert synthetic_prompts(97, 3, 5, 7) != synthetic_prompts(97, 3, 5, 8)
+
+
+def test_the_bound_by_hand():
+    c = Counts(wall_s=2.0, new_tokens=100, decode_steps=10, decode_tokens=90,
+               prefill_chunks=2, prefill_tokens=10, routed=50, fetched=4, issued=6,
+               prefetched=5, admissions=2, disk_loads=3)
+    sizes = Sizes(bytes_per_expert=10**6, dense_bytes=10**7, kv_bytes=4 * 10**6, rows=4,
+                  flops_per_token=10**6)
+    ceilings = {"pinned_h2d_gbps": 1.0, "host_read_gbps": 2.0, "hbm_read_gbps": 100.0,
+                "matmul_tflops": 0.1}
+    hbm = 12 * 1e7 + 10 * 4e6 + 2 * 1e6 + 50 * 1e6  # dense, decode KV, prefill KV, experts
+    b = bound(c, sizes, ceilings, disk_gbps=0.5)
+    assert b["seconds"]["hbm"] == pytest.approx(hbm / 100e9)
+    assert b["seconds"]["compute"] == pytest.approx(100 * 1e6 / 0.1e12)
+    assert b["seconds"]["pcie"] == pytest.approx(12e6 / 1e9)  # (4 + 6 + 2) copies
+    assert b["seconds"]["disk"] == pytest.approx(3e6 / 0.5e9)
+    serial = max(hbm / 100e9, 1e-3) + 12e-3 + 6e-3
+    assert b["bound_s"] == pytest.approx(serial)
+    assert b["bound_tok_s"] == pytest.approx(100 / serial)
+    assert b["ratio"] == pytest.approx(serial / 2.0)
+    assert b["binds"] == "pcie"
+    assert bound(c, sizes, ceilings, disk_gbps=None)["disk_unbounded"]
+
+
+def test_fingerprint_reads_numa_nodes_and_git():
+    fp = hardware_fingerprint()
+    assert fp["host_cores"] >= 1 and fp["jax"] == jax.__version__
+    assert fp["git"] is None or len(fp["git"]["commit"]) == 40
+    assert fp["numa_nodes"] is None or fp["numa_nodes"] >= 1
