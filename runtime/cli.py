@@ -659,11 +659,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from strata_runtime.sweep import describe, finish, load_sweep, run_sweep
+    from strata_runtime.sweep import describe, finish, load_sweep, prepare, run_sweep, runnable
 
     sweep = load_sweep(args.sweep, checkpoint=args.checkpoint)
     if args.dry_run:
         print(describe(sweep))
+        return 0
+    if args.prepare_only:
+        prepare(sweep, runnable(sweep.rungs), lambda line: print(line, file=sys.stderr))
         return 0
     out = Path(args.out) if args.out is not None else Path(f"sweep-{Path(args.sweep).stem}")
 
@@ -744,6 +747,8 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, common) -> None:
                     help="keep OUT/sweep.jsonl's rows and run only the rungs without one")
     sw.add_argument("--overwrite", action="store_true",
                     help="start OUT/sweep.jsonl afresh")
+    sw.add_argument("--prepare-only", action="store_true",
+                    help="write the [synth] / [quantize] checkpoints the rungs need, then stop")
     sw.set_defaults(func=_sweep)
 
 

@@ -271,6 +271,14 @@ def _has_checkpoint(path: str | Path) -> bool:
     return Path(path, "config.json").is_file()
 
 
+def runnable(rungs: list[Rung]) -> list[Rung]:
+    """The rungs this machine runs (gpu_only ones need a GPU backend)."""
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    return [r for r in rungs if gpu or not r.gpu_only]
+
+
 def prepare(sweep: Sweep, rungs: list[Rung], log=print) -> None:
     """Write the [synth] / [quantize] checkpoints that `rungs` read and that are missing."""
     used = {str(Path(r.checkpoint)) for r in rungs}
@@ -323,8 +331,10 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
         earlier = []
     done = {r["rung"]: r for r in earlier if "error" not in r}
     gpu = jax.default_backend() == "gpu"
-    todo = [r for r in sweep.rungs if r.name not in done and (gpu or not r.gpu_only)]
-    prepare(sweep, todo, log)
+    prepare(sweep, [r for r in runnable(sweep.rungs) if r.name not in done], log)
+    if all(r.name in done for r in sweep.rungs):
+        log(f"every rung has a row in {jsonl}: nothing to run")
+        return [done[r.name] for r in sweep.rungs]
     ceilings = measure_ceilings()
     fingerprint = hardware_fingerprint(ceilings["pinned_h2d_gbps"])
     log(f"ceilings: pinned h2d {ceilings['pinned_h2d_gbps']:.3g} GB/s, host read "
@@ -447,7 +457,7 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
     ok = [r for r in rows if "tok_s" in r]
     names = [r["rung"] for r in ok]
     x = np.arange(len(ok))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(9.0, 1.3 * len(ok) + 4), 4.8))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 1.4 * len(ok) + 4), 6.0))
     med = np.array([r["tok_s"]["median"] for r in ok])
     err = np.array([[r["tok_s"]["median"] - r["tok_s"]["lo"],
                      r["tok_s"]["hi"] - r["tok_s"]["median"]] for r in ok]).T.reshape(2, -1)
@@ -456,7 +466,7 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
     left.plot(x, bounds, "k_", markersize=18, label="bound (counted bytes / ceilings)")
     left.set_ylabel("tok/s")
     left.set_title("throughput per rung")
-    left.legend(fontsize=8)
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
 
     disk, copy, rest = [], [], []
     for r in ok:
@@ -469,15 +479,15 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
         rest.append(max(per["ms_engine"] - d - c, 0.0))
     name = link_name(ok[0]["ceilings"]) if ok else "pcie"
     right.bar(x, rest, color="tab:green",
-              label="compute + the rest (measured - the others; dequant and host round "
-                    "trips not split out by the stats)")
+              label="compute + the rest (measured minus the others; dequant and host\n"
+                    "round trips are not split out by the stats)")
     right.bar(x, copy, bottom=rest, color="tab:orange",
               label=f"host->device copies (estimate: counted bytes / measured {name} rate)")
     right.bar(x, disk, bottom=np.add(rest, copy), color="tab:red",
               label="disk stalls (measured)")
-    right.set_ylabel("ms per program call (decode step or prefill chunk)")
-    right.set_title("engine time per call")
-    right.legend(fontsize=7)
+    right.set_ylabel("ms per call")
+    right.set_title("engine time per program call (decode step or prefill chunk)", fontsize=9)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     for ax in (left, right):
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
     fig.suptitle(title)

@@ -1,0 +1,143 @@
+"""`strata sweep`: the shipped tiny ladder on a CPU (a row per rung in sweep.jsonl, the table,
+the plot), every rung checked before anything runs, grids, dry runs, failed rungs, resume."""
+
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from strata_runtime.cli import main
+from strata_runtime.sweep import SweepError, load_sweep
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "sweeps" / "tiny_ladder.toml"
+SEED = ROOT / "sweeps" / "seed_ladder.toml"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compile_cache():
+    """The rungs share their compiled programs (dropped at the end of the module)."""
+    yield
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_programs_after_the_module():
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    """The tiny ladder run once: its [synth] writes the checkpoint into the test's folder."""
+    root = tmp_path_factory.mktemp("ladder")
+    ckpt, out = root / "ck", root / "out"
+    rc = main(["sweep", str(TINY), "--checkpoint", str(ckpt), "--out", str(out)])
+    return rc, ckpt, out
+
+
+def test_the_tiny_ladder_writes_a_row_per_rung_a_table_and_a_plot(ladder):
+    rc, ckpt, out = ladder
+    assert rc == 0
+    sweep = load_sweep(TINY, checkpoint=str(ckpt))
+    names = [r.name for r in sweep.rungs]
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [r["rung"] for r in rows] == names
+    for row in rows:
+        assert "error" not in row, row.get("traceback")
+        assert row["tok_s"]["lo"] <= row["tok_s"]["median"] <= row["tok_s"]["hi"]
+        assert row["bound"]["binds"] in row["bound"]["seconds"]
+        assert row["bound"]["bound_tok_s"] > 0 and row["predicted"]["tok_s"] > 0
+        assert row["checkpoint"] == str(ckpt) and "fingerprint" in row
+        assert len(row["repeat_rows"]) == row["settings"]["repeats"]
+    by = {r["rung"]: r["config"] for r in rows}
+    assert by["naive B=1"]["batch_capacity"] == 1 and by["naive B=1"]["policy"] == "static"
+    hot = by["hot cache"]  # from = "prefetch", from = "batching B=8", from = "naive B=1"
+    assert (hot["batch_capacity"], hot["predictor"], hot["policy"]) == (8, "next-gate", "lfru")
+    assert rows[-1]["config"]["rebalance_every"] == 4
+    assert sum(r["disk_loads"] for r in rows) > 0  # tier 1 holds half of the experts
+    table = (out / "sweep.md").read_text()
+    lines = [ln for ln in table.splitlines() if ln.startswith("| ")]
+    assert len(lines) == 1 + len(names)  # the header and a line per rung
+    assert all(f"| {n} |" in table for n in names)
+    assert "1.00x" in lines[1]
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_keeps_the_rows_and_runs_nothing_more(ladder, capsys):
+    rc, ckpt, out = ladder
+    before = (out / "sweep.jsonl").read_text()
+    assert main(["sweep", str(TINY), "--checkpoint", str(ckpt), "--out", str(out)]) == 2
+    assert "--resume" in capsys.readouterr().err  # not overwritten by accident
+    assert main(["sweep", str(TINY), "--checkpoint", str(ckpt), "--out", str(out),
+                 "--resume"]) == 0
+    assert (out / "sweep.jsonl").read_text() == before
+    assert "nothing to run" in capsys.readouterr().err
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    return path
+
+
+BASE = '[base]\ncheckpoint = "{ckpt}"\nmax_len = 32\nprompt_len = 4\nnew = 4\n'
+
+
+@pytest.mark.parametrize(("rung", "named"), [
+    ('predicter = "none"', ["'predicter'", "rung 'second'", "did you mean 'predictor'"]),
+    ('policy = "lruu"', ["rung 'second'", "lruu"]),
+    ('batch_capacity = "8"', ["rung 'second'", "batch_capacity", "expected int"]),
+    ('hbm_budget = "8 parsecs"', ["rung 'second'", "hbm_budget"]),
+    ('from = "later"', ["rung 'second'", "'later'"]),
+])
+def test_a_bad_key_is_named_with_its_rung_before_anything_runs(tmp_path, capsys, rung, named):
+    path = write(tmp_path, BASE.format(ckpt=tmp_path / "none") + '[[rung]]\nname = "first"\n'
+                 f'[[rung]]\nname = "second"\n{rung}\n')
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    for text in named:
+        assert text in err
+    assert not out.exists()  # nothing ran, nothing was written
+    with pytest.raises(SweepError):
+        load_sweep(path)
+
+
+def test_the_grid_is_the_product_and_a_dry_run_runs_nothing(tmp_path, capsys):
+    path = write(tmp_path, BASE.format(ckpt=tmp_path / "ck")
+                 + '[synth]\npath = "{}"\nshape = "tiny"\n'.format(tmp_path / "ck")
+                 + '[grid]\nbatch_capacity = [1, 2]\npolicy = ["static", "lru", "lfu"]\n')
+    sweep = load_sweep(path)
+    got = [(r.name, r.config.batch_capacity, r.config.policy) for r in sweep.rungs]
+    assert got == [(f"batch_capacity={b},policy={p}", b, p)
+                   for b in (1, 2) for p in ("static", "lru", "lfu")]
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("    engine: ") == 6 and "(not there yet)" in printed
+    assert '"policy": "lfu"' in printed and '"max_len": 32' in printed
+    assert not out.exists() and not (tmp_path / "ck").exists()  # no run, no synth
+
+
+def test_a_failed_rung_leaves_a_row_and_the_others_run(tmp_path, capsys):
+    path = write(tmp_path, BASE.format(ckpt=tmp_path / "none")
+                 + '[[rung]]\nname = "a"\n[[rung]]\nname = "b"\nbatch_capacity = 2\n')
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out)]) == 1
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [r["rung"] for r in rows] == ["a", "b"]
+    assert all("no checkpoint" in r["error"] for r in rows)
+    assert "no checkpoint" in (out / "sweep.md").read_text()
+
+
+def test_the_shipped_ladders_resolve():
+    seed = load_sweep(SEED)
+    names = [r.name for r in seed.rungs]
+    assert names[0].startswith("naive") and len(names) >= 7
+    naive = seed.rungs[0].config
+    assert (naive.batch_capacity, naive.policy, naive.cache_fraction, naive.predictor) == (
+        1, "static", 0.0, "none")
+    assert any(r.config.rebalance_every for r in seed.rungs)
+    assert any(r.config.predictor == "next-gate" for r in seed.rungs)
+    assert seed.synth is not None and seed.synth["path"] == seed.rungs[0].checkpoint
