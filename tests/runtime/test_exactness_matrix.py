@@ -46,8 +46,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _generate(reader, **knobs):
-    with Engine(reader, EngineConfig(batch_capacity=2, max_len=32, host_experts=2,
-                                     **knobs)) as engine:
+    """Tier 1 holds every expert here; the disk tier's resume: tests/runtime/test_engine.py."""
+    with Engine(reader, EngineConfig(batch_capacity=2, max_len=32, **knobs)) as engine:
         tokens, logits = run_rows(engine, PROMPTS, NEW_TOKENS)
         return tokens, logits, engine
 
@@ -80,7 +80,7 @@ def test_batched_generation_equals_per_request(checkpoints):
     reader = CheckpointReader(checkpoints / "synthetic")
     batched, batched_logits, _ = _generate(reader, resident_experts=3)
     for i, prompt in enumerate(PROMPTS):
-        with Engine(reader, EngineConfig(batch_capacity=2, max_len=32, host_experts=2,
+        with Engine(reader, EngineConfig(batch_capacity=2, max_len=32,
                                          resident_experts=3)) as engine:
             alone, logits = run_rows(engine, [prompt], NEW_TOKENS)
         np.testing.assert_array_equal(alone[0], batched[i])
