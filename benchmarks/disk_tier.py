@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -27,37 +26,8 @@ import numpy as np
 
 from strata_jax import synth
 from strata_jax.checkpoint import CheckpointReader
+from strata_runtime.bench import disk_read_gbps, drop_page_cache
 from strata_runtime.engine import Engine, EngineConfig, _link_rate
-
-
-def drop_page_cache(root: Path) -> int:
-    """Ask the kernel to drop the cached pages of every file under `root` (clean pages go
-    without root privileges); returns the bytes of the files advised."""
-    advised = 0
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                advised += path.stat().st_size
-            finally:
-                os.close(fd)
-    return advised
-
-
-def cold_read_gbps(reader: CheckpointReader, keys: list[tuple[int, int]],
-                   threads: int) -> float:
-    """GB/s of reading (and verifying) whole experts whose pages were dropped, `threads` at a
-    time as the engine's fetch threads read them."""
-    drop_page_cache(Path(reader.path) / "experts")
-
-    def one(key: tuple[int, int]) -> int:
-        return sum(reader.read_expert(*key, n).nbytes for n in reader.expert_specs)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        nbytes = sum(pool.map(one, keys))
-    return nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def expert_bytes(reader: CheckpointReader) -> int:
@@ -171,9 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"checkpoint ready in {synth_s:.0f} s", flush=True)
     reader = CheckpointReader(args.ckpt)
     cfg = reader.config
-    keys = [(layer, e) for layer in range(min(2, cfg.num_layers)) for e in range(4)]
-    threads = EngineConfig().fetch_threads
-    rates = {"disk_gbps": cold_read_gbps(reader, keys, threads),
+    rates = {"disk_gbps": disk_read_gbps(reader, EngineConfig().fetch_threads),
              "link_gbps": _link_rate(jax.devices()[0])}
     print(f"rates {rates}", flush=True)
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
