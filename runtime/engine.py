@@ -25,10 +25,13 @@ from strata_jax import api, step
 from strata_jax.checkpoint import CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
+from strata_jax.misses import MODES as MISS_MODES
+from strata_jax.misses import MissRates
 from strata_jax.quant import dequantize_int4_jnp
 from strata_jax.sampling import GREEDY, SamplingParams, row_values
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.heat import load_heat, ranked, save_heat
+from strata_runtime.host_misses import HostMisses
 from strata_runtime.ledger import (
     BudgetError,
     Ledger,
@@ -103,6 +106,17 @@ class EngineConfig:
     weight_layout: str = "auto"
     """int4 slots "rows" as stored or "tiles" tile-major; "auto": tiles where the Mosaic
     kernel runs (Hopper)."""
+    miss: str = "fetch"
+    """A miss is "fetch": copied over the link (the resident bits); "host": computed on the
+    host cores where tier 1 holds it; "auto": each layer's misses split between the two so
+    the layer finishes soonest (`miss_rates`). Host compute rounds differently: a tested
+    tolerance, not bits (docs/design.md, "Host compute of misses")."""
+    miss_rates: str | None = None
+    """The rates "auto" splits by, "link=GB/s,host=GB/s,row=X" (the host kernel's one-row
+    rate, and each further row's relative cost); None: measured at start-up (the split,
+    and so the rounding, then depends on the run: fix them to reproduce one)."""
+    host_threads: int | None = None
+    """Cores the host kernel uses; None: all but one (which keeps the device fed)."""
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -114,6 +128,10 @@ class EngineConfig:
         if self.weight_layout not in LAYOUTS:
             raise ValueError(f"weight_layout must be one of {LAYOUTS}, "
                              f"got {self.weight_layout!r}")
+        if self.miss not in MISS_MODES:
+            raise ValueError(f"miss must be one of {MISS_MODES}, got {self.miss!r}")
+        if self.miss_rates is not None:
+            MissRates.parse(self.miss_rates)
         if self.batch_capacity < 1 or self.max_len < 8:
             raise ValueError(f"need batch_capacity >= 1 and max_len >= 8, got "
                              f"{self.batch_capacity}, {self.max_len}")
@@ -238,9 +256,14 @@ class Engine:
         self.cache = ExpertCache(config.policy, cache)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         self.params = api.read_dense_params(reader)
+        link = None if self.resident else _link_rate(self.device)
+        self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
+            self.device, self.residency.host, None if config.miss_rates is None
+            else MissRates.parse(config.miss_rates), link, config.host_threads)
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
-                                  resume=self._disk_possible)
+                                  resume=self._disk_possible,
+                                  miss="fetch" if self.host_misses is None else config.miss)
         self._starts: dict[tuple[int, int], step.Resume] = {}  # per (rows, tokens)
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
@@ -249,8 +272,7 @@ class Engine:
         self._prefill = step.prefill_staged if self.staging else step.prefill
         self.state = step.init_state(cfg, self.capacity, self.max_len, self.device)
         self.timeline = Timeline(config.timeline)
-        self.counters = EngineStats(slot_bytes(reader, config).bytes_per_expert,
-                                 link_gbps=None if self.resident else _link_rate(self.device))
+        self.counters = EngineStats(slot_bytes(reader, config).bytes_per_expert, link_gbps=link)
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
         self._request: list[int | None] = [None] * self.capacity  # each row's request id
         self._pending_rows: tuple[np.ndarray, list[int | None]] | None = None  # at dispatch
@@ -307,6 +329,8 @@ class Engine:
         self._observe_pending()
         if self.trace is not None:
             self.trace.close()
+        if self.host_misses is not None:
+            self.host_misses.close()
         self._threads.shutdown(wait=True)
 
     def __enter__(self) -> Engine:
@@ -393,7 +417,7 @@ class Engine:
                 before = jax.tree.map(jnp.copy, before)
             with self.timeline.span(name, "compute"):
                 self.state, out, pool = program(self.cfg, plan, self.params,
-                                                self.residency.pool, self.residency.tiers(),
+                                                self.residency.pool, self._tiers(),
                                                 self.state, *args, resume=resume)
             if pool is not None:
                 self.residency.pool = pool
@@ -417,6 +441,13 @@ class Engine:
             if args and failed:  # the prefilled row itself failed: nothing to run again
                 return out, failed
             done, resume = record, step.Resume(layer=jnp.int32(layer), saved=out.saved)
+
+    def _tiers(self) -> step.Tiers:
+        """The tiers a step reads, with the host kernel's tier-1 views when it has one."""
+        tiers = self.residency.tiers()
+        if self.host_misses is None:
+            return tiers
+        return tiers.replace(host_work=self.host_misses.work(self.residency.host))
 
     def _from_start(self, args: tuple) -> step.Resume:
         """The resume argument of a run from the first layer, kept per shape (a decode step
@@ -536,13 +567,18 @@ class Engine:
         r = self.residency
         return {"tier0_experts": int((r.page >= 0).sum()),
                 "tier1_experts": int((r.host_page >= 0).sum()) if r.host is not None else 0,
-                "staging_slots": self.staging, **self.counters.summary(), "numa": self.numa.reason}
+                "staging_slots": self.staging, **self.counters.summary(),
+                **({} if self.host_misses is None
+                   else self.host_misses.summary(self.counters.bytes_per_expert)),
+                "numa": self.numa.reason}
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); placement, cache and heat are kept."""
         self._observe_pending()
         old = self.counters
         self.counters = EngineStats(old.bytes_per_expert, link_gbps=old.link_gbps)
+        if self.host_misses is not None:
+            self.host_misses.reset()
         self.timeline.clear()
 
     def save_heat(self, path: str | os.PathLike) -> None:

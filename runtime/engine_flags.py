@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from strata_jax.int4_kernel import Int4Tiles
+from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.step import PREDICTORS
 from strata_runtime.cache_policy import POLICIES
 from strata_runtime.engine import DEQUANT, LAYOUTS, EngineConfig
@@ -24,11 +25,12 @@ from strata_runtime.ledger import parse_bytes
 FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host", "heat_file": "--heat"}
 """Fields whose flag is not `--field-name`."""
 CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "dequant": DEQUANT,
-           "weight_layout": LAYOUTS}
+           "weight_layout": LAYOUTS, "miss": MISS_MODES}
 WITHOUT_HBM = ("batch_capacity", "max_len")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
 METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",
-            "heat_file": "FILE", "record_trace": "FILE", "int4_tiles": "K=V,..."}
+            "heat_file": "FILE", "record_trace": "FILE", "int4_tiles": "K=V,...",
+            "miss_rates": "K=V,..."}
 
 
 def flag_name(field: str) -> str:

@@ -34,6 +34,7 @@ class EngineStats:
     hits: int = 0  # ... found in a tier-0 slot
     prefetched: int = 0  # ... found in the prefetch half
     fetched: int = 0  # ... copied on demand from tier 1 (a stall inside the step)
+    hosted: int = 0  # ... computed on the host cores instead (EngineConfig.miss)
     issued: int = 0  # prefetch copies issued
     disk_loads: int = 0  # tier 2 -> tier 1 reads (each a re-run of the step)
     disk_stall_s: float = 0.0
@@ -53,7 +54,7 @@ class EngineStats:
         """Add one step's record (numpy, read from the device)."""
         routed = (np.asarray(record.counts) > 0).sum(axis=1)
         parts = {"routed": routed, "hits": record.hits, "prefetched": record.prefetched,
-                 "fetched": record.fetched, "issued": record.issued}
+                 "fetched": record.fetched, "hosted": record.hosted, "issued": record.issued}
         for name, per_layer in parts.items():
             per_layer = np.asarray(per_layer, np.int64)
             setattr(self, name, getattr(self, name) + int(per_layer.sum()))
@@ -75,6 +76,8 @@ class EngineStats:
             "tier0_hit_rate": self.hits / self.routed if self.routed else None,
             "prefetch_hit_rate": self.prefetched / self.routed if self.routed else None,
             "misses_per_step": self.fetched / self.decode_steps if self.decode_steps else None,
+            "hosted_per_step": self.hosted / self.decode_steps if self.decode_steps else None,
+            "host_bytes": self.hosted * bpe,
             "h2d_bytes": h2d,
             "h2d_wasted_bytes": (self.issued - self.prefetched) * bpe,
             "disk_bytes": self.disk_loads * bpe,

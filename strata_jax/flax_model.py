@@ -122,6 +122,8 @@ class ChunkInputs(NamedTuple):
     resume: tuple[jax.Array, jax.Array] | None = None
     """(first layer, its input [B, T, D]): layers before the first pass their input through
     and write nothing (-1: a run from the start); None: no resume compiled."""
+    host_work: Any = None
+    """`misses.HostWork` for plans that compute misses on the host, else None."""
 
 
 class DecoderLayer(nn.Module):
@@ -151,7 +153,7 @@ class DecoderLayer(nn.Module):
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
                                      (rows.page, rows.host_page), token_live,
-                                     carry.prefetched, half)
+                                     carry.prefetched, half, inputs.host_work)
         if rows.next_router is None:
             pre_ids = jnp.full((max(plan.staging, 1),), -1, jnp.int32)
         else:
@@ -250,7 +252,8 @@ class MoEModel(nn.Module):
         if resume is not None:
             carry = carry._replace(saved=jnp.zeros_like(x), stalled=jnp.zeros((), jnp.bool_))
         carry, record = self.layers(carry, rows,
-                                    ChunkInputs(positions, token_live, tiers.host, row, resume))
+                                    ChunkInputs(positions, token_live, tiers.host, row, resume,
+                                                tiers.host_work))
         return carry.x, carry.k, carry.v, carry.pool, record, carry.saved
 
     def _next_router(self) -> dict[str, jax.Array] | None:

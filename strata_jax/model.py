@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax import misses
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
@@ -195,15 +196,20 @@ def _resident_experts(plan: StepPlan, h, routing, pool, page_row):
     return combine_routed(routing, picks).astype(h.dtype)
 
 
-def _offload_experts(plan: StepPlan, h, routing, pool, host, slot_of, missing, host_row, half):
-    """The layer's experts in passes: pass p copies the p-th group of `staging` misses into
-    staging half `half` and computes them (pass 0 also every expert that already has a slot);
-    each pick is filled by exactly one pass, so the sum is the resident one bit for bit."""
+def _offload_picks(plan: StepPlan, h, routing, pool, host, slot_of, missing, host_row, half,
+                   after=None):
+    """The layer's picks [N, k, D] float32 in passes: pass p copies the p-th group of
+    `staging` misses into staging half `half` and computes them (pass 0 also every expert
+    that already has a slot); each pick is filled by exactly one pass, so the sum is the
+    resident one bit for bit. Picks of experts in neither are zero. `after`: a value the
+    passes wait for (the host's ticket: its work starts before the device's)."""
     m, e = plan.staging, slot_of.shape[0]
     base = pool.num_slots - 2 * m + half * m
     order = jnp.argsort(~missing, stable=True).astype(jnp.int32)
     n = jnp.sum(missing, dtype=jnp.int32)
     padded = jnp.concatenate([order, jnp.full((m,), e, jnp.int32)])
+    if after is not None:
+        padded, _ = jax.lax.optimization_barrier((padded, after))
 
     def one_pass(p, carry):
         pool, picks = carry
@@ -220,7 +226,12 @@ def _offload_experts(plan: StepPlan, h, routing, pool, host, slot_of, missing, h
     picks = jnp.zeros((*routing.experts.shape, h.shape[-1]), jnp.float32)
     passes = jnp.maximum(1, -(-n // m))
     pool, picks = jax.lax.fori_loop(0, passes, one_pass, (pool, picks))
-    return combine_routed(routing, picks).astype(h.dtype), pool, n
+    return picks, pool, n
+
+
+def _expert_bytes(pool: ExpertPool) -> int:
+    """Bytes of one expert as the pool holds it."""
+    return sum(a.size // a.shape[0] * a.dtype.itemsize for a in pool if a is not None)
 
 
 def prefetch(cfg: ModelConfig, plan: StepPlan, pool, host, x_attn, next_lp, next_page,
@@ -239,10 +250,11 @@ def prefetch(cfg: ModelConfig, plan: StepPlan, pool, host, x_attn, next_lp, next
 
 
 def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows, token_live,
-               pre_ids, half):
+               pre_ids, half, host_work=None):
     """Route the layer and compute its experts from wherever they lie. rows = (page,
-    host_page) of this layer; `pre_ids`: the experts prefetched into the other half. Returns
-    (x, pool, the layer's `step.StepRecord` fields)."""
+    host_page) of this layer; `pre_ids`: the experts prefetched into the other half;
+    `host_work`: the host kernel's tier and rates (`misses`; plans whose `miss` is not
+    "fetch"). Returns (x, pool, the layer's `step.StepRecord` fields)."""
     page_row, host_row = rows
     h, routing = route_layer(cfg, lp, x)
     counts = _present(routing.experts, token_live, cfg.num_experts)
@@ -252,7 +264,7 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     fields = {"counts": counts, "experts": routing.experts, "hits": hits}
     if plan.staging == 0:
         out = _resident_experts(plan, h, routing, pool, page_row)
-        fields.update(prefetched=zero, fetched=zero, issued=zero,
+        fields.update(prefetched=zero, fetched=zero, hosted=zero, issued=zero,
                       disk=jnp.zeros_like(present))
         return x + with_shared(cfg, lp, h, out).reshape(x.shape), pool, fields
     pre_slot = _slot_row(pre_ids, pre_ids >= 0, pool.num_slots - 2 * plan.staging
@@ -261,8 +273,17 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     missing = present & (slot_of < 0)
     disk = missing & (host_row < 0)
     prefetched = jnp.sum(present & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
-    out, pool, fetched = _offload_experts(plan, h, routing, pool, host, slot_of,
-                                          missing & ~disk, host_row, half)
+    rates = None if host_work is None else host_work.rates
+    hosted = misses.split(plan.miss, counts, missing & ~disk, rates, _expert_bytes(pool))
+    ticket = None
+    if plan.miss != "fetch":
+        ticket = misses.host_submit(host_work, hosted, host_row, h, routing.experts, token_live)
+    picks, pool, fetched = _offload_picks(plan, h, routing, pool, host, slot_of,
+                                          missing & ~disk & ~hosted, host_row, half, ticket)
+    if ticket is not None:
+        picks = misses.host_collect(ticket, hosted, routing.experts, picks)
+    out = combine_routed(routing, picks).astype(h.dtype)
     fields.update(prefetched=prefetched, fetched=fetched,
+                  hosted=jnp.sum(hosted, dtype=jnp.int32),
                   issued=jnp.sum(pre_ids >= 0, dtype=jnp.int32), disk=disk)
     return x + with_shared(cfg, lp, h, out).reshape(x.shape), pool, fields

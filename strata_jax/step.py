@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from strata_jax.config import ModelConfig
 from strata_jax.flax_model import model_for
 from strata_jax.int4_kernel import Int4Tiles
+from strata_jax.misses import MODES as MISS_MODES
+from strata_jax.misses import HostWork
 from strata_jax.pool import ExpertPool
 from strata_jax.sampling import (
     GREEDY,
@@ -74,6 +76,11 @@ class StepPlan:
     before it pass their input through and write nothing). Tier 1 then needs room for one
     layer's experts, not a whole step's. For engines whose tier 1 does not hold every
     expert."""
+    miss: str = "fetch"
+    """What a miss costs (`misses`): "fetch" copies it into a staging half (the resident
+    bits); "host" computes it on the host cores where tier 1 holds it; "auto" splits each
+    layer's misses between the two by `Tiers.host_work`'s rates. Host compute rounds
+    differently (docs/design.md, "Host compute of misses")."""
 
     def __post_init__(self) -> None:
         if self.unroll is None:  # resolved now: the plan is a static argument, part of the key
@@ -83,6 +90,8 @@ class StepPlan:
         if self.predictor not in PREDICTORS:
             raise ValueError(f"StepPlan.predictor must be one of {PREDICTORS}, "
                              f"got {self.predictor!r}")
+        if self.miss not in MISS_MODES:
+            raise ValueError(f"StepPlan.miss must be one of {MISS_MODES}, got {self.miss!r}")
 
 
 @chex.dataclass(frozen=True)
@@ -90,11 +99,13 @@ class Tiers:
     """Where every expert lies besides the device pool (which travels apart, so the staging
     halves can be donated). `page` int32 [L, E]: an expert's pool slot, or -1; `host`: the
     pinned-host tier 1, slots on axis 0 (None when every expert has a device slot);
-    `host_page` int32 [L, E]: an expert's host slot, or -1 when it lies only on disk."""
+    `host_page` int32 [L, E]: an expert's host slot, or -1 when it lies only on disk;
+    `host_work`: the host kernel's tier and rates, for plans whose `miss` is not "fetch"."""
 
     page: jax.Array
     host: ExpertPool | None
     host_page: jax.Array
+    host_work: HostWork | None = None
 
 
 @chex.dataclass(frozen=True)
@@ -125,6 +136,7 @@ class StepRecord:
     `counts` [L, E] int32: live tokens routed to each expert; `experts` [L, N, k] int32 every
     token's picks (N = B for decode); `hits`, `prefetched`, `fetched` [L] int32: distinct
     routed experts served from a tier-0 slot, from the prefetch half, copied on demand;
+    `hosted` [L] int32 misses computed on the host instead (`StepPlan.miss`);
     `issued` [L] int32 experts prefetched for this layer; `disk` [L, E] bool: routed experts
     found on no faster tier (the step's output is not valid for their rows; docs/design.md,
     "Disk stalls")."""
@@ -134,6 +146,7 @@ class StepRecord:
     hits: jax.Array
     prefetched: jax.Array
     fetched: jax.Array
+    hosted: jax.Array
     issued: jax.Array
     disk: jax.Array
 

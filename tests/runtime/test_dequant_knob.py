@@ -103,3 +103,15 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
         held = sum(a.nbytes for a in (pool.w1, pool.w3, pool.w2))
         assert held == pool.num_slots * bf16 and pool.w1_scale is None
         assert engine.staging > 0
+
+
+def test_host_compute_takes_host_dequantized_experts_only(quantized):
+    """miss='host' reads tier 1 as the host kernel can: bf16 (dequant='host'), not packed."""
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="packed int4"):
+        _generate(quantized, miss="host")
+    (ref_tokens, ref_logits), _ = _generate(quantized, dequant="host")
+    (tokens, logits), engine = _generate(quantized, dequant="host", miss="host")
+    assert engine.counters.hosted > 0
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=0.02 * np.abs(ref_logits).max())

@@ -1,0 +1,82 @@
+"""The engine's side of host compute: the tier-1 views the step's host kernel reads, and the
+rates the "auto" split decides by (docs/design.md, "Host compute of misses").
+
+The tier-1 pool is replaced (donated in place) when the disk tier admits an expert; each
+version gets views of its own under a new id, and the step carries the id of the version it
+was dispatched with. The last few versions stay registered, since a dispatched step may still
+read the one before.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import jax
+import numpy as np
+
+from strata_jax import host_experts
+from strata_jax.misses import HostWork, MissRates
+from strata_jax.pool import ExpertPool
+
+KEEP = 3  # tier-1 versions kept registered: the current one and those a step may still read
+
+
+class HostMisses:
+    """Registered views of the tier-1 pool, the rates, and what the host computed."""
+
+    def __init__(self, device: jax.Device, host: ExpertPool, rates: MissRates | None,
+                 link_gbps: float, threads: int | None) -> None:
+        """`rates` None: the host kernel is timed now on `host` and the link rate is
+        `link_gbps` (measured by the engine); fixed rates make "auto" reproducible."""
+        host_experts.check_pool(host)
+        self.device = device
+        self.threads = host_experts.set_threads(threads)
+        self._versions: deque[tuple[ExpertPool, int]] = deque()
+        self._done_s, self._done_experts = 0.0, 0
+        tier_id = self._register(host)
+        if rates is None:
+            host_gbps, row_cost = host_experts.measure(tier_id)
+            rates = MissRates(link_gbps=link_gbps, host_gbps=host_gbps, row_cost=row_cost)
+        self.rates = rates
+        self._work = self._device_work(tier_id)
+        self.reset()
+
+    def _register(self, host: ExpertPool) -> int:
+        tier_id = host_experts.register(host)
+        self._versions.append((host, tier_id))
+        while len(self._versions) > KEEP:
+            _, old = self._versions.popleft()
+            t = host_experts.tier(old)
+            self._done_s, self._done_experts = self._done_s + t.busy_s, (
+                self._done_experts + t.experts)
+            host_experts.release(old)
+        return tier_id
+
+    def _device_work(self, tier_id: int) -> HostWork:
+        return jax.device_put(HostWork(tier=np.int32(tier_id), rates=self.rates.array()),
+                              self.device)
+
+    def work(self, host: ExpertPool) -> HostWork:
+        """What a step reading tier-1 pool `host` passes to its host kernel."""
+        if self._versions[-1][0] is not host:
+            self._work = self._device_work(self._register(host))
+        return self._work
+
+    def _totals(self) -> tuple[float, int]:
+        tiers = [host_experts.tier(i) for _, i in self._versions]
+        return (self._done_s + sum(t.busy_s for t in tiers),
+                self._done_experts + sum(t.experts for t in tiers))
+
+    def reset(self) -> None:
+        """Count from now on (`summary`)."""
+        self._base = self._totals()
+
+    def summary(self, bytes_per_expert: int) -> dict[str, object]:
+        busy, experts = (a - b for a, b in zip(self._totals(), self._base, strict=True))
+        return {"host_compute_s": busy,
+                "host_gbps": experts * bytes_per_expert / busy / 1e9 if busy else None,
+                "host_threads": self.threads, "miss_rates": str(self.rates)}
+
+    def close(self) -> None:
+        while self._versions:
+            host_experts.release(self._versions.popleft()[1])

@@ -1,0 +1,91 @@
+"""The host expert kernel (`host_experts`) against a float64 numpy reference, reading a real
+pinned-host pool in place."""
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from strata_jax import host_experts
+from strata_jax.pool import ExpertPool
+
+pytest.importorskip("torch")
+D, F, SLOTS, E, K = 64, 96, 5, 8, 2
+
+
+def _pool(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    shapes = {"w1": (SLOTS, D, F), "w3": (SLOTS, D, F), "w2": (SLOTS, F, D)}
+    arrays = {k: (rng.normal(0, 0.2, s)).astype(dtype) for k, s in shapes.items()}
+    return ExpertPool(**{k: jax.device_put(a, pinned) for k, a in arrays.items()}), arrays
+
+
+def _reference(arrays, slot, x):
+    w1, w3, w2 = (np.asarray(arrays[k][slot], np.float64) for k in ("w1", "w3", "w2"))
+    x = np.asarray(x, np.float64)
+    gate, up = x @ w1, x @ w3
+    return (gate / (1 + np.exp(-gate)) * up) @ w2
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 1e-5), (ml_dtypes.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_picks_match_float64(dtype, tol, rows):
+    pool, arrays = _pool(dtype, seed=rows)
+    rng = np.random.default_rng(rows)
+    h = rng.normal(0, 1, (rows, D)).astype(dtype)
+    experts = np.stack([rng.choice(E, K, replace=False) for _ in range(rows)]).astype(np.int32)
+    live = np.ones(rows, bool)
+    live[-1] = rows == 1  # a padding row computes nothing
+    hosted = np.zeros(E, bool)
+    hosted[[1, 4, 6]] = True
+    host_row = np.array([0, 2, -1, 1, 4, -1, 3, -1], np.int32)
+    tier = host_experts.register(pool)
+    try:
+        out = host_experts.collect(host_experts.submit(tier, h, experts, live, hosted,
+                                                       host_row), None)
+        stats = host_experts.tier(tier)
+    finally:
+        host_experts.release(tier)
+    assert out.shape == (rows, K, D) and out.dtype == np.float32
+    computed = 0
+    for n in range(rows):
+        for j in range(K):
+            e = experts[n, j]
+            if not (hosted[e] and live[n]):
+                assert not out[n, j].any()
+                continue
+            ref = _reference(arrays, host_row[e], h[n][None])[0]
+            err = np.abs(out[n, j] - ref).max() / np.abs(ref).max()
+            assert err < tol, (n, j, err)
+            computed += 1
+    assert computed > 0 and stats.experts > 0 and stats.busy_s > 0
+
+
+def test_the_views_follow_writes_to_the_pool_buffer():
+    """The kernel reads the pinned buffer itself: a donated in-place update of a slot is what
+    the next call computes with."""
+    pool, arrays = _pool(np.float32)
+    put = jax.jit(lambda buf, new: buf.at[2].set(new), donate_argnums=0)
+    new_w2 = np.full((F, D), 0.5, np.float32)
+    pool2 = pool._replace(w2=put(pool.w2, new_w2))
+    tier = host_experts.register(pool2)
+    try:
+        x = np.ones((1, D), np.float32)
+        y = host_experts.compute(tier, x, np.array([[3, 0]], np.int32), np.ones(1, bool),
+                                 np.eye(E, dtype=bool)[3], np.array([0, 0, 0, 2] + [0] * 4))
+    finally:
+        host_experts.release(tier)
+    arrays["w2"][2] = new_w2
+    np.testing.assert_allclose(y[0, 0], _reference(arrays, 2, x)[0], rtol=1e-5)
+
+
+def test_packed_pools_and_stale_tiers_are_refused():
+    pool, _ = _pool(np.float32)
+    packed = pool._replace(w1_scale=pool.w1, w3_scale=pool.w3, w2_scale=pool.w2)
+    with pytest.raises(ValueError, match="packed int4"):
+        host_experts.register(packed)
+    tier = host_experts.register(pool)
+    host_experts.release(tier)
+    with pytest.raises(KeyError, match=f"host tier {tier} is not registered"):
+        host_experts.tier(tier)
