@@ -21,6 +21,9 @@
 #                     (benchmarks/disk_tier.py: a synthetic checkpoint written to local disk,
 #                     decoded through the engine with half of the experts in tier 1)
 #   DISK_ARGS=...     extra arguments for the disk-tier row
+#   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
+#                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
+#                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
 source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-560}
 TEST_LIMIT=${TEST_LIMIT:-240}
@@ -34,8 +37,8 @@ GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,nohea
 if ((TEST_LIMIT > 0)) && [[ $PARTS == *tests* ]]; then
   {
     echo "# GPU tests at $HEAD on $GPU (-k '$TESTS_K', limit ${TEST_LIMIT}s)"
-    timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE tests/test_step.py \
-      tests/test_sampling.py tests/runtime/test_engine.py tests/test_expert_kernels.py tests/test_int4_kernel.py \
+    timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE ${TEST_FILES:-tests/test_step.py \
+      tests/test_sampling.py tests/runtime/test_engine.py tests/test_expert_kernels.py tests/test_int4_kernel.py} \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "^[WI]0" | tail -25 | cut -c1-400
     rc=${PIPESTATUS[0]}
     ((rc == 124 || rc == 137)) && echo "   tests timed out after ${TEST_LIMIT}s"
@@ -78,6 +81,14 @@ if [[ $PARTS == *step* ]]; then
   # the offloaded unrolled program against the rolled resident one, bit for bit
   bench 60 --rows int4-8g --batch 1,16 --sample
   bench 60 --rows int4-3g --batch 16 --check-unroll off --predictors next-gate
+  python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
+fi
+if [[ $PARTS == *hybrid* ]]; then
+  echo "== t=${SECONDS}s: host kernels"
+  timeout -k 10 120 python3 -m benchmarks.host_kernels --out "$OUT" 2>&1 | grep -v "^[WI]0"
+  bench 200 --rows bf16-8g --batch 1 --predictors none --miss fetch,host,auto --check always \
+    ${HYBRID_ARGS:-}
+  bench 200 --rows bf16-8g --batch 16 --predictors none --miss fetch,host,auto ${HYBRID_ARGS:-}
   python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *disk* ]]; then

@@ -56,8 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import hbm_bandwidth, machine, pinned_bandwidth
-from strata_jax import int4_kernel, step
+from strata_jax import host_experts, int4_kernel, step
 from strata_jax.config import ModelConfig
+from strata_jax.misses import HostWork, MissRates
 from strata_jax.pool import ExpertPool
 from strata_jax.quant import GROUP
 from strata_jax.synth import synth_config
@@ -397,12 +398,14 @@ def record_counts(records: list, bpe: int) -> dict[str, float]:
         "hits": [int(r.hits.sum()) for r in recs],
         "prefetched": [int(r.prefetched.sum()) for r in recs],
         "fetched": [int(r.fetched.sum()) for r in recs],
+        "hosted": [int(r.hosted.sum()) for r in recs],
         "issued": [int(r.issued.sum()) for r in recs],
         "disk": [int(r.disk.sum()) for r in recs],
     }
     out = {k: float(np.mean(v)) for k, v in per_step.items()}
     out["expert_hbm_bytes"] = out["distinct"] * bpe
     out["host_bytes"] = (out["fetched"] + out["issued"]) * bpe
+    out["hosted_bytes"] = out["hosted"] * bpe
     # step.py's last layer also prefetches for a "next layer" (layer 0, rolled) and drops the
     # ids: copies that no record counts. Estimate: what a prefetching layer issues on average.
     tail = [float(r.issued[1:].mean()) if len(r.issued) > 1 else 0.0 for r in recs]
@@ -429,7 +432,13 @@ def bounds(row: dict[str, Any]) -> dict[str, Any]:
     b = row["batch"]
     bound = b / (t_hbm + t_pcie)
     step_s = b / row["tok_s"]
-    return {"hbm_GB": hbm_bytes / 1e9, "host_GB": c["host_bytes"] / 1e9,
+    host_read = row.get("host", {}).get("plain_read_gbps")
+    hybrid = None
+    if host_read:  # the misses' bytes over both remedies at once
+        misses = c["host_bytes"] + c.get("hosted_bytes", 0.0)
+        hybrid = b / (t_hbm + misses / ((bw["pinned"][row["fmt"]] + host_read) * 1e9))
+    return {"hybrid_bound_tok_s": hybrid, "hybrid_ratio": hybrid and row["tok_s"] / hybrid,
+            "hbm_GB": hbm_bytes / 1e9, "host_GB": c["host_bytes"] / 1e9,
             "t_hbm_ms": 1e3 * t_hbm, "t_pcie_ms": 1e3 * t_pcie, "bound_tok_s": bound,
             "pcie_bound_tok_s": b / t_pcie if t_pcie else None,
             "ratio": row["tok_s"] / bound, "binds": "PCIe" if t_pcie > t_hbm else "HBM",
@@ -437,9 +446,15 @@ def bounds(row: dict[str, Any]) -> dict[str, Any]:
             "link_busy": t_pcie / step_s, "uncounted_GB": c["uncounted_bytes_est"] / 1e9}
 
 
-def target(name: str, batch: int) -> tuple[str, Callable[[float, dict], bool]] | None:
-    """Issue 17's acceptance target for a row: its text and the test of (tok/s, bounds);
-    ratios are taken against the combined bound."""
+def target(name: str, batch: int, miss: str = "fetch"
+           ) -> tuple[str, Callable[[float, dict], bool]] | None:
+    """Issue 17's (and, with host compute, issue 19's) acceptance target for a row: its text
+    and the test of (tok/s, bounds); ratios are taken against the combined bound."""
+    if miss != "fetch":
+        goals = {("bf16-8g", 1): 23.0, ("bf16-8g", 16): 120.0, ("int4-3g", 1): 65.0}
+        goal = goals.get((name, batch))
+        return None if goal is None else (f">= {goal:g} tok/s (issue 19)",
+                                          lambda tok, b: tok >= goal)
     if name == "resident-bf16":
         return ">= 0.85 of the HBM bound", lambda tok, b: b["ratio"] >= 0.85
     if name == "int4-8g" and batch == 1:
@@ -455,7 +470,7 @@ def target(name: str, batch: int) -> tuple[str, Callable[[float, dict], bool]] |
 
 def verdict(row: dict[str, Any], b: dict[str, Any]) -> str:
     """'<target>: met' / 'missed', or '-' where the issue sets none."""
-    goal = target(row["row"], row["batch"])
+    goal = target(row["row"], row["batch"], row.get("miss", "fetch"))
     if goal is None:
         return "-"
     text, test = goal
@@ -572,21 +587,51 @@ def build(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, hos
     return Setup(layout, pool, tiers, bpe, dense, kv, tile, reference)
 
 
+def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
+    """The tier's host-kernel views and rates (registered and measured once per row): the
+    kernel's one-row rate and growth, and the plain read of the same bytes by the host."""
+    if "work" not in host:
+        from benchmarks.host_kernels import plain_read
+
+        tier = host_experts.register(host["tier"])
+        views = host_experts.tier(tier).views
+        nbytes = sum(v[0].numel() * v.element_size() for v in views.values())
+        threads = host_experts.set_threads(host.get("threads"))
+        read = nbytes / plain_read(views, min(8, views["w1"].shape[0]), 6, threads) / 1e9
+        gbps, growth = host_experts.measure(tier)
+        rates = MissRates(link_gbps=bw["pinned"][fmt], host_gbps=gbps, row_cost=growth)
+        host["work"] = HostWork(tier=jnp.int32(tier), rates=jnp.asarray(rates.array()))
+        host["info"] = {"kernel_gbps": gbps, "row_cost": growth, "plain_read_gbps": read,
+                        "threads": threads, "rates": str(rates)}
+        print(f"   host: kernel {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row), plain read "
+              f"{read:.1f} GB/s, {threads} threads", flush=True)
+    return host
+
+
 def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Setup,
-                  predictor: str, batch: int) -> dict[str, Any]:
+                  predictor: str, batch: int, miss: str, host: dict, bw: dict,
+                  fmt: str) -> dict[str, Any]:
     """Check (where a reference exists) and time one compiled configuration; the donated pool
     is handed back to `setup`."""
     plan = step.StepPlan(staging=setup.layout.staging, predictor=predictor,
-                         unroll=UNROLL[args.unroll], sample=args.sample)
-    runner = Runner(cfg, plan, params, setup.pool, setup.tiers)
+                         unroll=UNROLL[args.unroll], sample=args.sample, miss=miss)
+    tiers, info = setup.tiers, {}
+    if miss != "fetch":
+        host = host_work(host, bw, fmt)
+        tiers, info = tiers.replace(host_work=host["work"]), host["info"]
+    runner = Runner(cfg, plan, params, setup.pool, tiers)
     exact: bool | str | None = "resident" if setup.layout.resident else None
     if setup.reference is not None:
         got = run_steps(runner, live_state(cfg, batch, args.max_len), 2)
         exact = bit_identical(setup.reference, got)
+        if miss != "fetch":  # host compute rounds differently: the largest relative change
+            exact = float(max(np.abs(a - b).max() / np.abs(a).max()
+                              for a, b in zip(setup.reference, got, strict=True)))
     m = measure_config(runner, args, batch)
     setup.pool = runner.pool
     held = sum(a.nbytes for a in jax.tree.leaves((params, setup.pool))) + setup.kv
-    return {"predictor": predictor, "exact": exact, "hbm_held_bytes": held,
+    return {"predictor": predictor, "miss": miss, "host": info, "exact": exact,
+            "hbm_held_bytes": held,
             "unroll": plan.unroll, "sample": plan.sample,
             "counts": record_counts(m.pop("records"), setup.bpe), **m}
 
@@ -596,8 +641,11 @@ def run_batch(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params,
     """Every predictor of one (row, batch): tiers built, checked, timed, emitted."""
     setup = build(args, spec, cfg, params, host, batch)
     layout = setup.layout
-    for predictor in ["none"] if layout.resident else args.predictors:
-        result = run_predictor(args, cfg, params, setup, predictor, batch)
+    configs = [("none", "fetch")] if layout.resident else [
+        (p, m) for p in args.predictors for m in args.miss]
+    for predictor, miss in configs:
+        result = run_predictor(args, cfg, params, setup, predictor, batch, miss, host, bw,
+                               spec.fmt)
         emit({"row": spec.name, "fmt": spec.fmt, "batch": batch, "shape": args.shape,
               "budget": layout.budget, "budget_label": budget_label(spec, args.shape),
               "tier0": layout.tier0, "staging": layout.staging,
@@ -617,7 +665,7 @@ def budget_label(spec: RowSpec, shape: str) -> str:
 
 def run_row(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, bw: dict,
             emit: Callable[[dict], None]) -> None:
-    host: dict[str, ExpertPool] = {}
+    host: dict[str, Any] = {"threads": args.host_threads}
     for batch in args.batch or spec.batches:
         print(f"== {spec.name} B={batch} ({spec.fmt}, {budget_label(spec, args.shape)})",
               flush=True)
@@ -627,7 +675,10 @@ def run_row(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, b
         except DoesNotFit as err:
             print(f"   skipped: {err}", flush=True)
         print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
-    free(host)
+    if "work" in host:
+        host_experts.release(int(host.pop("work").tier))
+        host.pop("info")
+    free(host.get("tier"))
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -637,38 +688,58 @@ EXACT = {None: "not checked", True: "bit-identical", False: "DIFFERS",
          "resident": "is the resident program"}
 
 
+def exactness(exact: Any, short: bool) -> str:
+    """The check's outcome; a float is host compute's largest relative logit change."""
+    if isinstance(exact, float):
+        return f"{exact:.1e} rel"
+    if short:
+        return {None: "-", True: "yes", False: "**NO**", "resident": "n/a"}[exact]
+    return EXACT[exact]
+
+
+def _opt(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def progress_line(row: dict[str, Any]) -> str:
     b, c = bounds(row), row["counts"]
-    return (f"   {row['predictor']:9s} tier0 {row['tier0']:3d} staging {row['staging']}: "
+    return (f"   {row['predictor']:9s} miss {row.get('miss', 'fetch'):5s} "
+            f"tier0 {row['tier0']:3d} staging {row['staging']}: "
             f"{row['tok_s']:9.1f} tok/s (p50 {row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms, "
             f"{row['steps']} steps, first call {row['compile_s']:.1f} s) "
             f"bound {b['bound_tok_s']:.1f} ratio {b['ratio']:.2f} {b['binds']}, "
-            f"hit {b['hit']:.2f}, demand copies {c['fetched']:.1f}/step, prefetch "
+            f"hybrid bound {_opt(b['hybrid_bound_tok_s'])}, "
+            f"hit {b['hit']:.2f}, demand copies {c['fetched']:.1f}/step, host-computed "
+            f"{c.get('hosted', 0.0):.1f}/step, prefetch "
             f"{c['prefetched']:.1f}/{c['issued']:.1f} used/issued, host {b['host_GB']:.3f} "
             f"GB/step (+ ~{b['uncounted_GB']:.3f} uncounted), link busy {b['link_busy']:.2f}, "
-            f"HBM held {row['hbm_held_bytes'] / 1e9:.3g} GB, vs resident: {EXACT[row['exact']]}; "
+            f"HBM held {row['hbm_held_bytes'] / 1e9:.3g} GB, "
+            f"vs resident: {exactness(row['exact'], False)}; "
             f"{verdict(row, b)}")
 
 
-HEADER = ("| row | experts | B | budget (HBM held GB) | tier-0 | staging | predictor | tok/s |"
-          " p50 / p99 ms | bound tok/s | ratio | binds | PCIe-only bound | HBM GB/step |"
+HEADER = ("| row | experts | B | budget (HBM held GB) | tier-0 | staging | predictor | miss |"
+          " tok/s | p50 / p99 ms | bound tok/s | ratio | binds | PCIe-only bound |"
+          " hybrid bound | hybrid ratio | HBM GB/step |"
           " host GB/step | + uncounted GB/step (est.) | distinct/step | hit |"
-          " demand copies/step | prefetch used/issued |"
+          " demand copies/step | host-computed/step | prefetch used/issued |"
           " link busy | exact | target | peers (tok/s) |")
 
 
 def table_line(row: dict[str, Any]) -> str:
     b, c = bounds(row), row["counts"]
     pcie = "-" if b["pcie_bound_tok_s"] is None else f"{b['pcie_bound_tok_s']:.1f}"
-    exact = {None: "-", True: "yes", False: "**NO**", "resident": "n/a"}[row["exact"]]
+    exact = exactness(row["exact"], True)
     peers = PEERS.get((row["fmt"], row["batch"], row["staging"] == 0), "-")
     return (f"| {row['row']} | {row['fmt']} ({row['layout']}) | {row['batch']} | "
             f"{row['budget_label']} ({row['hbm_held_bytes'] / 1e9:.3g}) | {row['tier0']} | "
-            f"{row['staging']} | {row['predictor']} | **{row['tok_s']:.1f}** | "
+            f"{row['staging']} | {row['predictor']} | {row.get('miss', 'fetch')} | "
+            f"**{row['tok_s']:.1f}** | "
             f"{row['p50_ms']:.2f} / {row['p99_ms']:.2f} | {b['bound_tok_s']:.1f} | "
-            f"{b['ratio']:.2f} | {b['binds']} | {pcie} | {b['hbm_GB']:.3f} | "
+            f"{b['ratio']:.2f} | {b['binds']} | {pcie} | {_opt(b['hybrid_bound_tok_s'])} | "
+            f"{_opt(b['hybrid_ratio'], '{:.2f}')} | {b['hbm_GB']:.3f} | "
             f"{b['host_GB']:.3f} | {b['uncounted_GB']:.3f} | {c['distinct']:.1f} | "
-            f"{b['hit']:.2f} | {c['fetched']:.1f} | "
+            f"{b['hit']:.2f} | {c['fetched']:.1f} | {c.get('hosted', 0.0):.1f} | "
             f"{c['prefetched']:.1f} / {c['issued']:.1f} | {b['link_busy']:.2f} | {exact} | "
             f"{verdict(row, b)} | {peers} |")
 
@@ -731,6 +802,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="e.g. 1,16 (default: each row's own)")
     ap.add_argument("--predictors", default="next-gate,none",
                     type=lambda s: s.split(","), help="for offloaded rows")
+    ap.add_argument("--miss", default="fetch", type=lambda s: s.split(","),
+                    help="StepPlan.miss of offloaded rows, e.g. fetch,host,auto")
+    ap.add_argument("--host-threads", type=int, default=None,
+                    help="cores of the host kernel (default: all but one)")
     ap.add_argument("--staging", type=int, default=None,
                     help="staging slots per half (default: top_k * B capped at E)")
     ap.add_argument("--steps", type=int, default=64, help="timed steps (at most)")

@@ -86,7 +86,8 @@ _GUARD = threading.Lock()
 
 
 def set_threads(threads: int | None) -> int:
-    """Cores the host kernel uses (None: all but one). Returns the count set."""
+    """Cores the host kernel uses (None: all but one); returns the count set. torch's
+    thread count is process-wide."""
     torch = _torch()
     n = threads or max(1, (os.cpu_count() or 2) - 1)
     torch.set_num_threads(n)

@@ -1,0 +1,187 @@
+"""The host expert kernel (`strata_jax.host_experts.swiglu`) against a plain read of the same
+bytes, on the same machine in the same run (issue 19).
+
+Tier-1 experts of the chosen shape (random bf16, generated on the device and copied into
+`pinned_host` memory, as the engine's tier 1 is) are read in place through the kernel's own
+views. The plain read is a numpy sum of each expert's bytes as uint64 words, in one chunk per thread
+on as many threads as the kernel uses: the rate any kernel that reads the weights once can
+reach. Candidates: torch's own threads on one call per product (the engine's kernel), and
+column blocks with one single-threaded torch call per core. Each timed call takes the
+next expert (round robin over more bytes than the caches hold). Per row count and thread
+count: GB/s of expert bytes, and the ratio to the plain read.
+
+Run: `python -m benchmarks.host_kernels --out DIR [--shape mixtral-8x7b] [--experts 8]`;
+writes DIR/host_kernels.jsonl and DIR/host_kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from benchmarks.common import machine
+from strata_jax import host_experts
+from strata_jax.pool import ExpertPool
+
+SHAPES = {"mixtral-8x7b": (4096, 14336), "tiny": (128, 256)}
+
+
+def pinned_pool(d: int, f: int, experts: int, seed: int = 0) -> ExpertPool:
+    """`experts` random bf16 experts [experts, in, out] in pinned host memory."""
+    dev = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shapes = {"w1": (experts, d, f), "w3": (experts, d, f), "w2": (experts, f, d)}
+    arrays = {}
+    for key, (name, shape) in zip(keys, shapes.items(), strict=True):
+        a = (jax.random.normal(key, shape, "float32") * 0.02).astype("bfloat16")
+        arrays[name] = jax.block_until_ready(jax.device_put(a, pinned))
+        del a
+    return ExpertPool(**arrays)
+
+
+def timed(fn, calls: int) -> float:
+    """Median seconds of `calls` calls of fn(i) after one untimed call."""
+    fn(calls)
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def plain_read(views, slots: int, calls: int, threads: int) -> float:
+    """Median seconds to read one expert's bytes once: numpy sums of uint64 words over
+    `threads` contiguous chunks of each matrix on as many threads (a vectorized reduction
+    that releases the GIL; no conversion, no writes)."""
+    import torch
+
+    pool = ThreadPoolExecutor(threads)
+    flat = {k: [views[k][s].reshape(-1).view(torch.int64).numpy().view(np.uint64)
+                for s in range(slots)] for k in host_experts.KINDS}
+
+    def read(i):
+        chunks = [c for k in host_experts.KINDS for c in np.array_split(flat[k][i % slots],
+                                                                          threads)]
+        list(pool.map(np.add.reduce, chunks))
+
+    try:
+        return timed(read, calls)
+    finally:
+        pool.shutdown()
+
+
+def column_blocks(views, slot: int, x, pool: ThreadPoolExecutor, threads: int):
+    """A candidate kernel: each product's output columns cut into one block per core, each
+    block a single-threaded torch matmul (torch at 1 thread) on a thread of `pool`."""
+    import torch
+
+    def products(pairs):
+        outs = [torch.empty((a.shape[0], w.shape[1]), dtype=a.dtype) for a, w in pairs]
+        jobs = []
+        for (a, w), out in zip(pairs, outs, strict=True):
+            n = w.shape[1]
+            width = -(-n // threads // 64) * 64
+            jobs += [(a, w, out, c, min(c + width, n)) for c in range(0, n, width)]
+
+        def one(job):
+            a, w, out, lo, hi = job
+            out[:, lo:hi] = a @ w[:, lo:hi]
+
+        list(pool.map(one, jobs))
+        return outs
+
+    gate, up = products([(x, views["w1"][slot]), (x, views["w3"][slot])])
+    act = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+    return products([(act, views["w2"][slot])])[0].float()
+
+
+def kernel(views, slots: int, rows: int, calls: int, threads: int, candidate: str) -> float:
+    import torch
+
+    d = views["w1"].shape[1]
+    x = torch.randn((rows, d)).to(torch.bfloat16)
+    if candidate == "torch":
+        host_experts.set_threads(threads)
+        return timed(lambda i: host_experts.swiglu(views, i % slots, x), calls)
+    torch.set_num_threads(1)
+    with ThreadPoolExecutor(threads) as pool:
+        return timed(lambda i: column_blocks(views, i % slots, x, pool, threads), calls)
+
+
+CANDIDATES = {"torch": "one torch call per product on torch's threads (host_experts.swiglu)",
+              "blocks": "column blocks, one single-threaded torch call per core"}
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    d, f = SHAPES[args.shape]
+    pool = pinned_pool(d, f, args.experts)
+    tier = host_experts.register(pool)
+    views = host_experts.tier(tier).views
+    nbytes = 3 * d * f * 2
+    cores = os.cpu_count() or 1
+    rows_out = []
+    for threads in sorted({cores, max(1, cores - 1)}):
+        read_s = plain_read(views, args.experts, args.calls, threads)
+        read_gbps = nbytes / read_s / 1e9
+        base = {"shape": args.shape, "threads": threads, "expert_bytes": nbytes,
+                "plain_read_gbps": read_gbps, "machine": machine()}
+        print(f"threads {threads}: plain read {read_gbps:.1f} GB/s", flush=True)
+        for candidate, name in CANDIDATES.items():
+            for rows in args.rows:
+                s = kernel(views, args.experts, rows, args.calls, threads, candidate)
+                gbps = nbytes / s / 1e9
+                row = {**base, "kernel": name, "rows": rows, "ms": s * 1e3, "gbps": gbps,
+                       "ratio": gbps / read_gbps}
+                print(f"  {name[:13]} rows {rows:3d}: {s * 1e3:7.2f} ms {gbps:6.1f} GB/s = "
+                      f"{gbps / read_gbps:.2f} of the plain read", flush=True)
+                rows_out.append(row)
+    host_experts.release(tier)
+    return rows_out
+
+
+def render(rows: list[dict]) -> str:
+    env = rows[0]["machine"]
+    lines = [f"# Host expert kernel vs a plain read, {rows[0]['shape']} bf16 experts "
+             f"({env['device']} host, JAX {env['jax']}, {env['date']})", "",
+             "Tier-1 experts in pinned host memory read in place; plain read = numpy uint64 "
+             "sums of the same expert's bytes, one chunk per thread, on as many threads; one "
+             "expert per call, round robin over more bytes than the caches hold; median of "
+             "the calls.", "",
+             "| threads | rows | kernel | ms / expert | GB/s | plain read GB/s | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['rows']} | {r['kernel']} | {r['ms']:.2f} | "
+                     f"{r['gbps']:.1f} | {r['plain_read_gbps']:.1f} | {r['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
+    ap.add_argument("--experts", type=int, default=8, help="experts read round robin")
+    ap.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")],
+                    default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--calls", type=int, default=8, help="timed calls per figure")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run(args)
+    with open(out / "host_kernels.jsonl", "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    (out / "host_kernels.md").write_text(render(rows))
+    print(f"wrote {out / 'host_kernels.md'}")
+
+
+if __name__ == "__main__":
+    main()
