@@ -358,13 +358,35 @@ def _plan(args: argparse.Namespace) -> int:
     config = engine_config(args) if hasattr(args, "hbm_budget") else None
     if config is None:
         raise ValueError("plan needs the HBM budget: --hbm SIZE (e.g. 24GB or 20GiB)")
+    reader = CheckpointReader(args.ckpt)
     try:
-        ledger = plan_for(CheckpointReader(args.ckpt), config)
+        ledger = plan_for(reader, config)
     except BudgetError as e:
         print(e, file=sys.stderr)
         return 2
     print(ledger.render())
+    if config.miss != "fetch" and not ledger.resident:
+        print(_miss_lines(ledger, config, reader.config))
     return 0
+
+
+def _miss_lines(ledger, config, cfg) -> str:
+    """The predicted split of a decode step's misses (`host_misses.predicted_split`)."""
+    from strata_jax.misses import MissRates
+    from strata_runtime.host_misses import predicted_split
+
+    if config.miss_rates is None:
+        return (f"misses: --miss {config.miss}, split by the rates the engine measures at "
+                "start-up (its stats print them as miss_rates); give --miss-rates "
+                "link=GB/s,host=GB/s[,row=X] to see the split here")
+    rates = MissRates.parse(config.miss_rates)
+    p = predicted_split(cfg, mode=config.miss, rates=rates, tier0=ledger.tier0,
+                        batch=config.batch_capacity, bytes_per_expert=ledger.bytes_per_expert)
+    return (f"misses (--miss {config.miss}, {rates}), a decode step of "
+            f"{config.batch_capacity} rows under uniform routing: {p['distinct']:.1f} "
+            f"distinct experts per layer, {p['misses']} misses of ~{p['rows']} rows; "
+            f"{p['hosted']} on the host, {p['misses'] - p['hosted']} over the link: "
+            f"{p['layer_ms']:.3g} ms per layer (link alone {p['link_only_ms']:.3g} ms)")
 
 
 def _eval_quant(args: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ import jax
 import numpy as np
 
 from strata_jax import host_experts
-from strata_jax.misses import HostWork, MissRates
+from strata_jax.config import ModelConfig
+from strata_jax.misses import HostWork, MissRates, split
 from strata_jax.pool import ExpertPool
 
 KEEP = 3  # tier-1 versions kept registered: the current one and those a step may still read
@@ -80,3 +81,23 @@ class HostMisses:
     def close(self) -> None:
         while self._versions:
             host_experts.release(self._versions.popleft()[1])
+
+
+def predicted_split(cfg: ModelConfig, *, mode: str, rates: MissRates, tier0: int, batch: int,
+                    bytes_per_expert: int) -> dict[str, float]:
+    """What `misses.split` does with a decode step's misses of one layer under uniform
+    routing (`strata plan`): B rows pick ~E (1 - (1 - k/E)^B) distinct experts, of which the
+    share tier0 / (L E) has a device slot; every routed expert gets the mean row count."""
+    e, k = cfg.num_experts, cfg.top_k
+    distinct = e * (1 - (1 - k / e) ** batch)
+    misses = int(round(distinct * (1 - tier0 / (cfg.num_layers * e))))
+    rows = max(1, int(round(batch * k / max(distinct, 1e-9))))
+    counts = np.zeros(e, np.int32)
+    counts[:misses] = rows
+    hosted = int(np.asarray(split(mode, counts, counts > 0, rates.array(),
+                                  bytes_per_expert)).sum())
+    link_s = bytes_per_expert / (rates.link_gbps * 1e9)
+    host_s = bytes_per_expert / (rates.host_gbps * 1e9) * (1 + rates.row_cost * (rows - 1))
+    return {"distinct": distinct, "misses": misses, "rows": rows, "hosted": hosted,
+            "layer_ms": 1e3 * max(hosted * host_s, (misses - hosted) * link_s),
+            "link_only_ms": 1e3 * misses * link_s}

@@ -92,6 +92,11 @@ class EngineStats:
         }
         if t is not None and self.link_gbps:
             out["link_busy"] = h2d / (self.link_gbps * 1e9) / busy
+        if self.hosted and self.decode_steps:  # the split per layer, experts per step
+            out["host_split"] = ", ".join(
+                f"L{i} {h / self.decode_steps:.2g}/{(h + f) / self.decode_steps:.2g}"
+                for i, (h, f) in enumerate(zip(self.per_layer["hosted"],
+                                               self.per_layer["fetched"], strict=True)))
         return out
 
     def prediction(self) -> dict[str, float | None]:

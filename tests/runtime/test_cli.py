@@ -71,6 +71,9 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "int4_tiles": (["--int4-tiles", "rows=128,stages=3,f16=false"],
                    Int4Tiles(rows=128, stages=3, f16=False)),
     "weight_layout": (["--weight-layout", "rows"], "rows"),
+    "miss": (["--miss", "auto"], "auto"),
+    "miss_rates": (["--miss-rates", "link=50,host=40"], "link=50,host=40"),
+    "host_threads": (["--host-threads", "3"], 3),
 }
 
 
@@ -87,6 +90,18 @@ def test_every_engine_config_field_is_a_flag(tmp_path):
         for name, (_, want) in FIELD_FLAGS.items():
             want = str(heat) if want == "HEAT" else want
             assert getattr(config, name) == want != fields[name].default, (command, name)
+
+
+def test_plan_predicts_the_split_of_the_misses(tmp_path, capsys):
+    write_checkpoint(tiny_config("mixtral", num_experts=8), tmp_path / "ck", seed=1)
+    args = ["plan", str(tmp_path / "ck"), "--hbm", "1.75MB", "--batch-capacity", "16",
+            "--miss", "auto"]
+    assert main([*args, "--miss-rates", "link=50,host=40,row=0.01"]) == 0
+    out = capsys.readouterr().out
+    # 16 rows over 8 experts, top-2: 7.9 distinct per layer, 1 of the 16 experts in HBM
+    assert "7 misses of ~4 rows; 3 on the host, 4 over the link" in out
+    assert main(args) == 0
+    assert "give --miss-rates" in capsys.readouterr().out
 
 
 def test_plan_and_generate_share_the_engine_defaults():
