@@ -44,7 +44,7 @@ from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_bindin
 from strata_runtime.residency import Key, Residency, as_held
 from strata_runtime.stats import EngineStats
 from strata_runtime.timeline import Timeline
-from strata_runtime.trace import TraceWriter
+from strata_runtime.trace import TraceReplay, TraceWriter, load_trace
 from strata_runtime.workspace import compiled_workspace, held_expert_shapes
 
 DEQUANT = ("device", "host")
@@ -86,6 +86,12 @@ class EngineConfig:
     """Write every step's routing (per layer, the experts each live row picked, and the
     row's request) to this trace file (`runtime/trace.py`) when the engine closes, for
     `strata trace stats` and `strata simulate`."""
+    replay_trace: str | None = None
+    """Route by this trace's picks (`runtime/trace.py`) instead of the router's: a systems
+    study of a recorded or synthetic workload's expert traffic (the tokens then follow the
+    forced routing). Decode steps take the trace's decode steps in order, prefill chunks its
+    prefill steps, cycling; replaying a run's own trace on the same prompts gives its
+    tokens."""
     dequant: str = "device"
     """int4 experts: "device" (packed over the wire, dequantized in the kernel) or "host"
     (dequantized to bf16 when loaded into tier 1: 4x the bytes per copy)."""
@@ -263,7 +269,11 @@ class Engine:
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
                                   resume=self._disk_possible,
-                                  miss="fetch" if self.host_misses is None else config.miss)
+                                  miss="fetch" if self.host_misses is None else config.miss,
+                                  replay=config.replay_trace is not None)
+        self.replay = None if config.replay_trace is None else TraceReplay(
+            load_trace(config.replay_trace), num_layers=cfg.num_layers,
+            num_experts=cfg.num_experts, top_k=cfg.top_k, source=config.replay_trace)
         self._starts: dict[tuple[int, int], step.Resume] = {}  # per (rows, tokens)
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
@@ -410,6 +420,10 @@ class Engine:
         of experts that cannot be read. Returns (StepOutput, failed rows)."""
         failed: dict[int, str] = {}
         resume = self._from_start(args) if plan.resume else None
+        forced = None
+        if self.replay is not None:  # one trace step per step, re-runs included
+            kind, rows = ("prefill", len(args[1])) if args else ("decode", self.capacity)
+            forced = jax.device_put(self.replay.picks(kind, rows), self.device)
         done = None  # the record of the layers before the resume layer
         while True:
             before = (self.state.tokens, self.state.positions, self.state.sampler) if sync else None
@@ -418,7 +432,8 @@ class Engine:
             with self.timeline.span(name, "compute"):
                 self.state, out, pool = program(self.cfg, plan, self.params,
                                                 self.residency.pool, self._tiers(),
-                                                self.state, *args, resume=resume)
+                                                self.state, *args, resume=resume,
+                                                forced=forced)
             if pool is not None:
                 self.residency.pool = pool
             if not sync:
@@ -570,6 +585,7 @@ class Engine:
                 "staging_slots": self.staging, **self.counters.summary(),
                 **({} if self.host_misses is None
                    else self.host_misses.summary(self.counters.bytes_per_expert)),
+                **({} if self.replay is None else {"replay_wraps": self.replay.wraps}),
                 "numa": self.numa.reason}
 
     def reset_stats(self) -> None:

@@ -30,7 +30,7 @@ WITHOUT_HBM = ("batch_capacity", "max_len")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
 METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",
             "heat_file": "FILE", "record_trace": "FILE", "int4_tiles": "K=V,...",
-            "miss_rates": "K=V,..."}
+            "miss_rates": "K=V,...", "replay_trace": "FILE"}
 
 
 def flag_name(field: str) -> str:

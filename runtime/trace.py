@@ -173,6 +173,46 @@ class TraceWriter:
             self.abort()
 
 
+class TraceReplay:
+    """A trace's picks handed to the steps of an engine that replays it
+    (`EngineConfig.replay_trace`): each decode step takes the trace's next decode step, each
+    prefill chunk its next prefill step, cycling when the trace runs out (`wraps` counts it);
+    a stored row lands on the batch row (decode) or chunk token (prefill) it was recorded at.
+    Rows the trace step did not store (and rows beyond the engine's) keep the router's
+    picks (-1)."""
+
+    def __init__(self, trace: RoutingTrace, *, num_layers: int, num_experts: int, top_k: int,
+                 source: str = "the trace") -> None:
+        got = (trace.num_layers, trace.num_experts, trace.top_k)
+        if got != (num_layers, num_experts, top_k):
+            raise TraceError(f"{source}: recorded for {got[0]} layers x {got[1]} experts, "
+                             f"top-{got[2]}; the model has {num_layers} x {num_experts}, "
+                             f"top-{top_k}")
+        self.trace = trace
+        self._steps = {kind: np.flatnonzero(trace.prefill == (kind == "prefill"))
+                       for kind in ("decode", "prefill")}
+        self._next = {"decode": 0, "prefill": 0}
+        self.wraps = 0
+
+    def picks(self, kind: str, rows: int) -> np.ndarray:
+        """int32 [L, rows, k]: the next `kind` ("decode" / "prefill") step's picks."""
+        t = self.trace
+        out = np.full((t.num_layers, rows, t.top_k), -1, np.int32)
+        steps = self._steps[kind]
+        if not len(steps):
+            return out
+        i = self._next[kind]
+        if i == len(steps):
+            i, self.wraps = 0, self.wraps + 1
+        self._next[kind] = i + 1
+        step = int(steps[i])
+        lo, hi = t.offsets[step], t.offsets[step + 1]
+        where = t.rows[lo:hi]
+        keep = where < rows
+        out[:, where[keep], :] = np.transpose(t.experts[lo:hi][keep], (1, 0, 2))
+        return out
+
+
 def save_trace(path: str | os.PathLike, trace: RoutingTrace) -> None:
     """Write `trace` to `path` atomically (a temporary file beside it, then a rename)."""
     path = Path(path)

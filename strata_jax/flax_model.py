@@ -106,6 +106,8 @@ class LayerRows(NamedTuple):
     """The next layer's `page`."""
     next_host_page: jax.Array
     """The next layer's `host_page`."""
+    forced: jax.Array | None = None
+    """[N, k] int32 replayed picks of the layer (-1: the router's); None: no replay."""
 
 
 class ChunkInputs(NamedTuple):
@@ -153,7 +155,7 @@ class DecoderLayer(nn.Module):
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
                                      (rows.page, rows.host_page), token_live,
-                                     carry.prefetched, half, inputs.host_work)
+                                     carry.prefetched, half, inputs.host_work, rows.forced)
         if rows.next_router is None:
             pre_ids = jnp.full((max(plan.staging, 1),), -1, jnp.int32)
         else:
@@ -225,28 +227,29 @@ class MoEModel(nn.Module):
         return logits, record
 
     def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-              v_all, row=None, pick=None, resume=None):
+              v_all, row=None, pick=None, resume=None, forced=None):
         """Tokens [B, T] at `positions` [B, T] against the caches: embed, `run_layers`, the LM
         head of `pick(x)` (None: every position). Returns (float32 logits, (k_all, v_all,
         pool, the record's fields, the saved input to resume from (None without resume)))."""
         x = self.globals["embed"][tokens]
         x, k_all, v_all, pool, record, saved = self.run_layers(
-            x, positions, token_live, pool, tiers, k_all, v_all, row, resume)
+            x, positions, token_live, pool, tiers, k_all, v_all, row, resume, forced)
         return lm_head(self.cfg, self.globals, x if pick is None else pick(x)), (
             k_all, v_all, pool, record, saved)
 
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-                   v_all, row=None, resume=None):
+                   v_all, row=None, resume=None, forced=None):
         """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [B * T]
         marks tokens whose routing counts (and moves experts); `row`: the cache row of a
         prefill chunk (None: row b is batch row b); `resume`: (first layer, its input), see
-        `ChunkInputs.resume`. Returns x, the caches, the pool, the record's fields
+        `ChunkInputs.resume`; `forced` [L, N, k]: replayed picks (-1: the router's; None:
+        the router's everywhere). Returns x, the caches, the pool, the record's fields
         (`step.StepRecord`), each [L, ...], and the input of the first layer that stalled
         on disk (None without resume)."""
         n = self.cfg.num_layers
         rows = LayerRows(layer=jnp.arange(n), page=tiers.page, host_page=tiers.host_page,
                          next_router=self._next_router(), next_page=_next_rows(tiers.page),
-                         next_host_page=_next_rows(tiers.host_page))
+                         next_host_page=_next_rows(tiers.host_page), forced=forced)
         pre0 = jnp.full((max(self.plan.staging, 1),), -1, jnp.int32)
         carry = LayerCarry(x, k_all, v_all, pool, pre0)
         if resume is not None:

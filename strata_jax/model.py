@@ -70,6 +70,18 @@ def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, 
     return h, route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
 
 
+def force_routing(cfg: ModelConfig, routing: Routing, forced: jax.Array) -> Routing:
+    """`routing` with the experts of `forced` [N, k] (-1: the router's own pick) and the
+    router's probabilities at them as weights, normalized as `route` does: a routing trace
+    replayed (docs/design.md, "The routing trace"). Forcing the ids the router picked gives
+    its weights bit for bit."""
+    experts = jnp.where(forced >= 0, forced, routing.experts)
+    weights = jnp.take_along_axis(jax.nn.softmax(routing.logits, axis=-1), experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts, weights.astype(routing.weights.dtype), routing.logits)
+
+
 def moe_block(
     cfg: ModelConfig, lp: Params, x: jax.Array, pool: ExpertPool, slot_row: jax.Array,
     row_chunks: bool | None = None, int4_tiles: Int4Tiles | None = None,
@@ -250,13 +262,16 @@ def prefetch(cfg: ModelConfig, plan: StepPlan, pool, host, x_attn, next_lp, next
 
 
 def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows, token_live,
-               pre_ids, half, host_work=None):
+               pre_ids, half, host_work=None, forced=None):
     """Route the layer and compute its experts from wherever they lie. rows = (page,
     host_page) of this layer; `pre_ids`: the experts prefetched into the other half;
     `host_work`: the host kernel's tier and rates (`misses`; plans whose `miss` is not
-    "fetch"). Returns (x, pool, the layer's `step.StepRecord` fields)."""
+    "fetch"); `forced` [N, k]: replayed picks (`force_routing`; None: the router's).
+    Returns (x, pool, the layer's `step.StepRecord` fields)."""
     page_row, host_row = rows
     h, routing = route_layer(cfg, lp, x)
+    if forced is not None:
+        routing = force_routing(cfg, routing, forced)
     counts = _present(routing.experts, token_live, cfg.num_experts)
     present = counts > 0
     hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)

@@ -76,6 +76,10 @@ class StepPlan:
     before it pass their input through and write nothing). Tier 1 then needs room for one
     layer's experts, not a whole step's. For engines whose tier 1 does not hold every
     expert."""
+    replay: bool = False
+    """Route by replayed picks (the step's `forced` argument, [L, N, k], -1: the router's)
+    instead of the router's top-k: a routing trace replayed (docs/design.md, "The routing
+    trace")."""
     miss: str = "fetch"
     """What a miss costs (`misses`): "fetch" copies it into a staging half (the resident
     bits); "host" computes it on the host cores where tier 1 holds it; "auto" splits each
@@ -217,15 +221,23 @@ def _resume(cfg: ModelConfig, plan: StepPlan, resume: Resume | None, rows: int,
     return resume.layer, resume.saved
 
 
+def _forced(plan: StepPlan, forced: jax.Array | None) -> jax.Array | None:
+    if plan.replay != (forced is not None):
+        raise ValueError("StepPlan.replay and the step's `forced` picks go together")
+    return forced
+
+
 def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
-            state: DecodeState, resume: Resume | None = None):
+            state: DecodeState, resume: Resume | None = None, forced: jax.Array | None = None):
     """One token for every live row: (the state with the next tokens, StepOutput, the pool
-    (None when `plan.staging` is 0)). `resume` (with `plan.resume`): run from a layer."""
+    (None when `plan.staging` is 0)). `resume` (with `plan.resume`): run from a layer;
+    `forced` [L, B, k] (with `plan.replay`): the replayed picks."""
     positions = jnp.where(state.live, state.positions, state.max_len)[:, None]
     logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
         params, state.tokens[:, None], positions, state.live, pool, tiers, state.k, state.v,
         pick=lambda x: x[:, 0], method="chunk",
-        resume=_resume(cfg, plan, resume, state.tokens.shape[0], 1))
+        resume=_resume(cfg, plan, resume, state.tokens.shape[0], 1),
+        forced=_forced(plan, forced))
     if plan.sample:
         nxt = sample(logits, state.sampler, state.positions + 1)
     else:
@@ -240,20 +252,21 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
              state: DecodeState, row, tokens, start, count, sampling=None,
-             resume: Resume | None = None):
+             resume: Resume | None = None, forced: jax.Array | None = None):
     """A chunk of one row's prompt: tokens [T] (the first `count` real) placed at positions
     start, start + 1, ... of row `row`, which becomes live with its next token at position
     start + count, drawn by `sampling` (`sampling.row_values`, None: greedy; the row's
     settings from now on; at start 0 its sequence starts anew). Returns (state, StepOutput
     with the logits [V] of the chunk's last real token, pool (None when `plan.staging` is
-    0)). `resume` (with `plan.resume`): run from a layer."""
+    0)). `resume` (with `plan.resume`): run from a layer; `forced` [L, T, k] (with
+    `plan.replay`): the replayed picks."""
     t = tokens.shape[0]
     real = jnp.arange(t) < count
     positions = jnp.where(real, start + jnp.arange(t), state.max_len)[None].astype(jnp.int32)
     logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
         params, tokens[None], positions, real, pool, tiers, state.k, state.v, row=row,
         pick=lambda x: x[0, jnp.maximum(count - 1, 0)], method="chunk",
-        resume=_resume(cfg, plan, resume, 1, t))
+        resume=_resume(cfg, plan, resume, 1, t), forced=_forced(plan, forced))
     sampler = set_row(state.sampler, row, row_values(GREEDY) if sampling is None else sampling,
                       start == 0)
     sampler = mark_seen(sampler, jnp.full((t,), row), tokens, real)

@@ -74,6 +74,7 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "miss": (["--miss", "auto"], "auto"),
     "miss_rates": (["--miss-rates", "link=50,host=40"], "link=50,host=40"),
     "host_threads": (["--host-threads", "3"], 3),
+    "replay_trace": (["--replay-trace", "run.npz"], "run.npz"),
 }
 
 

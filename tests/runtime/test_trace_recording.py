@@ -1,5 +1,6 @@
 """An engine run's routing trace: each request's picks, position by position, as the resident
-forward routes them; the same trace for the same run; Belady above every policy on it."""
+forward routes them; the same trace for the same run; Belady above every policy on it; a
+trace replayed (`replay_trace`) forces the routing, and a run's own trace gives its tokens."""
 
 import numpy as np
 import pytest
@@ -7,8 +8,9 @@ import pytest
 import strata_jax
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.simulate import compare, pinned_by_heat
-from strata_runtime.trace import load_trace
+from strata_runtime.trace import TraceError, load_trace, save_trace, synthetic_trace
 from tests.helpers import tiny_config, write_checkpoint
+from tests.runtime.contract import run_rows
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9]]
 
@@ -47,3 +49,45 @@ def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, tmp_path):
         results, best = compare(trace, pinned=pinned_by_heat(trace, 2), cache=cache,
                                 staging=2, admission="demand")
         assert all(best.hits >= r.hits for r in results)
+
+
+def test_replaying_a_runs_own_trace_gives_its_tokens_and_its_trace(ckpt, tmp_path):
+    new = _record(ckpt, tmp_path / "a.npz")
+    config = EngineConfig(batch_capacity=2, max_len=32, resident_experts=3,
+                          record_trace=str(tmp_path / "b.npz"),
+                          replay_trace=str(tmp_path / "a.npz"))
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        assert engine.generate(PROMPTS, 6) == new
+        assert engine.stats()["replay_wraps"] == 0
+    a, b = load_trace(tmp_path / "a.npz"), load_trace(tmp_path / "b.npz")
+    for name in ("experts", "rows", "requests", "offsets", "widths", "prefill"):
+        np.testing.assert_array_equal(getattr(b, name), getattr(a, name))
+
+
+def test_a_synthetic_trace_forces_the_routing_and_offload_stays_exact(ckpt, tmp_path):
+    cfg = tiny_config("qwen2_moe")
+    synth = synthetic_trace(cfg.num_layers, cfg.num_experts, cfg.top_k, steps=3, rows=2,
+                            skew=1.0, seed=3)
+    save_trace(tmp_path / "synth.npz", synth)
+    runs = []
+    for knobs in ({}, {"resident_experts": 3}):
+        config = EngineConfig(batch_capacity=2, max_len=32, record_trace=str(
+            tmp_path / f"got{len(runs)}.npz"), replay_trace=str(tmp_path / "synth.npz"),
+            **knobs)
+        with Engine.from_checkpoint(ckpt, config) as engine:
+            runs.append(run_rows(engine, PROMPTS[:2], 6))  # 5 decode steps: the trace wraps
+            assert engine.stats()["replay_wraps"] == 1
+    np.testing.assert_array_equal(runs[1][0], runs[0][0])
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
+    got = load_trace(tmp_path / "got1.npz")
+    decode = np.flatnonzero(~got.prefill)
+    for i, step in enumerate(decode):
+        np.testing.assert_array_equal(got.step_experts(step), synth.step_experts(i % 3))
+
+
+def test_a_trace_of_another_model_is_refused(ckpt, tmp_path):
+    save_trace(tmp_path / "other.npz", synthetic_trace(3, 6, 2, steps=2, rows=1, skew=0.0,
+                                                       seed=0))
+    with pytest.raises(TraceError, match="other.npz: recorded for 3 layers x 6 experts"):
+        Engine.from_checkpoint(ckpt, EngineConfig(batch_capacity=2, max_len=32,
+                                                  replay_trace=str(tmp_path / "other.npz")))
