@@ -566,13 +566,14 @@ def _simulate(args: argparse.Namespace) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     steps = max(trace.num_steps, 1)
     for r in [*results, opt]:
-        now = predict_replay(hw, model, trace, r, hidden=args.hidden)
-        best = predict_replay(hw, model, trace, r, hidden=r.prefetch_bound)
+        now = predict_replay(hw, model, trace, r, hidden=args.hidden, miss=args.miss)
+        best = predict_replay(hw, model, trace, r, hidden=r.prefetch_bound, miss=args.miss)
         print(f"| {r.name} | {r.hits} / {r.accesses} | {r.hit_rate:.3f} | {opt.hit_rate:.3f} "
               f"| {r.prefetch_bound:.3f} | {r.copies / steps:.2f} | {now.tok_s:.4g} "
               f"| {now.binding} | {best.tok_s:.4g} |")
     print("\npredicted tok/s: misses prefetched in time " f"{args.hidden:.0%} (--hidden); "
-          "copies include the engine's admissions (strata_runtime.cost_model)")
+          f"misses --miss {args.miss}; copies include the engine's admissions "
+          "(strata_runtime.cost_model)")
     return 0
 
 
@@ -634,6 +635,9 @@ def _add_trace_parsers(sub: argparse._SubParsersAction, common) -> None:
     sim.add_argument("--admission", choices=ADMISSIONS, default="engine",
                      help="engine: a step's experts enter the cache after the next step "
                           "(the engine's lag); demand: at their miss (Belady's model)")
+    sim.add_argument("--miss", choices=("fetch", "host", "auto"), default="fetch",
+                     help="the engine's remedy for a miss (EngineConfig.miss): copied, "
+                          "computed on the host, or each layer's split by the profile's rates")
     sim.add_argument("--hidden", type=float, default=0.0, metavar="X",
                      help="share of misses prefetched in time, for the predicted tok/s")
     sim.add_argument("--shape", default=None,

@@ -5,16 +5,22 @@ One decode step of B live rows takes, in seconds,
     t_hbm     = (dense_bytes + routed * bytes_per_expert) / hbm
     t_compute = B * flops_per_token / matmul
     t_copy    = misses * bytes_per_expert / link          link = min(pcie, host_read)
+    t_host    = hosted * bytes_per_expert / host_kernel
     t_admit   = admissions * bytes_per_expert / link
-    step      = max(t_hbm, t_compute, h * t_copy) + (1 - h) * t_copy + t_admit + overhead
+    step      = max(max(t_hbm, t_compute) + max((1 - h) * t_copy, t_host), t_copy)
+                + t_admit + overhead
 
-and tok/s = B / step. `routed`, `misses` and `admissions` are distinct experts per step (from
-a replay, `strata_runtime.simulate`); `h` is the share of misses prefetched in time, whose
-copies overlap the step's HBM reads and math, while the others stall it; admissions are
-copies between steps (the engine's cache fills, after the step). The binding resource is the
-one busy longest: hbm (t_hbm), compute (t_compute), or the link (t_copy + t_admit), named
-"pcie" or "host-read" by the slower of the two. Not modelled: the KV cache read (pass it in
-`extra_hbm_bytes`), host round trips and launch gaps (`overhead_s`), disk reads.
+and tok/s = B / step. `routed`, `misses`, `hosted` and `admissions` are distinct experts per
+step (from a replay, `strata_runtime.simulate`); `misses` are copied, `hosted` computed on the
+host cores at the same time (`EngineConfig.miss`); `h` is the share of the copied misses
+prefetched in time, whose copies overlap the step's HBM reads and math, while the others stall
+it, beside the host's share (the longer of the two stalls), and the link is busy t_copy
+whatever overlaps; admissions are copies between steps (the engine's cache fills, after the
+step). The binding resource is the one busy longest: hbm (t_hbm), compute (t_compute), the host
+kernel (t_host, "host-compute") or the link (t_copy + t_admit), named "pcie" or "host-read" by
+the slower of the two. Not modelled: the KV cache read (pass it in `extra_hbm_bytes`), host
+round trips and launch gaps (`overhead_s`), disk reads, the link's and the host kernel's share
+of DRAM, and layers whose split is uneven (the step's sums are split, not each layer's).
 """
 
 from __future__ import annotations
@@ -41,7 +47,12 @@ class HardwareProfile:
     matmul_tflops: float
     """Dense matmul rate in the weights' dtype (bf16 / fp16), TFLOP/s."""
     host_cores: int
-    """Host cores (not read by the model yet: for host compute of misses)."""
+    """Host cores."""
+    host_kernel_gbps: float = 0.0
+    """Expert bytes per second the host expert kernel (`strata_jax.host_experts`) reads at
+    decode rows, GB/s; 0: no host compute of misses."""
+    host_row_cost: float = 0.0
+    """Each further row multiplies the host kernel's one-row time by (1 + this)."""
     source: str = ""
     """Where the figures come from."""
 
@@ -53,21 +64,27 @@ class HardwareProfile:
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile(
         name="h200-pcie5", pcie_gbps=49.0, host_read_gbps=94.0, hbm_gbps=4600.0,
-        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16,
+        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=43.0,
+        host_row_cost=0.003,
         source="measured on the H200 machine (../shared/DESIGN.md, benchmarks/results): "
                "pinned copies 50-54 GB/s alone, 48.9 inside the step; host DRAM 94 GB/s; HBM "
-               "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores"),
+               "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores; the torch host "
+               "expert kernel 41-45 GB/s at 1-16 rows (results/host_kernels.md)"),
     HardwareProfile(
         name="rtx3090-pcie3-xeon-v4", pcie_gbps=12.0, host_read_gbps=150.0, hbm_gbps=936.0,
-        hbm_gib=24.0, matmul_tflops=35.0, host_cores=40,
+        hbm_gib=24.0, matmul_tflops=35.0, host_cores=40, host_kernel_gbps=82.0,
+        host_row_cost=0.003,
         source="the write-up's machine (SEED_SUMMARY.md): PCIe 3.0 x16 ~12 GB/s real, dual "
                "Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s fp16; 936 GB/s is the "
-               "3090's nominal GDDR6X rate"),
+               "3090's nominal GDDR6X rate; host kernel assumed 0.55 of the DRAM rate, the "
+               "ratio measured on the H200 host"),
     HardwareProfile(
         name="rtx4090-pcie4", pcie_gbps=25.0, host_read_gbps=60.0, hbm_gbps=1000.0,
-        hbm_gib=24.0, matmul_tflops=82.0, host_cores=16,
+        hbm_gib=24.0, matmul_tflops=82.0, host_cores=16, host_kernel_gbps=33.0,
+        host_row_cost=0.003,
         source="nominal: PCIe 4.0 x16 ~25 GB/s real, ~1 TB/s GDDR6X, 82 TFLOP/s fp16; host "
-               "assumed a 16-core desktop with dual-channel DDR5 (~60 GB/s)"),
+               "assumed a 16-core desktop with dual-channel DDR5 (~60 GB/s), its host kernel "
+               "0.55 of that (the ratio measured on the H200 host)"),
 )}
 
 
@@ -116,24 +133,31 @@ class Prediction:
     binding: str
     """The resource busy longest: "hbm", "compute", "pcie" or "host-read"."""
     terms: dict[str, float]
-    """Seconds per step of each term: t_hbm, t_compute, t_copy, t_admit."""
+    """Seconds per step of each term: t_hbm, t_compute, t_copy, t_host, t_admit."""
 
 
 def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: float,
             misses: float, admissions: float = 0.0, hidden: float = 0.0,
-            extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0) -> Prediction:
-    """Decode tok/s by the module docstring's formula; `routed`, `misses`, `admissions` are
-    distinct experts per step, `hidden` the share of misses prefetched in time."""
+            hosted: float = 0.0, extra_hbm_bytes: float = 0.0,
+            overhead_s: float = 0.0) -> Prediction:
+    """Decode tok/s by the module docstring's formula; `routed`, `misses` (copied), `hosted`
+    (computed on the host), `admissions` are distinct experts per step, `hidden` the share
+    of the copied misses prefetched in time."""
     if batch <= 0 or not 0.0 <= hidden <= 1.0:
         raise ValueError(f"need batch > 0 and 0 <= hidden <= 1, got {batch}, {hidden}")
+    if hosted > 0 and hw.host_kernel_gbps <= 0:
+        raise ValueError(f"profile {hw.name} has no host kernel rate: nothing can be hosted")
     bpe, link = model.bytes_per_expert, hw.link_gbps * 1e9
     terms = {"t_hbm": (model.dense_bytes + extra_hbm_bytes + routed * bpe) / (hw.hbm_gbps * 1e9),
              "t_compute": batch * model.flops_per_token / (hw.matmul_tflops * 1e12),
-             "t_copy": misses * bpe / link, "t_admit": admissions * bpe / link}
-    step = (max(terms["t_hbm"], terms["t_compute"], hidden * terms["t_copy"])
-            + (1.0 - hidden) * terms["t_copy"] + terms["t_admit"] + overhead_s)
+             "t_copy": misses * bpe / link,
+             "t_host": hosted * bpe / (hw.host_kernel_gbps * 1e9) if hosted else 0.0,
+             "t_admit": admissions * bpe / link}
+    stall = max((1.0 - hidden) * terms["t_copy"], terms["t_host"])
+    step = (max(max(terms["t_hbm"], terms["t_compute"]) + stall, terms["t_copy"])
+            + terms["t_admit"] + overhead_s)
     link_name = "pcie" if hw.pcie_gbps <= hw.host_read_gbps else "host-read"
     busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
-            link_name: terms["t_copy"] + terms["t_admit"]}
+            "host-compute": terms["t_host"], link_name: terms["t_copy"] + terms["t_admit"]}
     return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
                       terms=terms)

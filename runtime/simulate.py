@@ -30,6 +30,7 @@ from typing import cast
 import numpy as np
 
 from strata_jax.config import ModelConfig
+from strata_jax.misses import MissRates, split
 from strata_runtime.cache_policy import POLICIES, ExpertCache, check_policy
 from strata_runtime.cost_model import HardwareProfile, ModelCost, Prediction, predict
 from strata_runtime.heat import ranked
@@ -235,17 +236,40 @@ def compare(trace: RoutingTrace, policies: Sequence[str] = POLICIES, *,
     return results, belady(trace, pinned=pinned, cache=cache, staging=staging, keys=keys)
 
 
+def hosted_misses(hw: HardwareProfile, model: ModelCost, layer_misses: np.ndarray,
+                  rows: int, miss: str) -> np.ndarray:
+    """Of each entry of `layer_misses` (a layer's misses in a step), how many `misses.split`
+    puts on the host under `miss` with the profile's rates, every miss of `rows` rows."""
+    if miss == "fetch":
+        return np.zeros_like(layer_misses)
+    rates = MissRates(link_gbps=hw.link_gbps, host_gbps=hw.host_kernel_gbps,
+                      row_cost=hw.host_row_cost).array()
+    out = np.zeros_like(layer_misses)
+    for m in np.unique(layer_misses):
+        counts = np.zeros(int(m), np.int32) + rows
+        hosted = split(miss, counts, counts > 0, rates, model.bytes_per_expert) if m else 0
+        out[layer_misses == m] = int(np.asarray(hosted).sum())
+    return out
+
+
 def predict_replay(hw: HardwareProfile, model: ModelCost, trace: RoutingTrace,
                    result: CacheResult, *, hidden: float = 0.0,
-                   batch: float | None = None) -> Prediction:
+                   batch: float | None = None, miss: str = "fetch") -> Prediction:
     """`cost_model.predict` from a replay's per-decode-step averages (prefill steps left out;
-    `batch`: the mean live rows of a decode step unless given)."""
+    `batch`: the mean live rows of a decode step unless given); `miss`: the engine's remedy
+    for the misses, each layer's split as `misses.split` makes it with the profile's rates
+    (`hosted_misses`, every routed expert taking the mean row count)."""
     decode = ~np.asarray(trace.prefill, bool)
     steps = max(int(decode.sum()), 1)
     if batch is None:
         batch = float(trace.live_rows()[decode].mean()) if decode.any() else 1.0
-    misses = result.layer_misses[decode].sum() / steps
+    layer_misses = result.layer_misses[decode]
     routed = sum(len(trace.step_keys(s)) for s in np.flatnonzero(decode)) / steps
+    per_layer = max(routed / max(trace.num_layers, 1), 1e-9)
+    rows = max(1, int(round(batch * trace.top_k / per_layer)))
+    hosted = hosted_misses(hw, model, layer_misses, rows, miss).sum() / steps
+    misses = layer_misses.sum() / steps - hosted
     admitted = result.copies - result.misses  # copies beyond the misses themselves
     return predict(hw, model, batch=batch, routed=routed, misses=float(misses),
-                   admissions=admitted / max(trace.num_steps, 1), hidden=hidden)
+                   hosted=float(hosted), admissions=admitted / max(trace.num_steps, 1),
+                   hidden=hidden)

@@ -23,6 +23,7 @@ from strata_runtime.engine import placement
 from strata_runtime.simulate import (
     belady,
     compare,
+    hosted_misses,
     pinned_by_heat,
     predict_replay,
     prefetch_hidden,
@@ -245,7 +246,7 @@ def test_the_cost_formula_by_hand():
     # t_copy = 10 x 1e8 / 5e10 = 20 ms; t_admit = 2 x 1e8 / 5e10 = 4 ms
     # step = max(1.2, 0.16, 0.5 x 20) + 0.5 x 20 + 4 = 24 ms -> 8 / 0.024 = 333.3 tok/s
     assert p.terms == pytest.approx({"t_hbm": 1.2e-3, "t_compute": 1.6e-4, "t_copy": 0.02,
-                                     "t_admit": 0.004})
+                                     "t_host": 0.0, "t_admit": 0.004})
     assert p.step_s == pytest.approx(0.024) and p.tok_s == pytest.approx(8 / 0.024)
     assert p.binding == "pcie"
     compute = predict(ROUND, MODEL, batch=1000, routed=40, misses=0)
@@ -256,6 +257,25 @@ def test_the_cost_formula_by_hand():
     assert predict(slow_host, MODEL, batch=8, routed=40, misses=10).binding == "host-read"
     with pytest.raises(ValueError, match="hidden"):
         predict(ROUND, MODEL, batch=8, routed=40, misses=10, hidden=1.5)
+
+
+def test_hosted_misses_run_beside_the_copies():
+    host = HardwareProfile(**{**ROUND.__dict__, "host_kernel_gbps": 25.0})
+    # 6 copied (12 ms) beside 3 hosted (12 ms), none prefetched: 1.2 + 12 ms
+    p = predict(host, MODEL, batch=8, routed=40, misses=6, hosted=3)
+    assert p.terms["t_host"] == pytest.approx(0.012)
+    assert p.step_s == pytest.approx(1.2e-3 + 0.012)
+    assert predict(host, MODEL, batch=8, routed=40, misses=1, hosted=6).binding == (
+        "host-compute")
+    with pytest.raises(ValueError, match="no host kernel rate"):
+        predict(ROUND, MODEL, batch=8, routed=40, misses=1, hosted=1)
+    # the split of misses.split: host at half the link's rate takes a third of 9 misses
+    layer_misses = np.array([[9, 0], [3, 1]])
+    np.testing.assert_array_equal(hosted_misses(host, MODEL, layer_misses, 1, "auto"),
+                                  [[3, 0], [1, 0]])
+    np.testing.assert_array_equal(hosted_misses(host, MODEL, layer_misses, 1, "host"),
+                                  layer_misses)
+    assert not hosted_misses(host, MODEL, layer_misses, 1, "fetch").any()
 
 
 def test_profiles_and_model_cost():
