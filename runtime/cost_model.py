@@ -64,12 +64,13 @@ class HardwareProfile:
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile(
         name="h200-pcie5", pcie_gbps=49.0, host_read_gbps=94.0, hbm_gbps=4600.0,
-        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=43.0,
+        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=30.0,
         host_row_cost=0.003,
         source="measured on the H200 machine (../shared/DESIGN.md, benchmarks/results): "
                "pinned copies 50-54 GB/s alone, 48.9 inside the step; host DRAM 94 GB/s; HBM "
                "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores; the torch host "
-               "expert kernel 41-45 GB/s at 1-16 rows (results/host_kernels.md)"),
+               "expert kernel 30 GB/s inside the step (41-45 alone, results/host_kernels.md; "
+               "results/step_decode_hybrid.md)"),
     HardwareProfile(
         name="rtx3090-pcie3-xeon-v4", pcie_gbps=12.0, host_read_gbps=150.0, hbm_gbps=936.0,
         hbm_gib=24.0, matmul_tflops=35.0, host_cores=40, host_kernel_gbps=82.0,
@@ -77,7 +78,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
         source="the write-up's machine (SEED_SUMMARY.md): PCIe 3.0 x16 ~12 GB/s real, dual "
                "Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s fp16; 936 GB/s is the "
                "3090's nominal GDDR6X rate; host kernel assumed 0.55 of the DRAM rate, the "
-               "ratio measured on the H200 host"),
+               "ratio measured on the H200 host (alone)"),
     HardwareProfile(
         name="rtx4090-pcie4", pcie_gbps=25.0, host_read_gbps=60.0, hbm_gbps=1000.0,
         hbm_gib=24.0, matmul_tflops=82.0, host_cores=16, host_kernel_gbps=33.0,
