@@ -27,3 +27,9 @@ def test_traces_runs(tmp_path):
     text = _execute("traces.py", tmp_path)
     assert "| cache slots | static | lru | lfu | lfru | belady |" in text
     assert "saved" in text and "tok/s (pcie)" in text
+
+
+def test_ablation_runs(tmp_path):
+    text = _execute("ablation.py", tmp_path)
+    assert "| B | miss | tok/s | predicted | binding |" in text
+    assert "saved step_rows.png" in text and "saved miss_remedies.png" in text
