@@ -149,17 +149,73 @@ def filtered_logits(logits: jax.Array, rows: SamplerRows) -> tuple[jax.Array, ja
     return jnp.where(keep, ranked, -jnp.inf), order
 
 
-def sample(logits: jax.Array, rows: SamplerRows, positions: jax.Array) -> jax.Array:
-    """Each row's next token [B] int32 from float32 logits [B, V]; `positions` [B]: where each
-    token will sit in its sequence (the draw's key is (seed, position))."""
-    logits = penalize(logits, rows)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    ranked, order = filtered_logits(logits, rows)
+CANDIDATES = 256
+"""Likeliest tokens a filtered row ranks by `lax.top_k` (no sort of the vocabulary); a row whose
+kept set may reach past them is drawn from the full sort instead."""
 
-    def draw(seed, position, row_logits):
+
+def _plain(rows: SamplerRows) -> jax.Array:
+    """[B] bool: rows with no top-k, top-p or min-p filter, drawn straight from their
+    tempered logits in vocabulary order (nothing to rank)."""
+    return (rows.top_k == 0) & (rows.top_p >= 1.0) & (rows.min_p <= 0.0)
+
+
+def candidate_logits(logits: jax.Array, rows: SamplerRows, count: int = CANDIDATES
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`filtered_logits` over the `count` likeliest tokens only: (their tempered logits with the
+    filtered-out ones at -inf [B, count], their ids, and [B] bool whether the row's kept set
+    lies within them, so that this equals the full sort's filter). Probabilities are
+    normalized over the whole vocabulary that top-k keeps, as the full filter's are."""
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    values, order = jax.lax.top_k(logits, count)
+    ranked = values / t
+    rank = jnp.arange(count)[None, :]
+    top_k = rows.top_k[:, None]
+    keep = (top_k == 0) | (rank < top_k)
+    everything = jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
+    within = jax.nn.logsumexp(jnp.where(keep, ranked, -jnp.inf), axis=-1, keepdims=True)
+    lse = jnp.where(top_k == 0, everything, within)
+    probs = jnp.where(keep, jnp.exp(ranked - lse), 0.0)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (before < rows.top_p[:, None]) | (rank == 0)
+    floor = rows.min_p[:, None] * probs[:, :1]
+    keep &= probs >= floor
+    covered = ((rows.top_k > 0) & (rows.top_k <= count)) | (
+        jnp.sum(probs, axis=-1) >= rows.top_p) | (probs[:, -1] < floor[:, 0])
+    return jnp.where(keep, ranked, -jnp.inf), order, covered
+
+
+def _draw(rows: SamplerRows, positions: jax.Array, logits: jax.Array) -> jax.Array:
+    """Each row's draw [B] from `logits` [B, N] by its key (seed, position): an index < N."""
+    def one(seed, position, row_logits):
         key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), position)
         return jax.random.categorical(key, row_logits)
 
-    pick = jax.vmap(draw)(rows.seed, positions.astype(jnp.uint32), ranked)
-    drawn = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.vmap(one)(rows.seed, positions.astype(jnp.uint32), logits)
+
+
+def sample(logits: jax.Array, rows: SamplerRows, positions: jax.Array) -> jax.Array:
+    """Each row's next token [B] int32 from float32 logits [B, V]; `positions` [B]: where each
+    token will sit in its sequence (the draw's key is (seed, position)). A row's way of
+    drawing depends on its own settings and logits only (docs/design.md, "Sampling"): plain
+    rows draw from their tempered logits, filtered ones from the `CANDIDATES` likeliest
+    tokens, or from the full sort when their kept set may reach past those."""
+    logits = penalize(logits, rows)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+    plain = _draw(rows, positions, logits / t).astype(jnp.int32)
+    count = min(CANDIDATES, logits.shape[-1])
+    ranked, order, covered = candidate_logits(logits, rows, count)
+    pick = _draw(rows, positions, ranked)
+    drawn = jnp.where(_plain(rows), plain,
+                      jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32))
+    if count < logits.shape[-1]:  # rows the candidates do not cover take the full sort
+        full = ~_plain(rows) & ~covered & (rows.temperature > 0)
+
+        def sorted_draw():
+            ranked, order = filtered_logits(logits, rows)
+            pick = _draw(rows, positions, ranked)
+            return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+        drawn = jnp.where(full, jax.lax.cond(jnp.any(full), sorted_draw, lambda: drawn), drawn)
     return jnp.where(rows.temperature > 0, drawn, greedy)

@@ -150,3 +150,68 @@ def test_stop_ids_end_a_request_and_bad_settings_are_refused():
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         api.generate(m, [[1]], 4, sampling=[sampling.GREEDY] * 2)
+
+
+def test_the_candidates_filter_as_the_full_sort_where_they_cover_the_row():
+    """Past `CANDIDATES` tokens: rows whose kept set lies within the likeliest ones get the
+    full filter's distribution from them; the others say so (they take the full sort)."""
+    vocab = 4 * sampling.CANDIDATES
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (4, vocab)).astype(np.float32)
+    logits[3] = rng.normal(0, 0.01, vocab)  # nearly flat: top-p 0.99 reaches past them
+    settings = [SamplingParams(temperature=1.0, top_p=0.6),
+                SamplingParams(temperature=1.3, top_k=7),
+                SamplingParams(temperature=0.9, min_p=0.1),
+                SamplingParams(temperature=1.0, top_p=0.99)]
+    ranked, order, covered = sampling.candidate_logits(jnp.asarray(logits),
+                                                      rows_of(settings, vocab))
+    assert np.asarray(covered).tolist() == [True, True, True, False]
+    ranked, order = np.asarray(ranked, np.float64), np.asarray(order)
+    for i, s in enumerate(settings[:3]):
+        got = np.zeros(vocab)
+        probs = np.exp(ranked[i] - ranked[i].max())
+        got[order[i]] = probs / probs.sum()
+        want = reference_probs(logits[i], s)
+        assert np.array_equal(got > 0, want > 0), f"row {i}: a different support"
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting", [SamplingParams(temperature=0.8),  # plain: no ranking
+                                     SamplingParams(temperature=1.0, top_p=0.9),  # candidates
+                                     SamplingParams(temperature=1.0, top_p=0.999)])  # full sort
+def test_draws_follow_the_distribution_on_a_large_vocabulary(setting):
+    vocab, draws = 2 * sampling.CANDIDATES, 3000
+    rng = np.random.default_rng(2)
+    logits = (rng.normal(0, 1, vocab) + np.where(np.arange(vocab) < 6, 5.0, 0.0)).astype(
+        np.float32)
+    if setting.top_p > 0.99:
+        logits = rng.normal(0, 0.05, vocab).astype(np.float32)  # flat: past the candidates
+    rows = rows_of([setting], vocab)
+    rows = rows.replace(**{k: jnp.repeat(getattr(rows, k), draws, axis=0)
+                           for k in ("temperature", "top_k", "top_p", "min_p", "penalty",
+                                     "seen")},
+                        seed=jnp.stack([jnp.zeros(draws, jnp.uint32),
+                                        jnp.arange(draws, dtype=jnp.uint32)], axis=1))
+    tokens = sampling.sample(jnp.tile(jnp.asarray(logits), (draws, 1)), rows,
+                             jnp.full((draws,), 5))
+    freq = np.bincount(np.asarray(tokens), minlength=vocab) / draws
+    want = reference_probs(logits, setting)
+    assert np.all(freq[want == 0] == 0)
+    sigma = np.sqrt(want * (1 - want) / draws)
+    assert np.all(np.abs(freq - want) <= 4.5 * sigma + 1.5 / draws), (freq, want)
+
+
+def test_a_rows_draw_does_not_depend_on_how_the_others_draw():
+    vocab = 2 * sampling.CANDIDATES
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, (3, vocab)).astype(np.float32)
+    logits[0] = rng.normal(0, 0.05, vocab)  # its top-p 0.999 takes the full sort
+    settings = [SamplingParams(temperature=1.0, top_p=0.999, seed=1),
+                SamplingParams(temperature=0.7, top_p=0.5, seed=2),
+                SamplingParams(temperature=1.1, seed=3)]
+    together = sampling.sample(jnp.asarray(logits), rows_of(settings, vocab),
+                               jnp.full((3,), 7))
+    for i, s in enumerate(settings):
+        alone = sampling.sample(jnp.asarray(logits[i:i + 1]), rows_of([s], vocab),
+                                jnp.full((1,), 7))
+        assert int(alone[0]) == int(together[i])
