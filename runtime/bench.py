@@ -17,14 +17,16 @@ bytes and FLOPs the run's counters give:
     and every distinct routed expert (bytes as the slots hold them);
   - host -> device: demand copies + prefetches issued + cache admissions (`EngineStats`);
   - disk: disk loads x bytes per expert;
+  - host compute: misses computed on the host cores (`EngineConfig.miss`) x bytes per
+    expert, read at the host's DRAM rate;
   - FLOPs: 2 x active parameters x (prompt + generated tokens) (`cost_model.model_cost`;
     attention's own math left out).
 The bound divides each by its ceiling, measured once at the start of a run
-(`measure_ceilings`): time >= max(t_hbm, t_compute) + t_link + t_disk, since the engine's
-copies and disk loads serialize with the step that waits for them while HBM reads and matmuls
-overlap; bound tok/s = generated tokens / that time, `ratio` = measured / bound (1.0: at the
-ceiling), `binds` = the largest term. `roofline_tok_s` is the looser bound with every term
-overlapped (max of all).
+(`measure_ceilings`): time >= max(t_hbm, t_compute) + max(t_link, t_host) + t_disk, since the
+engine's copies and disk loads serialize with the step that waits for them (the host's share of
+the misses beside the copies) while HBM reads and matmuls overlap; bound tok/s = generated
+tokens / that time, `ratio` = measured / bound (1.0: at the ceiling), `binds` = the largest
+term. `roofline_tok_s` is the looser bound with every term overlapped (max of all).
 
 The cost model (`cost_model.predict`) predicts decode tok/s from the same counters as
 per-program-call means (`prediction`), on the ceilings measured in the run (profile
@@ -311,6 +313,7 @@ class Counts:
     hits: int = 0
     prefetched: int = 0
     fetched: int = 0
+    hosted: int = 0
     issued: int = 0
     admissions: int = 0
     swaps: int = 0
@@ -349,6 +352,10 @@ class Sizes:
     def disk_bytes(self, c: Counts) -> int:
         return c.disk_loads * self.bytes_per_expert
 
+    def hosted_bytes(self, c: Counts) -> int:
+        """Expert bytes the host kernel read (misses computed on the host)."""
+        return c.hosted * self.bytes_per_expert
+
     def flops(self, c: Counts) -> float:
         return self.flops_per_token * (c.decode_tokens + c.prefill_tokens)
 
@@ -373,7 +380,8 @@ def _counts(engine: Engine, wall_s: float, new_tokens: int, prefill_chunks: int)
                   decode_tokens=c.decode_tokens, decode_s=c.decode_s,
                   prefill_chunks=prefill_chunks, prefill_tokens=c.prefill_tokens,
                   prefill_s=c.prefill_s, routed=c.routed, hits=c.hits,
-                  prefetched=c.prefetched, fetched=c.fetched, issued=c.issued,
+                  prefetched=c.prefetched, fetched=c.fetched, hosted=c.hosted,
+                  issued=c.issued,
                   admissions=c.admissions, swaps=c.swaps, disk_loads=c.disk_loads,
                   disk_stall_s=c.disk_stall_s)
 
@@ -393,8 +401,12 @@ def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
     disk = sizes.disk_bytes(c)
     if disk and disk_gbps:
         seconds["disk"] = disk / (disk_gbps * 1e9)
+    beside = 0.0  # the host's misses run beside the link's copies
+    if c.hosted:
+        seconds["host-compute"] = sizes.hosted_bytes(c) / (ceilings["host_read_gbps"] * 1e9)
+        beside = min(seconds["host-compute"], seconds[link_name(ceilings)])
     serial = max(seconds["hbm"], seconds["compute"]) + sum(
-        t for k, t in seconds.items() if k not in ("hbm", "compute"))
+        t for k, t in seconds.items() if k not in ("hbm", "compute")) - beside
     roof = max(seconds.values())
     bound_tok_s = c.new_tokens / serial if serial > 0 else None
     return {"seconds": seconds, "bound_s": serial, "bound_tok_s": bound_tok_s,
@@ -414,7 +426,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile) -> dict[str, Any] |
         return None
     need = c.fetched + c.prefetched
     inputs = {"batch": c.decode_tokens / c.decode_steps, "routed": c.routed / c.steps,
-              "misses": need / c.steps, "admissions": c.admissions / c.steps,
+              "misses": need / c.steps, "hosted": c.hosted / c.steps,
+              "admissions": c.admissions / c.steps,
               "hidden": c.prefetched / need if need else 0.0,
               "extra_hbm_bytes": float(sizes.kv_bytes)}
     p = predict(hw, sizes.model(), **inputs)
@@ -512,6 +525,9 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
     with Engine(reader, config) as engine:
         build_s = time.perf_counter() - t0
         sizes = engine_sizes(engine)
+        if engine.host_misses is not None and hw.host_kernel_gbps <= 0:  # the engine's own
+            hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
+                                     host_row_cost=engine.host_misses.rates.row_cost)
         t0 = time.perf_counter()
         engine.generate(prompts, settings.new)  # compiles what the timed runs call
         warmup_s = time.perf_counter() - t0
