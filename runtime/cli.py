@@ -571,7 +571,11 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"| {r.name} | {r.hits} / {r.accesses} | {r.hit_rate:.3f} | {opt.hit_rate:.3f} "
               f"| {r.prefetch_bound:.3f} | {r.copies / steps:.2f} | {now.tok_s:.4g} "
               f"| {now.binding} | {best.tok_s:.4g} |")
-    print("\npredicted tok/s: misses prefetched in time " f"{args.hidden:.0%} (--hidden); "
+    print(f"\nat best (Belady's cache, perfect prefetch): {best.tok_s:.4g} tok/s, bound by "
+          f"{best.binding} ({', '.join(f'{k} {1e3 * v:.3g} ms' for k, v in best.terms.items())})")
+    if hw.reported:
+        print(f"reported on {hw.name}: {hw.reported}")
+    print("predicted tok/s: misses prefetched in time " f"{args.hidden:.0%} (--hidden); "
           f"misses --miss {args.miss}; copies include the engine's admissions "
           "(strata_runtime.cost_model)")
     return 0

@@ -55,6 +55,8 @@ class HardwareProfile:
     """Each further row multiplies the host kernel's one-row time by (1 + this)."""
     source: str = ""
     """Where the figures come from."""
+    reported: str = ""
+    """What another system reported on this machine, printed beside the predictions."""
 
     @property
     def link_gbps(self) -> float:
@@ -78,7 +80,9 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
         source="the write-up's machine (SEED_SUMMARY.md): PCIe 3.0 x16 ~12 GB/s real, dual "
                "Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s fp16; 936 GB/s is the "
                "3090's nominal GDDR6X rate; host kernel assumed 0.55 of the DRAM rate, the "
-               "ratio measured on the H200 host (alone)"),
+               "ratio measured on the H200 host (alone)",
+        reported="the write-up: ~110 tok/s stable, 127 peak, on its 125 B MoE (int8 shared "
+                 "weights, int4 experts, B up to 16; SEED_SUMMARY.md)"),
     HardwareProfile(
         name="rtx4090-pcie4", pcie_gbps=25.0, host_read_gbps=60.0, hbm_gbps=1000.0,
         hbm_gib=24.0, matmul_tflops=82.0, host_cores=16, host_kernel_gbps=33.0,

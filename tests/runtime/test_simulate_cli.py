@@ -59,6 +59,11 @@ def test_simulate_prints_policies_beside_belady(trace_file, capsys):
         assert float(cells[1]) <= belady and float(cells[2]) == belady, name
         assert float(cells[5]) > 0 and cells[6] in ("hbm", "compute", "pcie", "host-read")
     assert "6 pinned" in out and "8 cache slots" in out and "engine admission" in out
+    assert "at best (Belady's cache, perfect prefetch):" in out
+    assert "reported on rtx3090-pcie3-xeon-v4: the write-up: ~110 tok/s" in out
+    assert main([*argv, "--miss", "auto"]) == 0  # its PCIe 3 link: the host takes misses
+    rows = _rows(capsys.readouterr().out)
+    assert float(rows["lru"][5]) > float(_rows(out)["lru"][5])
 
     assert main([*argv, "--policy", "lru", "--policy", "lfu", "--admission", "demand"]) == 0
     assert list(_rows(capsys.readouterr().out)) == ["lru", "lfu", "belady"]
