@@ -35,10 +35,16 @@ def _generate(checkpoint, resident_experts=3, **knobs):
         return run_rows(engine, PROMPTS, 5), engine
 
 
-def test_host_and_device_dequant_agree(quantized):
+@pytest.fixture(scope="module")
+def host_dequantized(quantized):
+    """The run with experts dequantized on the host (three tests read it)."""
+    return _generate(quantized, dequant="host")
+
+
+def test_host_and_device_dequant_agree(quantized, host_dequantized):
     """(Each setting's bit-identity across budgets: test_exactness_matrix.py.)"""
     (dev_tokens, dev_logits), dev = _generate(quantized, dequant="device")
-    (host_tokens, host_logits), host = _generate(quantized, dequant="host")
+    (host_tokens, host_logits), host = host_dequantized
     assert dev.residency.pool.w1.dtype.name == "uint8"
     assert host.residency.pool.w1.dtype.name == "bfloat16"
     np.testing.assert_array_equal(host_tokens, dev_tokens)
@@ -67,12 +73,12 @@ def test_tile_major_slots_are_exact_across_budgets(quantized):
         np.testing.assert_array_equal(logits, ref_logits)
 
 
-def test_weight_layout_is_checked(quantized):
+def test_weight_layout_is_checked(quantized, host_dequantized):
     with pytest.raises(ValueError, match="weight_layout must be one of"):
         _generate(quantized, weight_layout="columns")
     with pytest.raises(ValueError, match="dequantized on the device"):
         _generate(quantized, weight_layout="tiles", dequant="host")
-    (tokens, _), engine = _generate(quantized, weight_layout="auto", dequant="host")
+    (tokens, _), engine = host_dequantized  # weight_layout "auto"
     assert engine.residency.pool.w1.ndim == 3 and tokens.size
 
 
@@ -105,12 +111,12 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
         assert engine.staging > 0
 
 
-def test_host_compute_takes_host_dequantized_experts_only(quantized):
+def test_host_compute_takes_host_dequantized_experts_only(quantized, host_dequantized):
     """miss='host' reads tier 1 as the host kernel can: bf16 (dequant='host'), not packed."""
     pytest.importorskip("torch")
     with pytest.raises(ValueError, match="packed int4"):
         _generate(quantized, miss="host")
-    (ref_tokens, ref_logits), _ = _generate(quantized, dequant="host")
+    (ref_tokens, ref_logits), _ = host_dequantized
     (tokens, logits), engine = _generate(quantized, dequant="host", miss="host")
     assert engine.counters.hosted > 0
     np.testing.assert_array_equal(tokens, ref_tokens)
