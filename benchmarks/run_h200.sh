@@ -21,6 +21,10 @@
 #                     (benchmarks/disk_tier.py: a synthetic checkpoint written to local disk,
 #                     decoded through the engine with half of the experts in tier 1)
 #   DISK_ARGS=...     extra arguments for the disk-tier row
+#   "ladder" in PARTS  issue 20: `strata sweep sweeps/seed_ladder.toml` (its checkpoints written
+#                     first, ~35 + 17 GB under /tmp) with --resume from the rows already in
+#                     benchmarks/results/seed_ladder/, then the accelerate peer on the same
+#                     shape and budget (benchmarks/peer_accelerate.py); LADDER_S caps the sweep
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -90,6 +94,18 @@ if [[ $PARTS == *hybrid* ]]; then
     ${HYBRID_ARGS:-}
   bench 200 --rows bf16-8g --batch 16 --predictors none --miss fetch,host,auto ${HYBRID_ARGS:-}
   python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
+fi
+if [[ $PARTS == *ladder* ]]; then
+  mkdir -p "$OUT/seed_ladder"
+  [[ -f benchmarks/results/seed_ladder/sweep.jsonl ]] && \
+    cp benchmarks/results/seed_ladder/sweep.jsonl "$OUT/seed_ladder/"
+  echo "== t=${SECONDS}s: seed ladder (cap ${LADDER_S:-420}s)"
+  timeout -k 10 "${LADDER_S:-420}" python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml \
+    --out "$OUT/seed_ladder" --resume 2>&1 | grep -v "^[WI]0" | tail -40
+  left=$((BUDGET_S - SECONDS - 10))
+  echo "== t=${SECONDS}s, timeout ${left}s: accelerate peer"
+  timeout -k 10 "$left" python3 -m benchmarks.peer_accelerate --shape seed-125b --layers 6 \
+    --budget 24GB --batch 1,16 --out "$OUT" 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *disk* ]]; then
   left=$((BUDGET_S - SECONDS - 10))
