@@ -288,6 +288,9 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     missing = present & (slot_of < 0)
     disk = missing & (host_row < 0)
     prefetched = jnp.sum(present & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
+    if plan.miss != "fetch" and host_work is None:
+        raise ValueError(f"StepPlan.miss={plan.miss!r} needs Tiers.host_work (misses.HostWork: "
+                         "the registered tier-1 views and the rates)")
     rates = None if host_work is None else host_work.rates
     hosted = misses.split(plan.miss, counts, missing & ~disk, rates, _expert_bytes(pool))
     ticket = None
