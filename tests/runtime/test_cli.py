@@ -96,7 +96,7 @@ def test_every_engine_config_field_is_a_flag(tmp_path):
 def test_plan_predicts_the_split_of_the_misses(tmp_path, capsys):
     write_checkpoint(tiny_config("mixtral", num_experts=8), tmp_path / "ck", seed=1)
     args = ["plan", str(tmp_path / "ck"), "--hbm", "1.75MB", "--batch-capacity", "16",
-            "--miss", "auto"]
+            "--miss", "auto", "--workspace", "600KiB"]
     assert main([*args, "--miss-rates", "link=50,host=40,row=0.01"]) == 0
     out = capsys.readouterr().out
     # 16 rows over 8 experts, top-2: 7.9 distinct per layer, 1 of the 16 experts in HBM

@@ -29,9 +29,16 @@ def _record(ckpt, path):
         return engine.generate(PROMPTS, 6)
 
 
-def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, tmp_path):
-    new = _record(ckpt, tmp_path / "a.npz")
-    trace = load_trace(tmp_path / "a.npz")
+@pytest.fixture(scope="module")
+def recorded(ckpt, tmp_path_factory):
+    """(the new tokens, the trace file) of one recorded run."""
+    path = tmp_path_factory.mktemp("recorded") / "a.npz"
+    return _record(ckpt, path), path
+
+
+def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, recorded, tmp_path):
+    new, path = recorded
+    trace = load_trace(path)
     assert trace.prefill.any() and not trace.prefill.all()
     model = strata_jax.load(ckpt)
     for rid, (prompt, tokens) in enumerate(zip(PROMPTS, new, strict=True)):
@@ -51,15 +58,14 @@ def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, tmp_path):
         assert all(best.hits >= r.hits for r in results)
 
 
-def test_replaying_a_runs_own_trace_gives_its_tokens_and_its_trace(ckpt, tmp_path):
-    new = _record(ckpt, tmp_path / "a.npz")
+def test_replaying_a_runs_own_trace_gives_its_tokens_and_its_trace(ckpt, recorded, tmp_path):
+    new, path = recorded
     config = EngineConfig(batch_capacity=2, max_len=32, resident_experts=3,
-                          record_trace=str(tmp_path / "b.npz"),
-                          replay_trace=str(tmp_path / "a.npz"))
+                          record_trace=str(tmp_path / "b.npz"), replay_trace=str(path))
     with Engine.from_checkpoint(ckpt, config) as engine:
         assert engine.generate(PROMPTS, 6) == new
         assert engine.stats()["replay_wraps"] == 0
-    a, b = load_trace(tmp_path / "a.npz"), load_trace(tmp_path / "b.npz")
+    a, b = load_trace(path), load_trace(tmp_path / "b.npz")
     for name in ("experts", "rows", "requests", "offsets", "widths", "prefill"):
         np.testing.assert_array_equal(getattr(b, name), getattr(a, name))
 
