@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 LOCK := requirements/lock.txt
 PIP_VERSION := 26.3
+# pytest-xdist processes for `make test`, each taking whole test files (module fixtures built
+# once); CI has 2 cores
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint lock test-latest clean
 
@@ -28,7 +31,7 @@ lint: $(VENV)/.test
 
 test: $(VENV)/.test
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Re-resolve every dependency at its newest release into the lock (review the diff, then
 # `make test`): the lock changes only when someone asks for it.
