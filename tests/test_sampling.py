@@ -60,19 +60,26 @@ def test_filtered_distribution_matches_float64_reference():
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def test_draws_follow_the_distribution():
-    vocab, draws = 8, 4000
-    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.8, 1.9], np.float32)
-    s = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
-    rows = rows_of([s], vocab)  # one row's settings, tiled over `draws` rows of other seeds
+def draw_frequencies(logits: np.ndarray, setting: SamplingParams, draws: int,
+                     position: int) -> np.ndarray:
+    """Token frequencies of `draws` draws from `logits` [V] by `setting`: the row's settings
+    tiled over `draws` rows of other seeds."""
+    rows = rows_of([setting], len(logits))
     rows = rows.replace(**{k: jnp.repeat(getattr(rows, k), draws, axis=0)
                            for k in ("temperature", "top_k", "top_p", "min_p", "penalty",
                                      "seen")},
                         seed=jnp.stack([jnp.zeros(draws, jnp.uint32),
                                         jnp.arange(draws, dtype=jnp.uint32)], axis=1))
     tokens = sampling.sample(jnp.tile(jnp.asarray(logits), (draws, 1)), rows,
-                             jnp.full((draws,), 3))
-    freq = np.bincount(np.asarray(tokens), minlength=vocab) / draws
+                             jnp.full((draws,), position))
+    return np.bincount(np.asarray(tokens), minlength=len(logits)) / draws
+
+
+def test_draws_follow_the_distribution():
+    draws = 4000
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.8, 1.9], np.float32)
+    s = SamplingParams(temperature=0.8, top_k=6, top_p=0.95)
+    freq = draw_frequencies(logits, s, draws, 3)
     want = reference_probs(logits, s)
     assert np.all(freq[want == 0] == 0)
     sigma = np.sqrt(want * (1 - want) / draws)
@@ -186,15 +193,7 @@ def test_draws_follow_the_distribution_on_a_large_vocabulary(setting):
         np.float32)
     if setting.top_p > 0.99:
         logits = rng.normal(0, 0.05, vocab).astype(np.float32)  # flat: past the candidates
-    rows = rows_of([setting], vocab)
-    rows = rows.replace(**{k: jnp.repeat(getattr(rows, k), draws, axis=0)
-                           for k in ("temperature", "top_k", "top_p", "min_p", "penalty",
-                                     "seen")},
-                        seed=jnp.stack([jnp.zeros(draws, jnp.uint32),
-                                        jnp.arange(draws, dtype=jnp.uint32)], axis=1))
-    tokens = sampling.sample(jnp.tile(jnp.asarray(logits), (draws, 1)), rows,
-                             jnp.full((draws,), 5))
-    freq = np.bincount(np.asarray(tokens), minlength=vocab) / draws
+    freq = draw_frequencies(logits, setting, draws, 5)
     want = reference_probs(logits, setting)
     assert np.all(freq[want == 0] == 0)
     sigma = np.sqrt(want * (1 - want) / draws)
