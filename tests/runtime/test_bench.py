@@ -27,16 +27,7 @@ FLAGS = ["--resident-experts", "3", "--host-experts", "8", "--batch-capacity", "
          "--repeats", "3"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_cache():
-    """The bench runs share their compiled programs (dropped at the end of the module)."""
-    yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_programs_after_the_module():
-    yield
-    jax.clear_caches()
+KEEP_PROGRAMS = True  # the bench runs share their compiled programs (tests/runtime/conftest.py)
 
 
 @pytest.fixture(scope="module")

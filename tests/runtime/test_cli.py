@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 import strata_jax
@@ -140,17 +139,7 @@ def test_version_and_help(capsys):
     assert serve.func.__name__ == "serve" and engine_config(serve).hbm_budget == "1GB"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_cache():
-    """The generate tests share their compiled programs (tests/runtime/conftest.py drops them
-    after every test; here they go at the end of the module)."""
-    yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_programs_after_the_module():
-    yield
-    jax.clear_caches()
+KEEP_PROGRAMS = True  # the generate tests share their compiled programs (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ the plot), every rung checked before anything runs, grids, dry runs, failed rung
 import json
 from pathlib import Path
 
-import jax
 import pytest
 
 from strata_runtime.cli import main
@@ -15,16 +14,7 @@ TINY = ROOT / "sweeps" / "tiny_ladder.toml"
 SEED = ROOT / "sweeps" / "seed_ladder.toml"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compile_cache():
-    """The rungs share their compiled programs (dropped at the end of the module)."""
-    yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _drop_programs_after_the_module():
-    yield
-    jax.clear_caches()
+KEEP_PROGRAMS = True  # the rungs share their compiled programs (tests/runtime/conftest.py)
 
 
 @pytest.fixture(scope="module")
