@@ -28,7 +28,7 @@ import numpy as np
 from strata_jax.pool import ExpertPool
 
 KINDS = ("w1", "w3", "w2")
-_TORCH_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+FLOAT_DTYPES = frozenset({"bfloat16", "float32", "float16"})
 
 
 def _torch():
@@ -46,7 +46,7 @@ def check_pool(pool: ExpertPool) -> None:
         raise ValueError("host compute of packed int4 experts is not implemented: use "
                          "miss='fetch', or dequant='host' (tier 1 then holds bf16 experts)")
     name = str(np.dtype(pool.w1.dtype))
-    if name not in _TORCH_DTYPES:
+    if name not in FLOAT_DTYPES:
         raise ValueError(f"host compute takes float experts, got {name}")
 
 

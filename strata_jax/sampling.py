@@ -194,6 +194,13 @@ def _draw(rows: SamplerRows, positions: jax.Array, logits: jax.Array) -> jax.Arr
     return jax.vmap(one)(rows.seed, positions.astype(jnp.uint32), logits)
 
 
+def _draw_ranked(rows: SamplerRows, positions: jax.Array, ranked: jax.Array,
+                 order: jax.Array) -> jax.Array:
+    """Each row's token [B] int32 drawn from `ranked` [B, N], whose token ids are `order`."""
+    pick = _draw(rows, positions, ranked)
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
 def sample(logits: jax.Array, rows: SamplerRows, positions: jax.Array) -> jax.Array:
     """Each row's next token [B] int32 from float32 logits [B, V]; `positions` [B]: where each
     token will sit in its sequence (the draw's key is (seed, position)). A row's way of
@@ -206,16 +213,12 @@ def sample(logits: jax.Array, rows: SamplerRows, positions: jax.Array) -> jax.Ar
     plain = _draw(rows, positions, logits / t).astype(jnp.int32)
     count = min(CANDIDATES, logits.shape[-1])
     ranked, order, covered = candidate_logits(logits, rows, count)
-    pick = _draw(rows, positions, ranked)
-    drawn = jnp.where(_plain(rows), plain,
-                      jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32))
+    drawn = jnp.where(_plain(rows), plain, _draw_ranked(rows, positions, ranked, order))
     if count < logits.shape[-1]:  # rows the candidates do not cover take the full sort
         full = ~_plain(rows) & ~covered & (rows.temperature > 0)
 
         def sorted_draw():
-            ranked, order = filtered_logits(logits, rows)
-            pick = _draw(rows, positions, ranked)
-            return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+            return _draw_ranked(rows, positions, *filtered_logits(logits, rows))
 
         drawn = jnp.where(full, jax.lax.cond(jnp.any(full), sorted_draw, lambda: drawn), drawn)
     return jnp.where(rows.temperature > 0, drawn, greedy)
