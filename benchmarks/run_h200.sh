@@ -24,7 +24,11 @@
 #   "ladder" in PARTS  issue 20: `strata sweep sweeps/seed_ladder.toml` (its checkpoints written
 #                     first, ~35 + 17 GB under /tmp) with --resume from the rows already in
 #                     benchmarks/results/seed_ladder/, then the accelerate peer on the same
-#                     shape and budget (benchmarks/peer_accelerate.py); LADDER_S caps the sweep
+#                     shape and budget (benchmarks/peer_accelerate.py; PEER=0 skips it); LADDER_S
+#                     caps the sweep. Rows and checkpoints stay under /tmp of a warm machine, so
+#                     the next call resumes
+#   "repeat" in PARTS  benchmarks/repeat_check.py: same tokens on every repeat of one engine?
+#                     (as is, then with --xla_gpu_deterministic_ops)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -96,16 +100,28 @@ if [[ $PARTS == *hybrid* ]]; then
   python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *ladder* ]]; then
-  mkdir -p "$OUT/seed_ladder"
-  [[ -f benchmarks/results/seed_ladder/sweep.jsonl ]] && \
-    cp benchmarks/results/seed_ladder/sweep.jsonl "$OUT/seed_ladder/"
+  # The rows live on the device's disk beside the checkpoints, so the next call of a warm machine
+  # resumes from them; a fresh machine starts from the rows committed in the repo.
+  ROWS=/tmp/strata_ladder_rows; mkdir -p "$ROWS" "$OUT/seed_ladder"
+  [[ ! -f $ROWS/sweep.jsonl && -f benchmarks/results/seed_ladder/sweep.jsonl ]] && \
+    cp benchmarks/results/seed_ladder/sweep.jsonl "$ROWS/"
   echo "== t=${SECONDS}s: seed ladder (cap ${LADDER_S:-420}s)"
   timeout -k 10 "${LADDER_S:-420}" python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml \
-    --out "$OUT/seed_ladder" --resume 2>&1 | grep -v "^[WI]0" | tail -40
+    --out "$ROWS" --resume 2>&1 | grep -v "^[WI]0" | tail -40
+  cp -r "$ROWS/." "$OUT/seed_ladder/"
   left=$((BUDGET_S - SECONDS - 10))
-  echo "== t=${SECONDS}s, timeout ${left}s: accelerate peer"
-  timeout -k 10 "$left" python3 -m benchmarks.peer_accelerate --shape seed-125b --layers 6 \
-    --budget 24GB --batch 1,16 --out "$OUT" 2>&1 | grep -v "^[WI]0"
+  if ((left < 60)) || [[ ${PEER:-1} == 0 ]]; then echo "== skipped (t=${SECONDS}s, PEER=${PEER:-1}): accelerate peer"
+  else
+    echo "== t=${SECONDS}s, timeout ${left}s: accelerate peer"
+    timeout -k 10 "$left" python3 -m benchmarks.peer_accelerate --shape seed-125b --layers 6 \
+      --budget 24GB --batch 1,16 --out "$OUT" 2>&1 | grep -v "^[WI]0"
+  fi
+fi
+if [[ $PARTS == *repeat* ]]; then  # do repeats of one engine give the same tokens on the GPU?
+  echo "== t=${SECONDS}s: repeat check"
+  timeout -k 10 150 python3 -m benchmarks.repeat_check --out "$OUT" 2>&1 | grep -v "^[WI]0"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true" timeout -k 10 150 \
+    python3 -m benchmarks.repeat_check --out "$OUT" 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *disk* ]]; then
   left=$((BUDGET_S - SECONDS - 10))

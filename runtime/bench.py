@@ -83,6 +83,10 @@ class BenchSettings:
     """Tokens generated per prompt."""
     repeats: int = 5
     """Timed runs after the warm-up."""
+    warmup_new: int = 0
+    """Tokens per prompt of the warm-up run; 0: `new`. The same prompts go through it, so it
+    compiles every program the timed runs call (their prefill chunks, the decode step) with
+    any count; a full-length one also leaves the caches as the timed runs leave them."""
     seed: int = 0
     """Draws the prompts (and the bootstrap's resamples)."""
     hardware: str = "measured"
@@ -93,6 +97,8 @@ class BenchSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.warmup_new, int) or self.warmup_new < 0:
+            raise ValueError(f"warmup_new must be an integer >= 0, got {self.warmup_new!r}")
         if self.hardware != "measured":
             profile(self.hardware)  # a ValueError naming the shipped ones
 
@@ -267,19 +273,24 @@ def drop_page_cache(root: Path) -> None:
                 os.close(fd)
 
 
-def disk_read_gbps(reader: CheckpointReader, threads: int, experts: int = 8) -> float:
-    """GB/s of reading (and verifying) whole experts cold, `threads` at a time as the
-    engine's fetch threads read them (page cache dropped first)."""
+def disk_read_gbps(reader: CheckpointReader, threads: int, experts: int = 8,
+                   warm: bool = False) -> float:
+    """GB/s of reading (and verifying) whole experts, `threads` at a time as the engine's
+    fetch threads read them: cold (page cache dropped first) or `warm` (read once untimed, so
+    the page cache holds them)."""
     cfg = reader.config
     keys = [(i // cfg.num_experts % cfg.num_layers, i % cfg.num_experts)
             for i in range(min(experts, cfg.num_layers * cfg.num_experts))]
-    drop_page_cache(Path(reader.path) / "experts")
 
     def one(key: tuple[int, int]) -> int:
         return sum(reader.read_expert(*key, n).nbytes for n in reader.expert_specs)
 
-    t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
+        if warm:
+            list(pool.map(one, keys))
+        else:
+            drop_page_cache(Path(reader.path) / "experts")
+        t0 = time.perf_counter()
         nbytes = sum(pool.map(one, keys))
     return nbytes / (time.perf_counter() - t0) / 1e9
 
@@ -319,6 +330,7 @@ class Counts:
     swaps: int = 0
     disk_loads: int = 0
     disk_stall_s: float = 0.0
+    resumed_layers: int = 0
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -383,7 +395,7 @@ def _counts(engine: Engine, wall_s: float, new_tokens: int, prefill_chunks: int)
                   prefetched=c.prefetched, fetched=c.fetched, hosted=c.hosted,
                   issued=c.issued,
                   admissions=c.admissions, swaps=c.swaps, disk_loads=c.disk_loads,
-                  disk_stall_s=c.disk_stall_s)
+                  disk_stall_s=c.disk_stall_s, resumed_layers=c.resumed_layers)
 
 
 def link_name(ceilings: dict[str, Any]) -> str:
@@ -416,18 +428,27 @@ def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
             "disk_unbounded": bool(disk and not disk_gbps)}
 
 
-def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile) -> dict[str, Any] | None:
+def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
+               layers: int) -> dict[str, Any] | None:
     """The cost model's decode tok/s from the run's per-call means (None: no decode step).
     Inputs: batch = live rows per decode step; routed, misses (demand copies + prefetched
-    experts: every routed expert without a tier-0 slot), admissions per program call (the
-    counters mix prefill chunks in); hidden = the misses' share the prefetch served;
-    extra_hbm_bytes = the KV cache. Prefetches issued but not used are not modelled."""
+    experts: every routed expert without a tier-0 slot), admissions, disk loads per program
+    call (the counters mix prefill chunks in); hidden = the misses' share the prefetch served;
+    rerun = the share of a call's `layers` run again after disk stalls; extra_hbm_bytes = the
+    KV cache. Unless the profile has a disk rate, disk loads count at the rate the run's own
+    loads achieved (their bytes / the stall seconds): how much of the checkpoint the page
+    cache holds and how many loads a stall overlaps decide it, which no ceiling measured
+    apart knows. Prefetches issued but not used are not modelled."""
     if not c.decode_steps or not c.steps:
         return None
+    if c.disk_loads and hw.disk_gbps <= 0 and c.disk_stall_s > 0:
+        hw = dataclasses.replace(hw, disk_gbps=sizes.disk_bytes(c) / c.disk_stall_s / 1e9)
+    disk = c.disk_loads if hw.disk_gbps > 0 else 0
     need = c.fetched + c.prefetched
     inputs = {"batch": c.decode_tokens / c.decode_steps, "routed": c.routed / c.steps,
               "misses": need / c.steps, "hosted": c.hosted / c.steps,
-              "admissions": c.admissions / c.steps,
+              "admissions": c.admissions / c.steps, "disk_loads": disk / c.steps,
+              "rerun": c.resumed_layers / (layers * c.steps) if disk else 0.0,
               "hidden": c.prefetched / need if need else 0.0,
               "extra_hbm_bytes": float(sizes.kv_bytes)}
     p = predict(hw, sizes.model(), **inputs)
@@ -435,7 +456,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile) -> dict[str, Any] |
             "terms_ms": {k: 1e3 * v for k, v in p.terms.items()},
             "inputs": {**inputs, "bytes_per_expert": sizes.bytes_per_expert,
                        "dense_bytes": sizes.dense_bytes,
-                       "flops_per_token": sizes.flops_per_token},
+                       "flops_per_token": sizes.flops_per_token,
+                       "disk_gbps": hw.disk_gbps if disk else None},
             "compare_with": "decode_tok_s"}
 
 
@@ -508,6 +530,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
     check_fits(config, settings)
     reader = CheckpointReader(ckpt)
     cfg = reader.config
+    layers = cfg.num_layers
     prompts = synthetic_prompts(cfg.vocab_size, settings.prompts, settings.prompt_len,
                                 settings.seed)
     ceilings = measure_ceilings() if ceilings is None else ceilings
@@ -529,7 +552,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
             hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
                                      host_row_cost=engine.host_misses.rates.row_cost)
         t0 = time.perf_counter()
-        engine.generate(prompts, settings.new)  # compiles what the timed runs call
+        engine.generate(prompts, settings.warmup_new or settings.new)  # compiles them all
         warmup_s = time.perf_counter() - t0
         compile_s = engine.stats()["compile_s"]
         engine.reset_stats()
@@ -544,7 +567,8 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
             disk = _disk_rate(ceilings, reader, config) if c.disk_loads else None
             row = {"kind": "repeat", **head, "repeat": r, **_figures(c, sizes, run_steps),
                    "bound": bound(c, sizes, ceilings, disk),
-                   "predicted": prediction(c, sizes, hw), "tokens_sha256": tokens_digest(out),
+                   "predicted": prediction(c, sizes, hw, layers),
+                   "tokens_sha256": tokens_digest(out),
                    "stats": stats, "fingerprint": fingerprint}
             rows.append(row)
             tokens.append(out)
@@ -568,7 +592,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
                                    "prefetch_hit_rate", "bytes", "per_step", "flops")},
         "disk_loads": float(np.median([c.disk_loads for c in counts])),
         "disk_stall_s": float(np.median([c.disk_stall_s for c in counts])),
-        "bound": b, "predicted": prediction(total, sizes, hw), "ceilings": ceilings,
+        "bound": b, "predicted": prediction(total, sizes, hw, layers), "ceilings": ceilings,
         "sizes": dataclasses.asdict(sizes), "build_s": build_s, "warmup_s": warmup_s,
         "compile_s": compile_s, "tokens_sha256": rows[0]["tokens_sha256"],
         "tokens_equal_across_repeats": all(t == tokens[0] for t in tokens),
@@ -582,14 +606,16 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
 
 def _disk_rate(ceilings: dict[str, Any], reader: CheckpointReader,
                config: EngineConfig) -> float:
-    """The checkpoint's cold expert read rate, measured once per checkpoint and kept in
-    `ceilings["disk_read_gbps"]` (after the timed runs: the drop of the page cache does not
-    touch them)."""
+    """The checkpoint's expert read rate for the bound, measured once per checkpoint and kept
+    in `ceilings["disk_read_gbps"]` (after the timed runs: the drop of the page cache does not
+    touch them): the faster of cold and warm, since the page cache may hold any part of a
+    checkpoint that fits the host's memory."""
     rates = ceilings.setdefault("disk_read_gbps", {})
     key = str(reader.path)
     if key not in rates:
-        rates[key] = disk_read_gbps(reader, config.fetch_threads)
-    return rates[key]
+        rates[key] = {"cold": disk_read_gbps(reader, config.fetch_threads),
+                      "warm": disk_read_gbps(reader, config.fetch_threads, warm=True)}
+    return max(rates[key].values())
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -630,7 +656,8 @@ def render_summary(s: dict[str, Any]) -> str:
         f"ceilings (measured at start): pinned h2d {c['pinned_h2d_gbps']:.3g} GB/s, host read "
         f"{c['host_read_gbps']:.3g} GB/s, device read {c['hbm_read_gbps']:.4g} GB/s, matmul "
         f"{c['matmul_tflops']:.3g} TFLOP/s ({c['matmul_dtype']})"
-        + ("; disk " + ", ".join(f"{v:.3g}" for v in c["disk_read_gbps"].values()) + " GB/s"
+        + ("; disk (cold / warm) " + ", ".join(f"{v['cold']:.3g} / {v['warm']:.3g}"
+                                               for v in c["disk_read_gbps"].values()) + " GB/s"
            if c.get("disk_read_gbps") else ""),
         f"bound (counted bytes and FLOPs / ceilings): {_f(b['bound_tok_s'])} tok/s, measured "
         f"{_f(b['ratio'], '.3f')} of it, binds: {b['binds']}"

@@ -17,6 +17,7 @@ from strata_jax.sampling import SamplingParams
 from strata_runtime.compile_cache import ENV as CACHE_ENV
 from strata_runtime.compile_cache import enable_compile_cache
 from strata_runtime.engine_flags import add_engine_flags, engine_config, resident_shape
+from strata_runtime.serve_flags import add_serve_parser
 
 __all__ = ["add_engine_flags", "build_parser", "engine_config", "main"]
 
@@ -674,7 +675,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     config = _bench_config(args)
     settings = BenchSettings(prompts=args.prompts, prompt_len=args.prompt_len, new=args.new,
-                             repeats=args.repeats, seed=args.seed, hardware=args.hardware)
+                             repeats=args.repeats, warmup_new=args.warmup_new, seed=args.seed,
+                             hardware=args.hardware)
 
     def progress(row: dict) -> None:
         if row["kind"] == "repeat":
@@ -741,6 +743,9 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, common) -> None:
                    help="tokens generated per prompt")
     b.add_argument("--repeats", type=int, default=defaults.repeats, metavar="R",
                    help="timed runs after the warm-up")
+    b.add_argument("--warmup-new", type=int, default=defaults.warmup_new, metavar="N",
+                   help="tokens per prompt of the warm-up run (default: --new; any count "
+                        "compiles every program the timed runs call)")
     b.add_argument("--seed", type=int, default=defaults.seed, metavar="S",
                    help="draws the prompts (the same seed gives the same tokens)")
     b.add_argument("--hardware", default=defaults.hardware,
@@ -841,8 +846,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize_parsers(sub, common)
     _add_trace_parsers(sub, common)
     _add_bench_parsers(sub, common)
-    from strata_runtime.server import add_serve_parser
-
     add_serve_parser(sub, add_engine_flags)
     return parser
 

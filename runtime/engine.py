@@ -450,6 +450,7 @@ class Engine:
                 return out, failed
             layer = int(disk[:, 0].min())  # the later layers ran on a wrong input
             keys = [(layer, int(e)) for e in disk[disk[:, 0] == layer, 1]]
+            self.counters.resumed_layers += self.cfg.num_layers - layer
             failed.update(self._from_disk(keys, record, args))
             self.state = self.state.replace(tokens=before[0], positions=before[1],
                                             sampler=before[2])

@@ -36,8 +36,9 @@ class EngineStats:
     fetched: int = 0  # ... copied on demand from tier 1 (a stall inside the step)
     hosted: int = 0  # ... computed on the host cores instead (EngineConfig.miss)
     issued: int = 0  # prefetch copies issued
-    disk_loads: int = 0  # tier 2 -> tier 1 reads (each a re-run of the step)
+    disk_loads: int = 0  # tier 2 -> tier 1 reads
     disk_stall_s: float = 0.0
+    resumed_layers: int = 0  # layers run again after disk stalls (L - l per resume at l)
     admissions: int = 0  # tier 1 -> cache slot copies between steps
     swaps: int = 0  # rebalancing swaps
     failed_requests: int = 0
@@ -83,6 +84,7 @@ class EngineStats:
             "disk_bytes": self.disk_loads * bpe,
             "disk_loads": self.disk_loads,
             "disk_stall_s": self.disk_stall_s,
+            "resumed_layers": self.resumed_layers,
             "admissions": self.admissions,
             "rebalance_swaps": self.swaps,
             "failed_requests": self.failed_requests,

@@ -329,7 +329,11 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
     if overwrite:
         jsonl.write_text("")
         earlier = []
+    keys = {r.name: json.loads(json.dumps(r.keys, default=str)) for r in sweep.rungs}
     done = {r["rung"]: r for r in earlier if "error" not in r}
+    for name in [n for n, r in done.items() if n in keys and r.get("keys") != keys[n]]:
+        log(f"{name}: its keys changed since the row in {jsonl}: it runs again")
+        del done[name]
     gpu = jax.default_backend() == "gpu"
     prepare(sweep, [r for r in runnable(sweep.rungs) if r.name not in done], log)
     if all(r.name in done for r in sweep.rungs):
@@ -430,10 +434,12 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
             "tok/s = generated tokens / wall of the timed generate (prefill included); the "
             f"interval is a {first['tok_s']['method']}. Bound = generated tokens / (max(HBM "
             "bytes / device read, FLOPs / matmul) + host->device bytes / link + disk bytes / "
-            "cold read), from the bytes counted in the run; binds = the largest term. "
-            "Predicted = the cost model (runtime/cost_model.py) on the measured ceilings, to "
-            "compare with the engine's decode tok/s. h2d GB/step: per program call (decode "
-            "step or prefill chunk); disk stalls: per repeat.",
+            "the faster of the cold and warm expert reads), from the bytes counted in the run; "
+            "binds = the largest term. Predicted = the cost model (runtime/cost_model.py) on "
+            "the measured ceilings (disk loads at the rate the rung's own loads achieved, "
+            "with the layers they ran again), to compare with the engine's decode tok/s. h2d "
+            "GB/step: per program call (decode step or prefill chunk); disk stalls: per "
+            "repeat.",
             "",
         ]
     lines += [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]

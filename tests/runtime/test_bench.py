@@ -24,7 +24,7 @@ FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes"
 # 3 of the 12 experts in HBM: demand copies and prefetches happen
 FLAGS = ["--resident-experts", "3", "--host-experts", "8", "--batch-capacity", "2",
          "--max-len", "32", "--prompts", "3", "--prompt-len", "5", "--new", "6",
-         "--repeats", "3"]
+         "--repeats", "3", "--warmup-new", "2"]
 
 
 KEEP_PROGRAMS = True  # the bench runs share their compiled programs (tests/runtime/conftest.py)
@@ -55,7 +55,13 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
         assert set(FINGERPRINT) <= r["fingerprint"].keys()
         assert r["fingerprint"]["gpu"] == ("cpu" if jax.default_backend() == "cpu"
                                            else jax.devices()[0].device_kind)
-        assert r["predicted"]["binding"] in ("hbm", "compute", "pcie", "host-read")
+        assert r["predicted"]["binding"] in ("hbm", "compute", "pcie", "host-read", "disk")
+        counts = r["counts"] if r["kind"] == "repeat" else None
+        if counts is not None and counts["disk_loads"]:  # the run's own load rate, reruns
+            inputs = r["predicted"]["inputs"]
+            assert inputs["disk_gbps"] == pytest.approx(
+                counts["disk_loads"] * inputs["bytes_per_expert"] / counts["disk_stall_s"] / 1e9)
+            assert 0 < inputs["rerun"] <= counts["resumed_layers"]
         assert r["bound"]["binds"] in r["bound"]["seconds"]
         assert 0 < r["bound"]["bound_tok_s"]
     repeat = rows[0]
@@ -63,8 +69,10 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
     assert repeat["counts"]["fetched"] + repeat["counts"]["prefetched"] > 0  # offloaded
     assert repeat["stats"]["tier0_experts"] == 3
     s = rows[-1]
-    assert s["settings"] == {"prompts": 3, "prompt_len": 5, "new": 6, "repeats": 3, "seed": 7,
-                             "hardware": "measured"}
+    assert s["settings"] == {"prompts": 3, "prompt_len": 5, "new": 6, "repeats": 3,
+                             "warmup_new": 2, "seed": 7, "hardware": "measured"}
+    for r in rows[:3]:  # the short warm-up compiled every program the timed runs call
+        assert r["stats"]["compile_s"] == 0
     assert s["config"]["resident_experts"] == 3 and s["config"]["batch_capacity"] == 2
     assert s["tokens_equal_across_repeats"]
     assert s["tok_s"]["values"] == [r["tok_s"] for r in rows[:3]]

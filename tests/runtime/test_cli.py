@@ -139,6 +139,18 @@ def test_version_and_help(capsys):
     assert serve.func.__name__ == "serve" and engine_config(serve).hbm_budget == "1GB"
 
 
+def test_the_cli_runs_without_the_web_stack():
+    """Every subcommand but `serve` works where fastapi is not installed (a GPU machine's
+    environment): the server is imported only when it is asked for."""
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from strata_runtime.cli import main\n"
+            "sys.exit(main(['sweep', '--help']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "SWEEP" in done.stdout or "sweep" in done.stdout
+
+
 KEEP_PROGRAMS = True  # the generate tests share their compiled programs (conftest.py)
 
 

@@ -246,7 +246,7 @@ def test_the_cost_formula_by_hand():
     # t_copy = 10 x 1e8 / 5e10 = 20 ms; t_admit = 2 x 1e8 / 5e10 = 4 ms
     # step = max(1.2, 0.16, 0.5 x 20) + 0.5 x 20 + 4 = 24 ms -> 8 / 0.024 = 333.3 tok/s
     assert p.terms == pytest.approx({"t_hbm": 1.2e-3, "t_compute": 1.6e-4, "t_copy": 0.02,
-                                     "t_host": 0.0, "t_admit": 0.004})
+                                     "t_host": 0.0, "t_admit": 0.004, "t_disk": 0.0})
     assert p.step_s == pytest.approx(0.024) and p.tok_s == pytest.approx(8 / 0.024)
     assert p.binding == "pcie"
     compute = predict(ROUND, MODEL, batch=1000, routed=40, misses=0)
@@ -276,6 +276,21 @@ def test_hosted_misses_run_beside_the_copies():
     np.testing.assert_array_equal(hosted_misses(host, MODEL, layer_misses, 1, "host"),
                                   layer_misses)
     assert not hosted_misses(host, MODEL, layer_misses, 1, "fetch").any()
+
+
+def test_disk_loads_stall_the_step_and_its_rerun():
+    disk = HardwareProfile(**{**ROUND.__dict__, "disk_gbps": 2.0})
+    base = predict(disk, MODEL, batch=8, routed=40, misses=10, admissions=2, hidden=0.5)
+    # 3 loads of 1e8 bytes at 2 GB/s = 150 ms, waited for; half of the layers run again
+    p = predict(disk, MODEL, batch=8, routed=40, misses=10, admissions=2, hidden=0.5,
+                disk_loads=3, rerun=0.5)
+    assert p.terms["t_disk"] == pytest.approx(0.15)
+    assert p.step_s == pytest.approx(base.step_s * 1.5 + 0.15)
+    assert p.binding == "disk"
+    with pytest.raises(ValueError, match="no disk rate"):
+        predict(ROUND, MODEL, batch=8, routed=40, misses=1, disk_loads=1)
+    with pytest.raises(ValueError, match="rerun"):
+        predict(disk, MODEL, batch=8, routed=40, misses=1, rerun=-1)
 
 
 def test_profiles_and_model_cost():

@@ -65,6 +65,18 @@ def test_resume_keeps_the_rows_and_runs_nothing_more(ladder, capsys):
     assert "nothing to run" in capsys.readouterr().err
 
 
+def test_resume_runs_again_a_rung_whose_keys_changed(ladder, tmp_path, capsys):
+    _, ckpt, _ = ladder
+    out = tmp_path / "out"
+    text = BASE.format(ckpt=ckpt) + 'repeats = 1\n[[rung]]\nname = "a"\n[[rung]]\nname = "b"\n'
+    assert main(["sweep", str(write(tmp_path, text)), "--out", str(out)]) == 0
+    changed = text.replace('name = "b"\n', 'name = "b"\nnew = 3\n')
+    assert main(["sweep", str(write(tmp_path, changed)), "--out", str(out), "--resume"]) == 0
+    assert "b: its keys changed" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [(r["rung"], r["settings"]["new"]) for r in rows] == [("a", 4), ("b", 4), ("b", 3)]
+
+
 def write(tmp_path, text: str) -> Path:
     path = tmp_path / "s.toml"
     path.write_text(text)

@@ -1,0 +1,96 @@
+"""Do repeats of one engine give the same tokens? A diagnostic for the GPU machine.
+
+The H200 seed ladder's first rungs (bf16 seed-125b shape, 6 layers, 8 GB of tier 1, disk read
+during decode) gave different greedy tokens on each of their three repeats, while the CPU gives
+the same bits (this script, and tests/runtime/test_engine.py). This runs a small seed-shaped
+model (qwen2_moe, top-4, 32 experts, shared expert, skewed routing) through engines that differ
+in one thing each, three repeats of the same prompts per engine, and writes per repeat whether
+the tokens equal those of the engine that holds every expert in HBM, and the first differing
+step:
+
+- `resident`: every expert in a device slot (the reference);
+- `host`: every expert not in HBM in tier 1 (no disk, no resume compiled);
+- `disk`: tier 1 smaller than the experts (disk loads, steps resumed from a layer);
+- `disk-lfru`: the same with cache slots and next-gate prefetch.
+
+Run it twice on the GPU, the second time with XLA_FLAGS=--xla_gpu_deterministic_ops=true: if
+only the first run differs, an XLA op without a fixed order is to blame; if `host` differs,
+neither the disk tier nor the resume is.
+
+    python -m benchmarks.repeat_check --out $OUT [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from strata_jax import synth
+from strata_jax.checkpoint import CheckpointReader
+from strata_runtime.bench import synthetic_prompts
+from strata_runtime.engine import Engine, EngineConfig
+
+SHAPE = "seed-mini"
+ENGINES = {
+    "resident": {},
+    "host": dict(resident_experts=8, policy="static", cache_fraction=0.0),
+    "disk": dict(resident_experts=8, host_experts=16, policy="static", cache_fraction=0.0),
+    "disk-lfru": dict(resident_experts=8, host_experts=12, policy="lfru", cache_fraction=0.25,
+                      predictor="next-gate"),
+}
+
+
+def seed_mini() -> None:
+    """A small model of the seed-125b family (top-4 of 32, a shared expert) as a shape."""
+    synth.SHAPES.setdefault(SHAPE, synth.SHAPES["seed-125b"].replace(
+        vocab_size=512, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=64, num_experts=32, expert_intermediate_size=128,
+        shared_intermediate_size=512))
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per request: the first step whose token differs (None: equal)."""
+    return [next((i for i, (x, y) in enumerate(zip(ra, rb, strict=True)) if x != y), None)
+            for ra, rb in zip(a, b, strict=True)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--path", default="/tmp/strata_seed_mini")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=2)
+    args = ap.parse_args()
+    seed_mini()
+    path = Path(f"{args.path}_{args.dtype}")
+    if not (path / "config.json").exists():
+        synth.synthesize(SHAPE, path, skew=0.7, seed=0, dtype=args.dtype)
+    reader = CheckpointReader(path)
+    prompts = synthetic_prompts(reader.config.vocab_size, args.prompts, 16, 0)
+    reference = None
+    rows = []
+    for name, knobs in ENGINES.items():
+        config = EngineConfig(batch_capacity=args.batch, max_len=64, **knobs)
+        t0 = time.perf_counter()
+        with Engine(reader, config) as engine:
+            outs = [engine.generate(prompts, args.new) for _ in range(3)]
+            stats = engine.stats()
+        reference = outs[0] if reference is None else reference
+        row = {"engine": name, "dtype": args.dtype, "knobs": knobs,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "equal_to_resident": [o == reference for o in outs],
+               "first_difference": [first_difference(o, reference) for o in outs],
+               "disk_loads": stats.get("disk_loads"), "seconds": time.perf_counter() - t0}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(Path(args.out) / "repeat_check.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
