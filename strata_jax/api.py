@@ -33,6 +33,28 @@ class Model:
     experts: ExpertPool
     slot_table: jax.Array
     tokenizer: Any = None  # the checkpoint's strata_jax.tokenizer.Tokenizer, if it has one
+    mesh: jax.sharding.Mesh | None = None
+    """Experts over this mesh's devices (`expert_parallel.shard`; `slot_table` is then each
+    device's page table, [n, L, E]); None: one device."""
+
+    def programs(self) -> tuple[Any, Any, Any, step.Tiers]:
+        """(decode, prefill, forward, tiers): the step programs this model runs."""
+        if self.mesh is None:
+            return step.decode, step.prefill, step.forward, step.resident_tiers(self.slot_table)
+        from strata_jax import expert_parallel
+
+        ep = expert_parallel.programs(self.mesh)
+        return ep.decode, ep.prefill, ep.forward, expert_parallel.tiers(self.slot_table)
+
+    def init_state(self, batch: int, max_len: int) -> step.DecodeState:
+        """An empty decode state where this model's programs take it."""
+        if self.mesh is None:
+            return step.init_state(self.config, batch, max_len)
+        from strata_jax.expert_parallel import place
+
+        everyone = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return place(step.init_state(self.config, batch, max_len, jax.local_devices()[0]),
+                     everyone)
 
 
 def from_arrays(
@@ -130,13 +152,19 @@ def _stack_experts(ex, reader: CheckpointReader, kind: str, layers: int, experts
 
 def logits(model: Model, tokens: Any) -> np.ndarray:
     """Full causal forward of int32 tokens [B, T] -> numpy float32 logits [B, T, vocab]."""
-    return np.asarray(_forward(model, tokens)[0], dtype=np.float32)
+    return np.asarray(_host(_forward(model, tokens)[0]), dtype=np.float32)
 
 
 def routing(model: Model, tokens: Any) -> np.ndarray:
     """Every layer's selected experts of the causal forward of tokens [B, T]:
     int32 [layers, B * T, top_k]."""
-    return np.asarray(_forward(model, tokens)[1].experts)
+    return np.asarray(_host(_forward(model, tokens)[1].experts))
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated array's value on this host (over several processes, the copy on one of
+    this process's devices: every device holds all of it)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def _forward(model: Model, tokens: Any):
@@ -144,8 +172,8 @@ def _forward(model: Model, tokens: Any):
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, time], got shape {tokens.shape}")
     check_tokens(model.config, tokens)
-    return step.forward(model.config, step.StepPlan(), model.params, model.experts,
-                        step.resident_tiers(model.slot_table), tokens)
+    _, _, forward, tiers = model.programs()
+    return forward(model.config, step.StepPlan(), model.params, model.experts, tiers, tokens)
 
 
 def check_tokens(cfg: ModelConfig, tokens: Any, what: str = "tokens") -> None:
@@ -246,27 +274,27 @@ def until_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
 def _generate_group(model: Model, prompts, settings, new: int, capacity: int, max_len: int):
     cfg = model.config
     sampled = step.StepPlan(sample=not all(s.greedy for s in settings))
-    args = (cfg, step.StepPlan(), model.params, model.experts,
-            step.resident_tiers(model.slot_table))
-    state = step.init_state(cfg, capacity, max_len)
+    decode, prefill, _, tiers = model.programs()
+    args = (cfg, step.StepPlan(), model.params, model.experts, tiers)
+    state = model.init_state(capacity, max_len)
     for row, (prompt, s) in enumerate(zip(prompts, settings, strict=True)):
-        state = prefill_row(args, state, row, prompt, s)
+        state = prefill_row(args, state, row, prompt, s, prefill)
     tokens = [jnp.copy(state.tokens)]  # (decode donates the state)
     for _ in range(new - 1):
-        state, out, _ = step.decode(cfg, sampled, *args[2:], state)
+        state, out, _ = decode(cfg, sampled, *args[2:], state)
         tokens.append(out.tokens)
-    table = np.stack(jax.device_get(tokens), axis=1)
+    table = np.stack([_host(t) for t in tokens], axis=1)
     return table[: len(prompts)].tolist()
 
 
 def prefill_row(args: tuple, state: step.DecodeState, row: int, prompt,
-                sampling: SamplingParams = GREEDY) -> step.DecodeState:
-    """Prefill `prompt` into `row` by `step.prefill_chunks` with the resident programs; the
-    row draws by `sampling` (its seed resolved)."""
+                sampling: SamplingParams = GREEDY, prefill=step.prefill) -> step.DecodeState:
+    """Prefill `prompt` into `row` by `step.prefill_chunks` with the resident `prefill`
+    program; the row draws by `sampling` (its seed resolved)."""
     prompt = np.asarray(prompt, np.int32)
     values = row_values(sampling)
     for start, size, count in step.prefill_chunks(len(prompt)):
         chunk = np.zeros(size, np.int32)
         chunk[:count] = prompt[start : start + count]
-        state, _, _ = step.prefill(*args, state, row, chunk, start, count, values)
+        state, _, _ = prefill(*args, state, row, chunk, start, count, values)
     return state

@@ -203,8 +203,12 @@ def _slot_row(ids: jax.Array, real: jax.Array, first_slot, num_experts: int) -> 
 
 
 def _resident_experts(plan: StepPlan, h, routing, pool, page_row):
-    picks = routed_outputs(h, routing, pool, page_row, jnp.ones(page_row.shape, jnp.bool_),
+    """Every pick from its slot; over an expert axis, each device's own experts' picks (the
+    others are -1 in its page row), joined by a sum in which each pick has one term."""
+    picks = routed_outputs(h, routing, pool, jnp.maximum(page_row, 0), page_row >= 0,
                            plan.row_chunks, plan.int4_tiles)
+    if plan.expert_axis is not None:
+        picks = jax.lax.psum(picks, plan.expert_axis)
     return combine_routed(routing, picks).astype(h.dtype)
 
 
@@ -275,6 +279,8 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     counts = _present(routing.experts, token_live, cfg.num_experts)
     present = counts > 0
     hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)
+    if plan.expert_axis is not None:  # each device counts its own experts
+        hits = jax.lax.psum(hits, plan.expert_axis)
     zero = jnp.zeros((), jnp.int32)
     fields = {"counts": counts, "experts": routing.experts, "hits": hits}
     if plan.staging == 0:

@@ -86,6 +86,11 @@ class StepPlan:
     layer's misses between the two by `Tiers.host_work`'s rates. Host compute rounds
     differently (docs/design.md, "Host compute of misses")."""
 
+    expert_axis: str | None = None
+    """The mesh axis the expert slots are sharded over (`expert_parallel`: the step runs
+    under `shard_map`, each device computes the picks of its own experts and a `psum` joins
+    them, exactly, since every pick comes from one device); None: one device."""
+
     def __post_init__(self) -> None:
         if self.unroll is None:  # resolved now: the plan is a static argument, part of the key
             object.__setattr__(self, "unroll", jax.default_backend() == "gpu")
@@ -94,6 +99,10 @@ class StepPlan:
         if self.predictor not in PREDICTORS:
             raise ValueError(f"StepPlan.predictor must be one of {PREDICTORS}, "
                              f"got {self.predictor!r}")
+        if self.expert_axis is not None and self.staging:
+            raise ValueError("an expert axis needs every expert in a device slot "
+                             "(StepPlan.staging 0): offloaded experts over several devices "
+                             "are not built yet")
         if self.miss not in MISS_MODES:
             raise ValueError(f"StepPlan.miss must be one of {MISS_MODES}, got {self.miss!r}")
 

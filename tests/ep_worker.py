@@ -1,0 +1,72 @@
+"""Runs in a subprocess of tests/test_expert_parallel.py: JAX's device count and distributed
+runtime are fixed when it starts, so each setting needs a process of its own.
+
+    python -m tests.ep_worker CKPT devices N,N,...   -> JSON: per N, tokens and logits equal?
+    python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4, 90, 3, 17]]
+NEW = 8
+
+
+def _generate(model, sampled: bool):
+    from strata_jax.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=0.8, top_k=20, seed=5) if sampled else None
+    kw = {"sampling": sampling} if sampled else {}
+    return strata_jax.generate(model, PROMPTS, max_new_tokens=NEW, batch_capacity=2, **kw)
+
+
+def devices(ckpt: str, counts: list[int]) -> dict:
+    import numpy as np
+
+    from strata_jax import expert_parallel
+
+    model = strata_jax.load(ckpt)
+    tokens = np.array([[3, 5, 6, 7, 8, 9]], np.int32)
+    ref = {s: _generate(model, s) for s in (False, True)}
+    ref_logits = strata_jax.api.logits(model, tokens)
+    out = {"devices": len(jax.devices())}
+    for n in counts:
+        sharded = expert_parallel.shard(model, n)
+        out[n] = {"greedy": _generate(sharded, False) == ref[False],
+                  "sampled": _generate(sharded, True) == ref[True],
+                  "logits": bool(np.array_equal(strata_jax.api.logits(sharded, tokens),
+                                                ref_logits)),
+                  "pool_shards": len(sharded.experts.w1.addressable_shards)}
+    return out
+
+
+def process(ckpt: str, pid: int, port: str) -> dict:
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid)
+    from strata_jax import expert_parallel
+
+    model = expert_parallel.shard(strata_jax.load(ckpt), len(jax.devices()))
+    return {"process": pid, "devices": len(jax.devices()), "local": len(jax.local_devices()),
+            "tokens": _generate(model, False)}
+
+
+if __name__ == "__main__":
+    ckpt, mode, *rest = sys.argv[1:]
+    count = 4 if mode == "devices" else 2
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={count}")
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    import strata_jax
+
+    if mode == "devices":
+        result = devices(ckpt, [int(n) for n in rest[0].split(",")])
+    else:
+        result = process(ckpt, int(rest[0]), rest[1])
+    print("RESULT " + json.dumps(result), flush=True)
