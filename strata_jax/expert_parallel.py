@@ -11,6 +11,9 @@ the tokens and logits are those of one device.
 
 `shard(model, devices)` gives a `Model` whose pool is laid out and placed so; the generate,
 logits and routing functions of `strata_jax.api` then run the programs of `programs(mesh)`.
+`offload(model, devices, resident, staging)` keeps only some experts of each device in its
+slots and the rest in its share of a pinned-host tier, for the staged programs: each device
+copies its own misses over its own link.
 """
 
 from __future__ import annotations
@@ -37,41 +40,61 @@ AXIS = "expert"
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each (layer, expert) lies over `devices` devices: its owner e mod n, and its
-    slot among the owner's `slots_per_device` slots, l * per_layer + e // n."""
+    """Where each (layer, expert) lies over `devices` devices: on its owner, device e mod n,
+    the j-th expert of a layer that a device owns (by id) takes one of its device slots if j <
+    `resident` (slot l * resident + j), else one of its pinned-host slots (slot l * (per_layer
+    - resident) + j - resident). `resident` None: every expert in a device slot."""
 
     num_layers: int
     num_experts: int
     devices: int
+    resident: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.resident is not None and not 0 <= self.resident <= self.per_layer:
+            raise ValueError(f"resident experts per layer and device must be in [0, "
+                             f"{self.per_layer}], got {self.resident}")
 
     @property
     def per_layer(self) -> int:
-        """Slots of one layer on each device (the last devices may leave one empty)."""
+        """Experts of one layer each device owns (the last devices may own one fewer)."""
         return -(-self.num_experts // self.devices)
 
     @property
-    def slots_per_device(self) -> int:
-        return self.num_layers * self.per_layer
+    def device_slots(self) -> int:
+        """Device slots per device for the experts (staging comes after them)."""
+        return self.num_layers * (self.per_layer if self.resident is None else self.resident)
 
-    def page(self) -> np.ndarray:
-        """int32 [devices, L, E]: each device's page table (its own experts' slots, else
-        -1)."""
-        e = np.arange(self.num_experts)
-        local = np.arange(self.num_layers)[:, None] * self.per_layer + e[None, :] // self.devices
-        owner = e % self.devices
-        page = np.full((self.devices, self.num_layers, self.num_experts), -1, np.int32)
+    @property
+    def host_slots(self) -> int:
+        """Pinned-host slots per device."""
+        return self.num_layers * self.per_layer - self.device_slots
+
+    def pages(self) -> tuple[np.ndarray, np.ndarray]:
+        """int32 [devices, L, E] each: every device's page table (its experts' device slots)
+        and host page table (their pinned-host slots); -1 elsewhere."""
+        shape = (self.devices, self.num_layers, self.num_experts)
+        page, host = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
+        r = self.per_layer if self.resident is None else self.resident
+        layers = np.arange(self.num_layers)
         for d in range(self.devices):
-            page[d][:, owner == d] = local[:, owner == d]
-        return page
+            for j, e in enumerate(range(d, self.num_experts, self.devices)):
+                if j < r:
+                    page[d, :, e] = layers * r + j
+                else:
+                    host[d, :, e] = layers * (self.per_layer - r) + j - r
+        return page, host
 
-    def source_slots(self) -> np.ndarray:
-        """int [devices * slots_per_device]: the one-device resident slot (l * E + e) each
-        sharded slot takes, or -1 for an empty one."""
-        src = np.full((self.devices, self.slots_per_device), -1, np.int64)
-        for d, table in enumerate(self.page()):
-            layers, experts = np.nonzero(table >= 0)
-            src[d, table[layers, experts]] = layers * self.num_experts + experts
-        return src.reshape(-1)
+
+def sources(table: np.ndarray, slots: int) -> np.ndarray:
+    """int [devices * slots]: the one-device resident slot (l * E + e) each slot of the
+    tables `table` [devices, L, E] takes, or -1 for a slot that holds none."""
+    devices, _, num_experts = table.shape
+    src = np.full((devices, slots), -1, np.int64)
+    for d in range(devices):
+        layers, experts = np.nonzero(table[d] >= 0)
+        src[d, table[d][layers, experts]] = layers * num_experts + experts
+    return src.reshape(-1)
 
 
 def mesh_of(devices: Sequence[jax.Device]) -> Mesh:
@@ -94,28 +117,60 @@ def shard(model: Model, devices: Sequence[jax.Device] | int) -> Model:
     """`model` (resident, one device) with its experts over `devices` (or the first that
     many of `jax.devices()`): the pool laid out by `Layout` and sharded over `AXIS`, the page
     tables [n, L, E], the dense params replicated."""
+    devices = _devices(devices)
+    cfg = model.config
+    layout = Layout(cfg.num_layers, cfg.num_experts, len(devices))
+    mesh = mesh_of(devices)
+    page, _ = layout.pages()
+    pool = _stack(model, mesh, sources(page, layout.device_slots), None)
+    return replace(model, params=place(model.params, NamedSharding(mesh, P())), experts=pool,
+                   slot_table=place(page, NamedSharding(mesh, P(AXIS))), mesh=mesh)
+
+
+def _devices(devices: Sequence[jax.Device] | int) -> Sequence[jax.Device]:
     if isinstance(devices, int):
         if not 1 <= devices <= len(jax.devices()):
             raise ValueError(f"{devices} devices asked for; this process sees "
                              f"{len(jax.devices())} ({jax.default_backend()})")
-        devices = jax.devices()[:devices]
-    cfg = model.config
-    layout = Layout(cfg.num_layers, cfg.num_experts, len(devices))
-    mesh = mesh_of(devices)
-    src = layout.source_slots()
+        return jax.devices()[:devices]
+    return devices
+
+
+def _stack(model: Model, mesh: Mesh, src: np.ndarray, memory_kind: str | None) -> ExpertPool:
+    """The pool whose slot i holds the resident model's slot `src[i]` (-1: zeros), sharded
+    over the expert axis in `memory_kind`."""
     resident = np.asarray(model.slot_table).reshape(-1)
     take = np.where(src >= 0, resident[np.maximum(src, 0)], 0)
+    sharding = NamedSharding(mesh, P(AXIS), memory_kind=memory_kind)
 
     def lay_out(a: jax.Array) -> np.ndarray:
         slots = np.asarray(a)[take]
-        slots[src < 0] = 0  # the empty slots of devices with one expert fewer per layer
+        slots[src < 0] = 0  # staging, and the slots of devices that own one expert fewer
         return slots
 
-    sharded = NamedSharding(mesh, P(AXIS))
-    pool = ExpertPool(*(None if a is None else place(lay_out(a), sharded)
+    return ExpertPool(*(None if a is None else place(lay_out(a), sharding)
                         for a in model.experts))
-    return replace(model, params=place(model.params, NamedSharding(mesh, P())), experts=pool,
-                   slot_table=place(layout.page(), sharded), mesh=mesh)
+
+
+def offload(model: Model, devices: Sequence[jax.Device] | int, resident: int,
+            staging: int) -> tuple[Model, step.Tiers]:
+    """`model` (resident, one device) over `devices` with `resident` experts of each layer
+    in each device's slots and the rest of its experts in its pinned-host share (tier 1),
+    `staging` experts per staging half after its slots: the model (its `experts` the device
+    pool) and the tiers the staged programs of `programs` read."""
+    devices = _devices(devices)
+    cfg = model.config
+    layout = Layout(cfg.num_layers, cfg.num_experts, len(devices), resident)
+    mesh = mesh_of(devices)
+    page, host_page = layout.pages()
+    pool = _stack(model, mesh, sources(page, layout.device_slots + 2 * staging), None)
+    host = _stack(model, mesh, sources(host_page, max(layout.host_slots, 1)), "pinned_host")
+    sharded = NamedSharding(mesh, P(AXIS))
+    tiers_ = step.Tiers(page=place(page, sharded), host=host,
+                        host_page=place(host_page, sharded))
+    model = replace(model, params=place(model.params, NamedSharding(mesh, P())), experts=pool,
+                    slot_table=tiers_.page, mesh=mesh)
+    return model, tiers_
 
 
 def tiers(page: jax.Array) -> step.Tiers:
@@ -129,20 +184,20 @@ def _local(tiers_: step.Tiers) -> step.Tiers:
     return tiers_.replace(page=tiers_.page[0], host_page=tiers_.host_page[0])
 
 
-def _check(plan: step.StepPlan) -> step.StepPlan:
-    if plan.staging:
-        raise ValueError("experts over several devices need every expert in a device slot "
-                         "(StepPlan.staging 0)")
+def _sharded(plan: step.StepPlan) -> step.StepPlan:
     return replace(plan, expert_axis=AXIS)
 
 
 @dataclass(frozen=True)
 class Programs:
-    """`step.decode`, `step.prefill` and `step.forward` of one mesh: the same signatures,
-    with the sharded pool and the [n, L, E] tiers of `shard`."""
+    """`step.decode`, `step.prefill`, their staged copies (the pool donated) and
+    `step.forward` of one mesh: the same signatures, with the sharded pool and the [n, L, E]
+    tiers of `shard` or `offload`."""
 
     decode: object
+    decode_staged: object
     prefill: object
+    prefill_staged: object
     forward: object
 
 
@@ -155,31 +210,33 @@ def programs(mesh: Mesh) -> Programs:
     def decode(cfg, plan, params, pool, tiers_, state, resume=None, forced=None):
         body = shard_map(
             lambda params, pool, tiers_, state, resume, forced: step.decode_step(
-                cfg, _check(plan), params, pool, _local(tiers_), state, resume, forced),
+                cfg, _sharded(plan), params, pool, _local(tiers_), state, resume, forced),
             in_specs=(everyone, experts, experts, everyone, everyone, everyone),
-            out_specs=everyone)
+            out_specs=(everyone, everyone, experts))
         return body(params, pool, tiers_, state, resume, forced)
 
     def prefill(cfg, plan, params, pool, tiers_, state, row, tokens, start, count,
                 sampling=None, resume=None, forced=None):
         body = shard_map(
             lambda params, pool, tiers_, state, args, resume, forced: step.prefill_step(
-                cfg, _check(plan), params, pool, _local(tiers_), state, *args,
+                cfg, _sharded(plan), params, pool, _local(tiers_), state, *args,
                 resume=resume, forced=forced),
             in_specs=(everyone, experts, experts, everyone, everyone, everyone, everyone),
-            out_specs=everyone)
+            out_specs=(everyone, everyone, experts))
         return body(params, pool, tiers_, state, (row, tokens, start, count, sampling),
                     resume, forced)
 
     def forward(cfg, plan, params, pool, tiers_, tokens):
         body = shard_map(
             lambda params, pool, tiers_, tokens: step.forward_pass(
-                cfg, _check(plan), params, pool, _local(tiers_), tokens),
+                cfg, _sharded(plan), params, pool, _local(tiers_), tokens),
             in_specs=(everyone, experts, experts, everyone), out_specs=everyone)
         return body(params, pool, tiers_, tokens)
 
     jit = functools.partial(jax.jit, static_argnames=("cfg", "plan"),
                             compiler_options=step.COMPILER_OPTIONS)
     return Programs(decode=jit(decode, donate_argnames=("state",)),
+                    decode_staged=jit(decode, donate_argnames=("state", "pool")),
                     prefill=jit(prefill, donate_argnames=("state",)),
+                    prefill_staged=jit(prefill, donate_argnames=("state", "pool")),
                     forward=jit(forward))

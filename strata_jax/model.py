@@ -202,6 +202,15 @@ def _slot_row(ids: jax.Array, real: jax.Array, first_slot, num_experts: int) -> 
     return jnp.full((num_experts,), -1, jnp.int32).at[target].set(slots, mode="drop")
 
 
+def _own(plan: StepPlan, num_experts: int) -> jax.Array | bool:
+    """[E] bool: the experts this device serves, e mod n == its index on the expert axis
+    (`expert_parallel.Layout`); True on one device."""
+    if plan.expert_axis is None:
+        return True
+    n, me = jax.lax.axis_size(plan.expert_axis), jax.lax.axis_index(plan.expert_axis)
+    return jnp.arange(num_experts) % n == me
+
+
 def _resident_experts(plan: StepPlan, h, routing, pool, page_row):
     """Every pick from its slot; over an expert axis, each device's own experts' picks (the
     others are -1 in its page row), joined by a sum in which each pick has one term."""
@@ -291,9 +300,10 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     pre_slot = _slot_row(pre_ids, pre_ids >= 0, pool.num_slots - 2 * plan.staging
                          + (1 - half) * plan.staging, cfg.num_experts)
     slot_of = jnp.where(page_row >= 0, page_row, pre_slot)
-    missing = present & (slot_of < 0)
+    mine = present & _own(plan, cfg.num_experts)
+    missing = mine & (slot_of < 0)
     disk = missing & (host_row < 0)
-    prefetched = jnp.sum(present & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
+    prefetched = jnp.sum(mine & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
     if plan.miss != "fetch" and host_work is None:
         raise ValueError(f"StepPlan.miss={plan.miss!r} needs Tiers.host_work (misses.HostWork: "
                          "the registered tier-1 views and the rates)")
@@ -306,8 +316,12 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
                                           missing & ~disk & ~hosted, host_row, half, ticket)
     if ticket is not None:
         picks = misses.host_collect(ticket, hosted, routing.experts, picks)
+    issued = jnp.sum(pre_ids >= 0, dtype=jnp.int32)
+    if plan.expert_axis is not None:  # each device served its own experts' picks
+        picks, prefetched, fetched, issued, disk = jax.lax.psum(
+            (picks, prefetched, fetched, issued, disk.astype(jnp.int32)), plan.expert_axis)
+        disk = disk > 0
     out = combine_routed(routing, picks).astype(h.dtype)
     fields.update(prefetched=prefetched, fetched=fetched,
-                  hosted=jnp.sum(hosted, dtype=jnp.int32),
-                  issued=jnp.sum(pre_ids >= 0, dtype=jnp.int32), disk=disk)
+                  hosted=jnp.sum(hosted, dtype=jnp.int32), issued=issued, disk=disk)
     return x + with_shared(cfg, lp, h, out).reshape(x.shape), pool, fields

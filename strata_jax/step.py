@@ -88,8 +88,9 @@ class StepPlan:
 
     expert_axis: str | None = None
     """The mesh axis the expert slots are sharded over (`expert_parallel`: the step runs
-    under `shard_map`, each device computes the picks of its own experts and a `psum` joins
-    them, exactly, since every pick comes from one device); None: one device."""
+    under `shard_map`, each device serves its own experts from its own slots, staging halves
+    and pinned-host share, and a `psum` joins the picks, exactly, since every pick comes from
+    one device); None: one device."""
 
     def __post_init__(self) -> None:
         if self.unroll is None:  # resolved now: the plan is a static argument, part of the key
@@ -99,10 +100,9 @@ class StepPlan:
         if self.predictor not in PREDICTORS:
             raise ValueError(f"StepPlan.predictor must be one of {PREDICTORS}, "
                              f"got {self.predictor!r}")
-        if self.expert_axis is not None and self.staging:
-            raise ValueError("an expert axis needs every expert in a device slot "
-                             "(StepPlan.staging 0): offloaded experts over several devices "
-                             "are not built yet")
+        if self.expert_axis is not None and self.miss != "fetch":
+            raise ValueError("host compute of misses (StepPlan.miss) is not built for experts "
+                             "over several devices")
         if self.miss not in MISS_MODES:
             raise ValueError(f"StepPlan.miss must be one of {MISS_MODES}, got {self.miss!r}")
 

@@ -2,6 +2,9 @@
 runtime are fixed when it starts, so each setting needs a process of its own.
 
     python -m tests.ep_worker CKPT devices N,N,...   -> JSON: per N, tokens and logits equal?
+    python -m tests.ep_worker CKPT offload N:R:S:P ...  -> JSON: per setting (N devices, R
+        experts per layer and device in HBM, S per staging half, predictor P), tokens equal,
+        and whether every routed expert was served once (hit, prefetched or copied)
     python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
 """
 
@@ -43,6 +46,57 @@ def devices(ckpt: str, counts: list[int]) -> dict:
     return out
 
 
+def _staged(model, tiers, plan, prompts, new: int, capacity: int, max_len: int):
+    """Tokens of `prompts` (at most `capacity`) through the staged programs of the mesh, and
+    per step whether the record served every routed expert exactly once."""
+    import numpy as np
+
+    from strata_jax import expert_parallel, step
+
+    progs = expert_parallel.programs(model.mesh)
+    pool, state = model.experts, model.init_state(capacity, max_len)
+    once = []
+
+    def served(out) -> None:
+        r = out.record
+        routed = (np.asarray(r.counts) > 0).sum()
+        total = int(np.sum(r.hits) + np.sum(r.prefetched) + np.sum(r.fetched))
+        once.append(bool(routed == total and not np.asarray(r.disk).any()))
+
+    for row, prompt in enumerate(prompts):
+        prompt = np.asarray(prompt, np.int32)
+        for start, size, count in step.prefill_chunks(len(prompt)):
+            chunk = np.zeros(size, np.int32)
+            chunk[:count] = prompt[start:start + count]
+            state, out, pool = progs.prefill_staged(model.config, plan, model.params, pool,
+                                                    tiers, state, row, chunk, start, count)
+            served(out)
+    tokens = [np.asarray(state.tokens)]
+    for _ in range(new - 1):
+        state, out, pool = progs.decode_staged(model.config, plan, model.params, pool, tiers,
+                                               state)
+        tokens.append(np.asarray(out.tokens))
+        served(out)
+    return np.stack(tokens, axis=1)[: len(prompts)].tolist(), all(once)
+
+
+def offload(ckpt: str, settings: list[str]) -> dict:
+    from strata_jax import expert_parallel, step
+
+    model = strata_jax.load(ckpt)
+    prompts = PROMPTS[:2]
+    ref = strata_jax.generate(model, prompts, max_new_tokens=NEW, batch_capacity=2,
+                              max_len=32)
+    out = {"devices": len(jax.devices())}
+    for setting in settings:
+        n, resident, staging, predictor = setting.split(":")
+        sharded, tiers = expert_parallel.offload(model, int(n), int(resident), int(staging))
+        plan = step.StepPlan(staging=int(staging), predictor=predictor)
+        tokens, once = _staged(sharded, tiers, plan, prompts, NEW, 2, 32)
+        out[setting] = {"tokens": tokens == ref, "served_once": once}
+    return out
+
+
 def process(ckpt: str, pid: int, port: str) -> dict:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
@@ -55,7 +109,7 @@ def process(ckpt: str, pid: int, port: str) -> dict:
 
 if __name__ == "__main__":
     ckpt, mode, *rest = sys.argv[1:]
-    count = 4 if mode == "devices" else 2
+    count = 2 if mode == "process" else 4
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={count}")
     import jax
@@ -67,6 +121,8 @@ if __name__ == "__main__":
 
     if mode == "devices":
         result = devices(ckpt, [int(n) for n in rest[0].split(",")])
+    elif mode == "offload":
+        result = offload(ckpt, rest)
     else:
         result = process(ckpt, int(rest[0]), rest[1])
     print("RESULT " + json.dumps(result), flush=True)

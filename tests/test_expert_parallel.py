@@ -15,29 +15,36 @@ import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax.expert_parallel import Layout
+from strata_jax.expert_parallel import Layout, sources
 from tests.helpers import tiny_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(("layers", "experts", "devices"), [(2, 16, 4), (3, 10, 4), (1, 5, 2)])
-def test_layout_puts_every_expert_in_one_slot_of_its_owner(layers, experts, devices):
-    layout = Layout(layers, experts, devices)
-    page = layout.page()
-    assert page.shape == (devices, layers, experts)
-    assert ((page >= 0).sum(axis=0) == 1).all()  # one owner each
-    for d in range(devices):
-        owned = page[d] >= 0
-        assert (np.nonzero(owned)[1] % devices == d).all()  # expert e on device e mod n
-        slots = page[d][owned]
-        assert len(set(slots.tolist())) == len(slots) < layout.slots_per_device + 1
-    src = layout.source_slots().reshape(devices, -1)
-    for d in range(devices):
-        layers_, experts_ = np.nonzero(page[d] >= 0)
-        np.testing.assert_array_equal(src[d, page[d][layers_, experts_]],
-                                      layers_ * experts + experts_)
-    assert sorted(s for s in src.ravel() if s >= 0) == list(range(layers * experts))
+@pytest.mark.parametrize(("layers", "experts", "devices", "resident"),
+                         [(2, 16, 4, None), (3, 10, 4, 1), (1, 5, 2, 0), (2, 16, 2, 3)])
+def test_layout_puts_every_expert_in_one_slot_of_its_owner(layers, experts, devices, resident):
+    layout = Layout(layers, experts, devices, resident)
+    page, host = layout.pages()
+    assert page.shape == host.shape == (devices, layers, experts)
+    assert (((page >= 0) | (host >= 0)).sum(axis=0) == 1).all()  # one owner, one tier each
+    assert not ((page >= 0) & (host >= 0)).any()
+    for table, slots in ((page, layout.device_slots), (host, layout.host_slots)):
+        for d in range(devices):
+            owned = table[d] >= 0
+            assert (np.nonzero(owned)[1] % devices == d).all()  # expert e on device e mod n
+            assert len(set(table[d][owned].tolist())) == owned.sum()
+            assert table[d].max(initial=-1) < slots
+        src = sources(table, slots).reshape(devices, -1)
+        for d in range(devices):
+            layers_, experts_ = np.nonzero(table[d] >= 0)
+            np.testing.assert_array_equal(src[d, table[d][layers_, experts_]],
+                                          layers_ * experts + experts_)
+    held = np.concatenate([sources(page, layout.device_slots),
+                           sources(host, layout.host_slots)])
+    assert sorted(s for s in held if s >= 0) == list(range(layers * experts))
+    with pytest.raises(ValueError, match="resident experts per layer"):
+        Layout(layers, experts, devices, layout.per_layer + 1)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +74,18 @@ def test_tokens_and_logits_on_2_3_4_devices_are_one_devices(ckpt):
     for n in ("2", "3", "4"):  # 3 devices: 16 experts leave one slot per layer empty
         assert result[n] == {"greedy": True, "sampled": True, "logits": True,
                              "pool_shards": int(n)}, n
+
+
+OFFLOADED = ["2:2:4:none", "4:1:2:none", "4:0:4:next-gate", "3:1:3:next-gate"]
+
+
+def test_offloaded_experts_on_2_3_4_devices_give_one_devices_tokens(ckpt):
+    """Each device copies its own misses from its pinned-host share into its own staging
+    halves (and prefetches its own experts): resident one-device tokens, every routed expert
+    served once."""
+    result = _result(_worker(str(ckpt), "offload", *OFFLOADED))
+    for setting in OFFLOADED:
+        assert result[setting] == {"tokens": True, "served_once": True}, setting
 
 
 def _free_port() -> int:
