@@ -148,7 +148,7 @@ class Run:
 def _run_resident(args, prompts, sampling: SamplingParams) -> Run:
     capacity, max_len = resident_shape(args)
     t0 = time.perf_counter()
-    model = strata_jax.load(args.ckpt)
+    model = strata_jax.load(args.ckpt, expert_devices=args.expert_devices)
     load_s = time.perf_counter() - t0
 
     def run(n: int) -> list[list[int]]:
@@ -254,6 +254,9 @@ def _generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if config is None:
         _needs_hbm(args)
+    elif args.expert_devices != 1:
+        raise ValueError("--expert-devices: the offload engine keeps its experts on one device "
+                         "so far; drop --hbm for the resident run over several devices")
     given = args.prompts or []
     if not given:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat for a "
@@ -334,6 +337,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction, common) -> None:
                      help="each --prompt is one user message of the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=16, metavar="N",
                      help="most tokens to generate per request")
+    gen.add_argument("--expert-devices", type=int, default=1, metavar="N",
+                     help="spread the experts over the first N devices (resident only: "
+                          "strata_jax.expert_parallel; default: 1)")
     gen.add_argument("--no-warmup", action="store_true",
                      help="no warm-up run: the reported tok/s then includes compilation")
     gen.add_argument("--json", default=None, metavar="OUT",

@@ -119,8 +119,10 @@ def _device_array(v: Any, dtype) -> jax.Array:
     return jnp.asarray(v, dtype)
 
 
-def load(path: str | os.PathLike) -> Model:
-    """Load a Strata checkpoint fully resident on the default device, verifying every chunk."""
+def load(path: str | os.PathLike, expert_devices: int = 1) -> Model:
+    """Load a Strata checkpoint fully resident, verifying every chunk: on the default device,
+    or with its experts over the first `expert_devices` devices (`expert_parallel`; each
+    device receives only its own experts)."""
     reader = CheckpointReader(path)
     cfg = reader.config
     with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as ex:
@@ -128,6 +130,14 @@ def load(path: str | os.PathLike) -> Model:
             kind: _stack_experts(ex, reader, kind, cfg.num_layers, cfg.num_experts)
             for kind in reader.expert_specs
         }
+    if expert_devices != 1:
+        from strata_jax import expert_parallel
+
+        dtype = jnp.dtype(cfg.dtype)
+        host = {k: v if v.dtype in (np.uint8, np.int8) or v.dtype == jnp.bfloat16
+                else v.astype(dtype) for k, v in experts.items()}
+        return expert_parallel.from_host(cfg, read_dense_params(reader), host, expert_devices,
+                                         _tokenizer_of(path))
     pool = resident_pool(cfg, experts)
     return Model(cfg, read_dense_params(reader), pool, mdl.resident_slot_table(cfg),
                  _tokenizer_of(path))

@@ -127,6 +127,24 @@ def shard(model: Model, devices: Sequence[jax.Device] | int) -> Model:
                    slot_table=place(page, NamedSharding(mesh, P(AXIS))), mesh=mesh)
 
 
+def from_host(config, params, experts: dict[str, np.ndarray], devices, tokenizer=None
+              ) -> Model:
+    """A resident `Model` over `devices` straight from host arrays (experts [L, E, ...] per
+    kind, as a checkpoint reads them): no device ever holds more than its own experts."""
+    from strata_jax.api import Model
+
+    devices = _devices(devices)
+    layout = Layout(config.num_layers, config.num_experts, len(devices))
+    mesh = mesh_of(devices)
+    page, _ = layout.pages()
+    src = sources(page, layout.device_slots)
+    sharded = NamedSharding(mesh, P(AXIS))
+    pool = ExpertPool(**{k: _pieces(v.reshape(-1, *v.shape[2:]), np.maximum(src, 0), src < 0,
+                                    sharded) for k, v in experts.items()})
+    return Model(config, place(params, NamedSharding(mesh, P())), pool, place(page, sharded),
+                 tokenizer, mesh)
+
+
 def _devices(devices: Sequence[jax.Device] | int) -> Sequence[jax.Device]:
     if isinstance(devices, int):
         if not 1 <= devices <= len(jax.devices()):
@@ -142,14 +160,21 @@ def _stack(model: Model, mesh: Mesh, src: np.ndarray, memory_kind: str | None) -
     resident = np.asarray(model.slot_table).reshape(-1)
     take = np.where(src >= 0, resident[np.maximum(src, 0)], 0)
     sharding = NamedSharding(mesh, P(AXIS), memory_kind=memory_kind)
-
-    def lay_out(a: jax.Array) -> np.ndarray:
-        slots = np.asarray(a)[take]
-        slots[src < 0] = 0  # staging, and the slots of devices that own one expert fewer
-        return slots
-
-    return ExpertPool(*(None if a is None else place(lay_out(a), sharding)
+    return ExpertPool(*(None if a is None else _pieces(np.asarray(a), take, src < 0, sharding)
                         for a in model.experts))
+
+
+def _pieces(flat: np.ndarray, take: np.ndarray, empty: np.ndarray,
+            sharding: NamedSharding) -> jax.Array:
+    """The global array whose slot i is `flat[take[i]]` (zeros where `empty`): each device
+    receives only its own slots, gathered on the host."""
+    def piece(index: tuple[slice, ...]) -> np.ndarray:
+        rows = np.arange(len(take))[index[0]]
+        out = flat[take[rows]]
+        out[empty[rows]] = 0  # staging, and the slots of devices that own one expert fewer
+        return out
+
+    return jax.make_array_from_callback((len(take), *flat.shape[1:]), sharding, piece)
 
 
 def offload(model: Model, devices: Sequence[jax.Device] | int, resident: int,

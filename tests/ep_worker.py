@@ -26,6 +26,21 @@ def _generate(model, sampled: bool):
     return strata_jax.generate(model, PROMPTS, max_new_tokens=NEW, batch_capacity=2, **kw)
 
 
+def _cli(ckpt: str, n: int) -> list[int]:
+    """`strata generate --expert-devices n`'s new ids of the first prompt."""
+    import contextlib
+    import io
+
+    from strata_runtime.cli import main
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        ids = ",".join(map(str, PROMPTS[0]))
+        assert main(["generate", ckpt, "--prompt-ids", ids, "--max-new-tokens", str(NEW),
+                     "--expert-devices", str(n), "--json", "-"]) == 0
+    return json.loads(text.getvalue())["requests"][0]["new_ids"]
+
+
 def devices(ckpt: str, counts: list[int]) -> dict:
     import numpy as np
 
@@ -43,6 +58,11 @@ def devices(ckpt: str, counts: list[int]) -> dict:
                   "logits": bool(np.array_equal(strata_jax.api.logits(sharded, tokens),
                                                 ref_logits)),
                   "pool_shards": len(sharded.experts.w1.addressable_shards)}
+        out[n]["cli"] = _cli(ckpt, n) == strata_jax.generate(model, PROMPTS[:1],
+                                                            max_new_tokens=NEW)[0]
+        loaded = strata_jax.load(ckpt, expert_devices=n)  # no device holds all the experts
+        out[n]["load"] = (_generate(loaded, False) == ref[False]
+                          and loaded.experts.w1.shape == sharded.experts.w1.shape)
     return out
 
 
@@ -100,9 +120,8 @@ def offload(ckpt: str, settings: list[str]) -> dict:
 def process(ckpt: str, pid: int, port: str) -> dict:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
-    from strata_jax import expert_parallel
 
-    model = expert_parallel.shard(strata_jax.load(ckpt), len(jax.devices()))
+    model = strata_jax.load(ckpt, expert_devices=len(jax.devices()))
     return {"process": pid, "devices": len(jax.devices()), "local": len(jax.local_devices()),
             "tokens": _generate(model, False)}
 

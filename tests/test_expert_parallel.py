@@ -73,7 +73,7 @@ def test_tokens_and_logits_on_2_3_4_devices_are_one_devices(ckpt):
     assert result["devices"] == 4
     for n in ("2", "3", "4"):  # 3 devices: 16 experts leave one slot per layer empty
         assert result[n] == {"greedy": True, "sampled": True, "logits": True,
-                             "pool_shards": int(n)}, n
+                             "pool_shards": int(n), "load": True, "cli": True}, n
 
 
 OFFLOADED = ["2:2:4:none", "4:1:2:none", "4:0:4:next-gate", "3:1:3:next-gate"]
@@ -86,6 +86,14 @@ def test_offloaded_experts_on_2_3_4_devices_give_one_devices_tokens(ckpt):
     result = _result(_worker(str(ckpt), "offload", *OFFLOADED))
     for setting in OFFLOADED:
         assert result[setting] == {"tokens": True, "served_once": True}, setting
+
+
+def test_the_offload_engine_refuses_expert_devices_by_name(ckpt, capsys):
+    from strata_runtime.cli import main
+
+    assert main(["generate", str(ckpt), "--prompt-ids", "5,6", "--hbm", "1GB",
+                 "--expert-devices", "2"]) == 2
+    assert "--expert-devices: the offload engine" in capsys.readouterr().err
 
 
 def _free_port() -> int:
