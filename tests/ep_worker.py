@@ -58,11 +58,9 @@ def devices(ckpt: str, counts: list[int]) -> dict:
                   "logits": bool(np.array_equal(strata_jax.api.logits(sharded, tokens),
                                                 ref_logits)),
                   "pool_shards": len(sharded.experts.w1.addressable_shards)}
+        # the CLI loads with strata_jax.load(expert_devices=n): no device holds every expert
         out[n]["cli"] = _cli(ckpt, n) == strata_jax.generate(model, PROMPTS[:1],
                                                             max_new_tokens=NEW)[0]
-        loaded = strata_jax.load(ckpt, expert_devices=n)  # no device holds all the experts
-        out[n]["load"] = (_generate(loaded, False) == ref[False]
-                          and loaded.experts.w1.shape == sharded.experts.w1.shape)
     return out
 
 

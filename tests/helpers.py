@@ -69,3 +69,17 @@ def write_checkpoint(cfg: ModelConfig, dst, seed: int = 0, **writer_kw):
                     w.write_expert(i, e, kind, arr[i, e])
         w.commit()
     return g, layers, experts
+
+
+def write_quantized_checkpoint(root, seed: int = 4, **changes):
+    """A random tiny Mixtral (its dims multiples of 128, `changes` applied) written under
+    root/"float" and quantized to int8 dense + int4-rtn g128 experts under root/"q", which
+    is returned."""
+    from strata_jax.quantize import quantize_checkpoint
+
+    cfg = tiny_config("mixtral", **{"hidden_size": 128, "expert_intermediate_size": 128,
+                                    "head_dim": 32, **changes})
+    write_checkpoint(cfg, root / "float", seed=seed)
+    quantize_checkpoint(root / "float", root / "q", experts="int4-rtn", dense="int8",
+                        progress=False)
+    return root / "q"

@@ -5,10 +5,9 @@ import pytest
 
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.int4_kernel import Int4Tiles
-from strata_jax.quantize import quantize_checkpoint
 from strata_runtime.engine import Engine, EngineConfig, plan_for
 from strata_runtime.ledger import ModelBytes
-from tests.helpers import tiny_config, write_checkpoint
+from tests.helpers import write_quantized_checkpoint
 from tests.runtime.contract import run_rows
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
@@ -16,14 +15,9 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dequant")
     # not square: host-dequantized matrices arrive transposed, and a missed transpose must fail
-    cfg = tiny_config("mixtral", hidden_size=128, expert_intermediate_size=256, head_dim=32,
-                      num_experts=4)
-    write_checkpoint(cfg, root / "float", seed=4)
-    quantize_checkpoint(root / "float", root / "q", experts="int4-rtn", dense="int8",
-                        progress=False)
-    return root / "q"
+    return write_quantized_checkpoint(tmp_path_factory.mktemp("dequant"),
+                                      expert_intermediate_size=256, num_experts=4)
 
 
 def _generate(checkpoint, resident_experts=3, **knobs):
