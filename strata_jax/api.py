@@ -111,12 +111,14 @@ def read_dense_params(reader: CheckpointReader) -> dict[str, Any]:
     return dense_params(reader.config, reader.read_globals(), layers)
 
 
-def _device_array(v: Any, dtype) -> jax.Array:
+def _held_dtype(v: np.ndarray, dtype):
     """Float arrays in the model dtype; quantized codes and scales keep their stored dtype."""
+    return v.dtype if v.dtype in (np.uint8, np.int8) or v.dtype.name == "bfloat16" else dtype
+
+
+def _device_array(v: Any, dtype) -> jax.Array:
     v = np.asarray(v)
-    if v.dtype in (np.uint8, np.int8) or v.dtype.name == "bfloat16":
-        return jnp.asarray(v)
-    return jnp.asarray(v, dtype)
+    return jnp.asarray(v, _held_dtype(v, dtype))
 
 
 def load(path: str | os.PathLike, expert_devices: int = 1) -> Model:
@@ -134,8 +136,7 @@ def load(path: str | os.PathLike, expert_devices: int = 1) -> Model:
         from strata_jax import expert_parallel
 
         dtype = jnp.dtype(cfg.dtype)
-        host = {k: v if v.dtype in (np.uint8, np.int8) or v.dtype == jnp.bfloat16
-                else v.astype(dtype) for k, v in experts.items()}
+        host = {k: v.astype(_held_dtype(v, dtype), copy=False) for k, v in experts.items()}
         return expert_parallel.from_host(cfg, read_dense_params(reader), host, expert_devices,
                                          _tokenizer_of(path))
     pool = resident_pool(cfg, experts)

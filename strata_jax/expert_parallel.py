@@ -117,14 +117,10 @@ def shard(model: Model, devices: Sequence[jax.Device] | int) -> Model:
     """`model` (resident, one device) with its experts over `devices` (or the first that
     many of `jax.devices()`): the pool laid out by `Layout` and sharded over `AXIS`, the page
     tables [n, L, E], the dense params replicated."""
-    devices = _devices(devices)
-    cfg = model.config
-    layout = Layout(cfg.num_layers, cfg.num_experts, len(devices))
-    mesh = mesh_of(devices)
-    page, _ = layout.pages()
-    pool = _stack(model, mesh, sources(page, layout.device_slots), None)
-    return replace(model, params=place(model.params, NamedSharding(mesh, P())), experts=pool,
-                   slot_table=place(page, NamedSharding(mesh, P(AXIS))), mesh=mesh)
+    table = np.asarray(model.slot_table)  # [L, E] -> each expert's resident slot
+    experts = {k: np.asarray(a)[table] for k, a in model.experts._asdict().items()
+               if a is not None}
+    return from_host(model.config, model.params, experts, devices, model.tokenizer)
 
 
 def from_host(config, params, experts: dict[str, np.ndarray], devices, tokenizer=None
