@@ -17,7 +17,13 @@ Run it twice on the GPU, the second time with XLA_FLAGS=--xla_gpu_deterministic_
 only the first run differs, an XLA op without a fixed order is to blame; if `host` differs,
 neither the disk tier nor the resume is.
 
+With `--checkpoint`, the engines run on that checkpoint instead (the seed ladder's, on the GPU
+machine): `resident` holds every expert in HBM, and `ladder-naive` / `ladder-b8` are the
+ladder's first rungs (24 GB of HBM, 12 GB of tier 1, the cold experts read from disk).
+
     python -m benchmarks.repeat_check --out $OUT [--dtype float32]
+    python -m benchmarks.repeat_check --out $OUT --checkpoint /tmp/strata_seed6_bf16 \
+        --prompts 2 --prompt-len 32 --new 16 --batch 1
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ ENGINES = {
     "disk-lfru": dict(resident_experts=8, host_experts=12, policy="lfru", cache_fraction=0.25,
                       predictor="next-gate"),
 }
+LADDER = dict(hbm_budget="24GB", host_budget="12GB", policy="static", cache_fraction=0.0)
+ON_CHECKPOINT = {"resident": {}, "ladder-naive": LADDER}
 
 
 def seed_mini() -> None:
@@ -62,29 +70,36 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--path", default="/tmp/strata_seed_mini")
+    ap.add_argument("--checkpoint", help="run resident and the ladder's rungs on this one")
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--batch", type=int, default=2)
     args = ap.parse_args()
-    seed_mini()
-    path = Path(f"{args.path}_{args.dtype}")
-    if not (path / "config.json").exists():
-        synth.synthesize(SHAPE, path, skew=0.7, seed=0, dtype=args.dtype)
+    if args.checkpoint:
+        path, engines = Path(args.checkpoint), ON_CHECKPOINT
+    else:
+        seed_mini()
+        path, engines = Path(f"{args.path}_{args.dtype}"), ENGINES
+        if not (path / "config.json").exists():
+            synth.synthesize(SHAPE, path, skew=0.7, seed=0, dtype=args.dtype)
     reader = CheckpointReader(path)
-    prompts = synthetic_prompts(reader.config.vocab_size, args.prompts, 16, 0)
+    prompts = synthetic_prompts(reader.config.vocab_size, args.prompts, args.prompt_len, 0)
     reference = None
     rows = []
-    for name, knobs in ENGINES.items():
-        config = EngineConfig(batch_capacity=args.batch, max_len=64, **knobs)
+    for name, knobs in engines.items():
+        config = EngineConfig(batch_capacity=args.batch,
+                              max_len=args.prompt_len + args.new + 8, **knobs)
         t0 = time.perf_counter()
         with Engine(reader, config) as engine:
             outs = [engine.generate(prompts, args.new) for _ in range(3)]
             stats = engine.stats()
         reference = outs[0] if reference is None else reference
-        row = {"engine": name, "dtype": args.dtype, "knobs": knobs,
+        row = {"engine": name, "checkpoint": str(path), "batch": args.batch, "knobs": knobs,
                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "equal_to_resident": [o == reference for o in outs],
                "first_difference": [first_difference(o, reference) for o in outs],
+               "equal_across_repeats": all(o == outs[0] for o in outs),
                "disk_loads": stats.get("disk_loads"), "seconds": time.perf_counter() - t0}
         print(json.dumps(row), flush=True)
         rows.append(row)

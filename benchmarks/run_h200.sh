@@ -25,8 +25,10 @@
 #                     first, ~35 + 17 GB under /tmp) with --resume from the rows already in
 #                     benchmarks/results/seed_ladder/, then the accelerate peer on the same
 #                     shape and budget (benchmarks/peer_accelerate.py; PEER=0 skips it); LADDER_S
-#                     caps the sweep. Rows and checkpoints stay under /tmp of a warm machine, so
-#                     the next call resumes
+#                     caps the sweep (default: what is left of BUDGET_S). Rows and checkpoints
+#                     stay under /tmp of a warm machine, so the next call resumes.
+#                     "ladder-repeat" in PARTS: first the repeat check on the ladder's
+#                     checkpoint (every expert in HBM, then the naive rung's budgets)
 #   "repeat" in PARTS  benchmarks/repeat_check.py: same tokens on every repeat of one engine?
 #                     (as is, then with --xla_gpu_deterministic_ops)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
@@ -105,8 +107,16 @@ if [[ $PARTS == *ladder* ]]; then
   ROWS=/tmp/strata_ladder_rows; mkdir -p "$ROWS" "$OUT/seed_ladder"
   [[ ! -f $ROWS/sweep.jsonl && -f benchmarks/results/seed_ladder/sweep.jsonl ]] && \
     cp benchmarks/results/seed_ladder/sweep.jsonl "$ROWS/"
-  echo "== t=${SECONDS}s: seed ladder (cap ${LADDER_S:-420}s)"
-  timeout -k 10 "${LADDER_S:-420}" python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml \
+  if [[ $PARTS == *ladder-repeat* ]]; then  # the repeat check on the ladder's own checkpoint
+    echo "== t=${SECONDS}s: ladder checkpoints, then the repeat check on them"
+    python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml --prepare-only 2>&1 | tail -3
+    timeout -k 10 240 python3 -m benchmarks.repeat_check --out "$OUT" \
+      --checkpoint /tmp/strata_seed6_bf16 --prompts 2 --prompt-len 32 --new 16 --batch 1 \
+      2>&1 | grep -v "^[WI]0"
+  fi
+  cap=$((BUDGET_S - SECONDS - 15)); cap=$((${LADDER_S:-$cap} < cap ? ${LADDER_S:-$cap} : cap))
+  echo "== t=${SECONDS}s: seed ladder (cap ${cap}s)"
+  timeout -k 10 "$cap" python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml \
     --out "$ROWS" --resume 2>&1 | grep -v "^[WI]0" | tail -40
   cp -r "$ROWS/." "$OUT/seed_ladder/"
   left=$((BUDGET_S - SECONDS - 10))
