@@ -28,9 +28,10 @@ the misses beside the copies) while HBM reads and matmuls overlap; bound tok/s =
 tokens / that time, `ratio` = measured / bound (1.0: at the ceiling), `binds` = the largest
 term. `roofline_tok_s` is the looser bound with every term overlapped (max of all).
 
-The cost model (`cost_model.predict`) predicts decode tok/s from the same counters as
-per-program-call means (`prediction`), on the ceilings measured in the run (profile
-"measured") or a shipped profile; compare it with the engine's decode tok/s.
+The cost model (`cost_model.predict`) predicts decode tok/s from the decode steps' counters
+(the engine counts decode steps and prefill chunks apart) as means per decode step
+(`prediction`), on the ceilings measured in the run (profile "measured") or a shipped profile;
+compare it with the engine's decode tok/s, which leaves prefill out too.
 
 The median's 95 % interval is a percentile bootstrap of the median over the repeats (10,000
 resamples drawn from the bench seed): it cannot be wider than the repeats' range, so it is
@@ -59,10 +60,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import step
 from strata_jax.checkpoint import CheckpointReader
 from strata_runtime.cost_model import HardwareProfile, ModelCost, model_cost, predict, profile
 from strata_runtime.engine import Engine, EngineConfig, _link_rate
+from strata_runtime.stats import PhaseCounts
 
 REPO = Path(__file__).resolve().parents[1]
 LEVEL = 0.95
@@ -310,7 +311,8 @@ def measured_profile(ceilings: dict[str, Any], fingerprint: dict[str, Any]) -> H
 
 @dataclasses.dataclass(kw_only=True)
 class Counts:
-    """What one timed run did, from the engine's counters (additive over repeats)."""
+    """What one timed run did, from the engine's counters (additive over repeats): `routed`
+    to `resumed_layers` over every program call, `decode` the decode steps' share of them."""
 
     wall_s: float = 0.0
     new_tokens: int = 0
@@ -331,6 +333,9 @@ class Counts:
     disk_loads: int = 0
     disk_stall_s: float = 0.0
     resumed_layers: int = 0
+    decode: PhaseCounts = dataclasses.field(default_factory=PhaseCounts)
+    """The decode steps' counters alone (`decode.calls`: decode steps observed, the compiling
+    one included), which the cost model's prediction reads."""
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
@@ -361,7 +366,7 @@ class Sizes:
     def h2d_bytes(self, c: Counts) -> int:
         return (c.fetched + c.issued + c.admissions) * self.bytes_per_expert
 
-    def disk_bytes(self, c: Counts) -> int:
+    def disk_bytes(self, c: Counts | PhaseCounts) -> int:
         return c.disk_loads * self.bytes_per_expert
 
     def hosted_bytes(self, c: Counts) -> int:
@@ -386,16 +391,17 @@ def engine_sizes(engine: Engine) -> Sizes:
                  rows=engine.capacity, flops_per_token=model_cost(cfg).flops_per_token)
 
 
-def _counts(engine: Engine, wall_s: float, new_tokens: int, prefill_chunks: int) -> Counts:
+def _counts(engine: Engine, wall_s: float, new_tokens: int) -> Counts:
     c = engine.counters
     return Counts(wall_s=wall_s, new_tokens=new_tokens, decode_steps=c.decode_steps,
                   decode_tokens=c.decode_tokens, decode_s=c.decode_s,
-                  prefill_chunks=prefill_chunks, prefill_tokens=c.prefill_tokens,
+                  prefill_chunks=c.prefill.calls, prefill_tokens=c.prefill_tokens,
                   prefill_s=c.prefill_s, routed=c.routed, hits=c.hits,
                   prefetched=c.prefetched, fetched=c.fetched, hosted=c.hosted,
                   issued=c.issued,
                   admissions=c.admissions, swaps=c.swaps, disk_loads=c.disk_loads,
-                  disk_stall_s=c.disk_stall_s, resumed_layers=c.resumed_layers)
+                  disk_stall_s=c.disk_stall_s, resumed_layers=c.resumed_layers,
+                  decode=dataclasses.replace(c.decode))
 
 
 def link_name(ceilings: dict[str, Any]) -> str:
@@ -430,26 +436,33 @@ def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
 
 def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
                layers: int) -> dict[str, Any] | None:
-    """The cost model's decode tok/s from the run's per-call means (None: no decode step).
-    Inputs: batch = live rows per decode step; routed, misses (demand copies + prefetched
-    experts: every routed expert without a tier-0 slot), admissions, disk loads per program
-    call (the counters mix prefill chunks in); hidden = the misses' share the prefetch served;
-    rerun = the share of a call's `layers` run again after disk stalls; extra_hbm_bytes = the
-    KV cache. Unless the profile has a disk rate, disk loads count at the rate the run's own
-    loads achieved (their bytes / the stall seconds): how much of the checkpoint the page
-    cache holds and how many loads a stall overlaps decide it, which no ceiling measured
-    apart knows. Prefetches issued but not used are not modelled."""
-    if not c.decode_steps or not c.steps:
+    """The cost model's decode tok/s from the run's decode steps (None: no decode step).
+    Inputs, from the decode steps' counters alone (`Counts.decode`; prefill chunks route and
+    stall on disk far more, and the decode tok/s it is compared with leaves them out): batch =
+    live rows per timed decode step; routed, misses (demand copies + prefetched experts: every
+    routed expert without a tier-0 slot), hosted, admissions, disk loads per decode step;
+    hidden = the misses' share the prefetch served; rerun = the share of a step's `layers` run
+    again after disk stalls; extra_hbm_bytes = the KV cache. Unless the profile has a disk
+    rate, disk loads count at the rate the decode steps' own loads achieved (their bytes /
+    their stall seconds; every call's, if the decode stalls took no measurable time): how much
+    of the checkpoint the page cache holds and how many loads a stall overlaps decide it,
+    which no ceiling measured apart knows. Prefetches issued but not used are not
+    modelled."""
+    d = c.decode
+    if not c.decode_steps or not d.calls:
         return None
-    if c.disk_loads and hw.disk_gbps <= 0 and c.disk_stall_s > 0:
-        hw = dataclasses.replace(hw, disk_gbps=sizes.disk_bytes(c) / c.disk_stall_s / 1e9)
-    disk = c.disk_loads if hw.disk_gbps > 0 else 0
-    need = c.fetched + c.prefetched
-    inputs = {"batch": c.decode_tokens / c.decode_steps, "routed": c.routed / c.steps,
-              "misses": need / c.steps, "hosted": c.hosted / c.steps,
-              "admissions": c.admissions / c.steps, "disk_loads": disk / c.steps,
-              "rerun": c.resumed_layers / (layers * c.steps) if disk else 0.0,
-              "hidden": c.prefetched / need if need else 0.0,
+    if d.disk_loads and hw.disk_gbps <= 0:
+        loads, stall = (d, d.disk_stall_s) if d.disk_stall_s > 0 else (c, c.disk_stall_s)
+        if stall > 0:
+            hw = dataclasses.replace(hw, disk_gbps=sizes.disk_bytes(loads) / stall / 1e9)
+    disk = d.disk_loads if hw.disk_gbps > 0 else 0
+    need = d.fetched + d.prefetched
+    steps = d.calls
+    inputs = {"batch": c.decode_tokens / c.decode_steps, "routed": d.routed / steps,
+              "misses": need / steps, "hosted": d.hosted / steps,
+              "admissions": d.admissions / steps, "disk_loads": disk / steps,
+              "rerun": d.resumed_layers / (layers * steps) if disk else 0.0,
+              "hidden": d.prefetched / need if need else 0.0,
               "extra_hbm_bytes": float(sizes.kv_bytes)}
     p = predict(hw, sizes.model(), **inputs)
     return {"profile": hw.name, "tok_s": p.tok_s, "binding": p.binding, "step_ms": 1e3 * p.step_s,
@@ -465,6 +478,7 @@ def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
     """The per-run figures a row reports (step percentiles over `steps_s`)."""
     t = np.asarray(steps_s) if steps_s else None
     per = max(c.steps, 1)
+    decode = max(c.decode.calls, 1)
     return {
         "tok_s": c.new_tokens / c.wall_s if c.wall_s > 0 else None,
         "decode_tok_s": c.decode_tokens / c.decode_s if c.decode_s > 0 else None,
@@ -479,7 +493,9 @@ def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
                      "h2d_GB": sizes.h2d_bytes(c) / per / 1e9,
                      "disk_GB": sizes.disk_bytes(c) / per / 1e9,
                      "ms_engine": 1e3 * (c.decode_s + c.prefill_s) / per,
-                     "ms_disk_stall": 1e3 * c.disk_stall_s / per},
+                     "ms_disk_stall": 1e3 * c.disk_stall_s / per,
+                     "decode_disk_GB": sizes.disk_bytes(c.decode) / decode / 1e9,
+                     "decode_ms_disk_stall": 1e3 * c.decode.disk_stall_s / decode},
         "flops": sizes.flops(c),
         "disk_loads": c.disk_loads,
         "disk_stall_s": c.disk_stall_s,
@@ -538,7 +554,6 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         fingerprint = hardware_fingerprint(ceilings["pinned_h2d_gbps"])
     hw = (measured_profile(ceilings, fingerprint) if settings.hardware == "measured"
           else profile(settings.hardware))
-    chunks = sum(len(step.prefill_chunks(len(p))) for p in prompts)
     head = {"label": label, "checkpoint": str(reader.path), "seed": settings.seed}
     rows: list[dict[str, Any]] = []
     tokens: list[list[list[int]]] = []
@@ -561,7 +576,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
             out = engine.generate(prompts, settings.new)
             wall = time.perf_counter() - t0
             stats = engine.stats()  # observes the last step's record first
-            c = _counts(engine, wall, sum(len(t) for t in out), chunks)
+            c = _counts(engine, wall, sum(len(t) for t in out))
             run_steps = list(engine.counters.recent_steps)
             engine.reset_stats()
             disk = _disk_rate(ceilings, reader, config) if c.disk_loads else None
@@ -653,6 +668,8 @@ def render_summary(s: dict[str, Any]) -> str:
         f"per program call (decode step or prefill chunk): HBM {per['hbm_GB']:.4g} GB, "
         f"host->device {per['h2d_GB']:.4g} GB, disk {per['disk_GB']:.4g} GB; disk stalls "
         f"{s['disk_stall_s']:.3g} s ({s['disk_loads']:g} loads) per repeat",
+        f"per decode step: disk {per['decode_disk_GB']:.4g} GB, disk stalls "
+        f"{per['decode_ms_disk_stall']:.4g} ms",
         f"ceilings (measured at start): pinned h2d {c['pinned_h2d_gbps']:.3g} GB/s, host read "
         f"{c['host_read_gbps']:.3g} GB/s, device read {c['hbm_read_gbps']:.4g} GB/s, matmul "
         f"{c['matmul_tflops']:.3g} TFLOP/s ({c['matmul_dtype']})"

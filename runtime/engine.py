@@ -419,6 +419,7 @@ class Engine:
         from that layer on the same input (docs/design.md, "Disk stalls"), failing the rows
         of experts that cannot be read. Returns (StepOutput, failed rows)."""
         failed: dict[int, str] = {}
+        phase = "prefill" if name.startswith("prefill") else "decode"
         resume = self._from_start(args) if plan.resume else None
         forced = None
         if self.replay is not None:  # one trace step per step, re-runs included
@@ -444,14 +445,14 @@ class Engine:
             disk = np.argwhere(record.disk)
             if not len(disk):
                 out = out.replace(record=record)
-                if name.startswith("prefill"):
-                    self.counters.observe(record)
-                    self._admit(record)
+                if phase == "prefill":  # a decode step's: in _observe_pending
+                    self.counters.observe(record, phase)
+                    self._admit(record, phase)
                 return out, failed
             layer = int(disk[:, 0].min())  # the later layers ran on a wrong input
             keys = [(layer, int(e)) for e in disk[disk[:, 0] == layer, 1]]
-            self.counters.resumed_layers += self.cfg.num_layers - layer
-            failed.update(self._from_disk(keys, record, args))
+            self.counters.phase(phase).resumed_layers += self.cfg.num_layers - layer
+            failed.update(self._from_disk(keys, record, args, phase))
             self.state = self.state.replace(tokens=before[0], positions=before[1],
                                             sampler=before[2])
             if args and failed:  # the prefilled row itself failed: nothing to run again
@@ -474,10 +475,10 @@ class Engine:
                                                  self.device)
         return self._starts[shape]
 
-    def _from_disk(self, keys: list[Key], record, args) -> dict[int, str]:
+    def _from_disk(self, keys: list[Key], record, args, phase: str) -> dict[int, str]:
         """Load `keys` (one layer's) into tier 1 (coldest host experts outside the layer's
         routed ones make room); rows routed to an expert whose chunk fails verification fail,
-        and leave the batch."""
+        and leave the batch. The loads and the stall count in `phase`."""
         t0 = time.perf_counter()
         failed: dict[int, str] = {}
         layer = keys[0][0]
@@ -493,8 +494,8 @@ class Engine:
                 continue
             full = None not in self.residency.host_key
             self.residency.admit_host(key, arrays, victims.pop(0) if full else None)
-            self.counters.disk_loads += 1
-        self.counters.disk_stall_s += time.perf_counter() - t0
+            self.counters.phase(phase).disk_loads += 1
+        self.counters.phase(phase).disk_stall_s += time.perf_counter() - t0
         return failed
 
     def _try_load(self, key: Key):
@@ -528,11 +529,12 @@ class Engine:
         self._pending = None
         if self.trace is not None:
             self.trace.add(record.experts, *self._pending_rows)
-        self.counters.observe(record)
-        self._admit(record)
+        self.counters.observe(record, "decode")
+        self._admit(record, "decode")
 
-    def _admit(self, record) -> None:
-        """Heat, and the cache policy: experts copied on demand take cache slots."""
+    def _admit(self, record, phase: str) -> None:
+        """Heat, and the cache policy: experts copied on demand take cache slots (admissions
+        count in `phase`, the record's)."""
         counts = np.asarray(record.counts)
         for layer in range(self.cfg.num_layers):
             self.heat.observe(layer, counts[layer])
@@ -544,9 +546,9 @@ class Engine:
             if key in self.cache:
                 self.cache.touch(key)
             elif (self.residency.slot_of(key) is None and self.residency.on_host(key)):
-                self._cache_insert(key)
+                self._cache_insert(key, phase)
 
-    def _cache_insert(self, key: Key) -> None:
+    def _cache_insert(self, key: Key, phase: str) -> None:
         slots = range(len(self.pinned), len(self.pinned) + self.cache.capacity)
         free = [s for s in slots if self.residency.slot_key[s] is None]
         if free:
@@ -557,7 +559,7 @@ class Engine:
             self.cache.remove(victim)
         self.residency.promote(key, slot)
         self.cache.add(key)
-        self.counters.admissions += 1
+        self.counters.phase(phase).admissions += 1
 
     def _end_step(self) -> None:
         self.heat.end_step()

@@ -14,9 +14,12 @@ from strata_runtime.bench import (
     bound,
     hardware_fingerprint,
     median_interval,
+    prediction,
     synthetic_prompts,
 )
 from strata_runtime.cli import main
+from strata_runtime.cost_model import HardwareProfile
+from strata_runtime.stats import PhaseCounts
 from tests.helpers import tiny_config, write_checkpoint
 
 FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes",
@@ -56,12 +59,12 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
         assert r["fingerprint"]["gpu"] == ("cpu" if jax.default_backend() == "cpu"
                                            else jax.devices()[0].device_kind)
         assert r["predicted"]["binding"] in ("hbm", "compute", "pcie", "host-read", "disk")
-        counts = r["counts"] if r["kind"] == "repeat" else None
-        if counts is not None and counts["disk_loads"]:  # the run's own load rate, reruns
+        decode = r["counts"]["decode"] if r["kind"] == "repeat" else None
+        if decode is not None and decode["disk_loads"]:  # the decode steps' own load rate
             inputs = r["predicted"]["inputs"]
             assert inputs["disk_gbps"] == pytest.approx(
-                counts["disk_loads"] * inputs["bytes_per_expert"] / counts["disk_stall_s"] / 1e9)
-            assert 0 < inputs["rerun"] <= counts["resumed_layers"]
+                decode["disk_loads"] * inputs["bytes_per_expert"] / decode["disk_stall_s"] / 1e9)
+            assert 0 < inputs["rerun"] <= decode["resumed_layers"]
         assert r["bound"]["binds"] in r["bound"]["seconds"]
         assert 0 < r["bound"]["bound_tok_s"]
     repeat = rows[0]
@@ -138,6 +141,47 @@ def test_the_bound_by_hand():
     # 30 of them (15 ms) outlast the copies
     hosted = bound(dataclasses.replace(c, hosted=30), sizes, ceilings, disk_gbps=0.5)
     assert hosted["bound_s"] == pytest.approx(serial + 3e-3)
+
+
+def test_the_prediction_reads_the_decode_steps_by_hand():
+    """Prefill chunks that route and stall far more than the decode steps: the inputs are the
+    decode steps' means, the disk rate theirs, and the all-phase rate only without their
+    stall time."""
+    decode = PhaseCounts(calls=10, routed=40, hits=10, prefetched=6, fetched=24, issued=8,
+                         admissions=5, disk_loads=4, disk_stall_s=0.02, resumed_layers=6)
+    c = Counts(wall_s=3.0, new_tokens=40, decode_steps=10, decode_tokens=30, decode_s=1.0,
+               prefill_chunks=2, prefill_tokens=64, prefill_s=2.0, routed=40 + 2 * 12,
+               hits=10 + 2, prefetched=6, fetched=24 + 2 * 10, issued=8, admissions=5 + 6,
+               disk_loads=4 + 20, disk_stall_s=0.02 + 1.0, resumed_layers=6 + 8,
+               decode=decode)
+    sizes = Sizes(bytes_per_expert=10**6, dense_bytes=10**7, kv_bytes=4 * 10**6, rows=4,
+                  flops_per_token=10**6)
+    hw = HardwareProfile(name="hand", pcie_gbps=10.0, host_read_gbps=20.0, hbm_gbps=100.0,
+                         hbm_gib=1.0, matmul_tflops=1.0, host_cores=2)
+    layers = 3
+    got = prediction(c, sizes, hw, layers)["inputs"]
+    assert got["batch"] == pytest.approx(3.0)
+    assert got["routed"] == pytest.approx(4.0)  # all calls: 64 / 12
+    assert got["misses"] == pytest.approx(3.0)  # (24 + 6) / 10
+    assert got["hidden"] == pytest.approx(0.2)  # 6 / 30
+    assert got["admissions"] == pytest.approx(0.5)
+    assert got["disk_loads"] == pytest.approx(0.4)  # all calls: 2.0
+    assert got["rerun"] == pytest.approx(6 / (3 * 10))
+    assert got["hosted"] == 0.0
+    assert got["disk_gbps"] == pytest.approx(4e6 / 0.02 / 1e9)  # 0.2; all calls: 0.0235
+    # decode loads without measurable stall time: the rate of every call's loads
+    still = dataclasses.replace(c, decode=dataclasses.replace(decode, disk_stall_s=0.0))
+    assert prediction(still, sizes, hw, layers)["inputs"]["disk_gbps"] == pytest.approx(
+        24e6 / 1.02 / 1e9)
+    # only the prefill chunks read the disk: no disk term in a decode step
+    calm = dataclasses.replace(c, decode=dataclasses.replace(
+        decode, disk_loads=0, disk_stall_s=0.0, resumed_layers=0))
+    inputs = prediction(calm, sizes, hw, layers)["inputs"]
+    assert inputs["disk_loads"] == 0 and inputs["rerun"] == 0 and inputs["disk_gbps"] is None
+    assert (c + c).decode == PhaseCounts(**{k: 2 * v for k, v in
+                                            dataclasses.asdict(decode).items()})
+    assert json.loads(json.dumps(dataclasses.asdict(c)))["decode"]["routed"] == 40
+    assert prediction(dataclasses.replace(c, decode=PhaseCounts()), sizes, hw, layers) is None
 
 
 def test_fingerprint_reads_numa_nodes_and_git():
