@@ -18,8 +18,9 @@ only the first run differs, an XLA op without a fixed order is to blame; if `hos
 neither the disk tier nor the resume is.
 
 With `--checkpoint`, the engines run on that checkpoint instead (the seed ladder's, on the GPU
-machine): `resident` holds every expert in HBM, and `ladder-naive` / `ladder-b8` are the
-ladder's first rungs (24 GB of HBM, 12 GB of tier 1, the cold experts read from disk).
+machine): `resident` holds every expert in HBM, `ladder-naive` is the ladder's first rung (24
+GB of HBM, 12 GB of tier 1, the cold experts read from disk), `ladder-no-disk` the same with
+every expert in tier 1.
 
     python -m benchmarks.repeat_check --out $OUT [--dtype float32]
     python -m benchmarks.repeat_check --out $OUT --checkpoint /tmp/strata_seed6_bf16 \
@@ -34,10 +35,13 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from strata_jax import synth
 from strata_jax.checkpoint import CheckpointReader
 from strata_runtime.bench import synthetic_prompts
 from strata_runtime.engine import Engine, EngineConfig
+from tests.runtime.contract import run_rows
 
 SHAPE = "seed-mini"
 ENGINES = {
@@ -48,7 +52,8 @@ ENGINES = {
                       predictor="next-gate"),
 }
 LADDER = dict(hbm_budget="24GB", host_budget="12GB", policy="static", cache_fraction=0.0)
-ON_CHECKPOINT = {"resident": {}, "ladder-naive": LADDER}
+ON_CHECKPOINT = {"resident": {}, "ladder-no-disk": {**LADDER, "host_budget": None},
+                 "ladder-naive": LADDER}
 
 
 def seed_mini() -> None:
@@ -75,6 +80,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--engines", help="comma-separated names (default: all)")
+    ap.add_argument("--logits", action="store_true",
+                    help="every prompt in its own row at once (--prompts <= --batch): compare "
+                         "each decode step's logits too, which show a prefill that differs "
+                         "in its low bits even where the tokens agree")
+    ap.add_argument("--row-chunks", choices=("default", "on", "off"), default="default",
+                    help="EngineConfig.row_chunks for every engine")
     args = ap.parse_args()
     if args.checkpoint:
         path, engines = Path(args.checkpoint), ON_CHECKPOINT
@@ -83,24 +95,38 @@ def main() -> None:
         path, engines = Path(f"{args.path}_{args.dtype}"), ENGINES
         if not (path / "config.json").exists():
             synth.synthesize(SHAPE, path, skew=0.7, seed=0, dtype=args.dtype)
+    if args.engines:
+        engines = {n: engines[n] for n in args.engines.split(",")}
     reader = CheckpointReader(path)
     prompts = synthetic_prompts(reader.config.vocab_size, args.prompts, args.prompt_len, 0)
     reference = None
     rows = []
     for name, knobs in engines.items():
-        config = EngineConfig(batch_capacity=args.batch,
+        chunks = {"default": None, "on": True, "off": False}[args.row_chunks]
+        config = EngineConfig(batch_capacity=args.batch, row_chunks=chunks,
                               max_len=args.prompt_len + args.new + 8, **knobs)
         t0 = time.perf_counter()
+        logits = []
         with Engine(reader, config) as engine:
-            outs = [engine.generate(prompts, args.new) for _ in range(3)]
+            if args.logits:
+                runs = [run_rows(engine, prompts, args.new) for _ in range(3)]
+                outs = [t.tolist() for t, _ in runs]
+                logits = [np.asarray(lg, np.float32) for _, lg in runs]
+            else:
+                outs = [engine.generate(prompts, args.new) for _ in range(3)]
             stats = engine.stats()
-        reference = outs[0] if reference is None else reference
+        if reference is None:
+            reference, reference_logits = outs[0], logits[:1]
         row = {"engine": name, "checkpoint": str(path), "batch": args.batch, "knobs": knobs,
+               "row_chunks": args.row_chunks,
                "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "equal_to_resident": [o == reference for o in outs],
                "first_difference": [first_difference(o, reference) for o in outs],
                "equal_across_repeats": all(o == outs[0] for o in outs),
                "disk_loads": stats.get("disk_loads"), "seconds": time.perf_counter() - t0}
+        if logits:  # per repeat, per decode step: the largest |logit - resident's|
+            row["max_abs_logit_diff"] = [
+                np.abs(lg - reference_logits[0]).max(axis=(1, 2)).tolist() for lg in logits]
         print(json.dumps(row), flush=True)
         rows.append(row)
     with open(Path(args.out) / "repeat_check.jsonl", "a") as f:
