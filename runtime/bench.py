@@ -474,6 +474,21 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
             "compare_with": "decode_tok_s"}
 
 
+def _pooled(p: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A prediction from the repeats' summed counts, to be read against the decode tok/s of
+    the same sums (every repeat's decode tokens / their decode seconds), not the median."""
+    return None if p is None else {**p, "compare_with": "decode_tok_s_pooled"}
+
+
+def prediction_error(s: dict[str, Any]) -> float | None:
+    """predicted / measured - 1 for a row (a repeat's or a summary), by its `compare_with`."""
+    p = s.get("predicted")
+    measured = None if p is None else s.get(p["compare_with"])
+    if isinstance(measured, dict):
+        measured = measured.get("median")
+    return None if not measured else p["tok_s"] / measured - 1
+
+
 def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
     """The per-run figures a row reports (step percentiles over `steps_s`)."""
     t = np.asarray(steps_s) if steps_s else None
@@ -607,7 +622,10 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
                                    "prefetch_hit_rate", "bytes", "per_step", "flops")},
         "disk_loads": float(np.median([c.disk_loads for c in counts])),
         "disk_stall_s": float(np.median([c.disk_stall_s for c in counts])),
-        "bound": b, "predicted": prediction(total, sizes, hw, layers), "ceilings": ceilings,
+        "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
+                                if total.decode_s > 0 else None),
+        "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
+        "ceilings": ceilings,
         "sizes": dataclasses.asdict(sizes), "build_s": build_s, "warmup_s": warmup_s,
         "compile_s": compile_s, "tokens_sha256": rows[0]["tokens_sha256"],
         "tokens_equal_across_repeats": all(t == tokens[0] for t in tokens),
@@ -681,9 +699,10 @@ def render_summary(s: dict[str, Any]) -> str:
         + (" (disk reads not bounded: no disk rate)" if b["disk_unbounded"] else ""),
     ]
     if p is not None:
+        err = prediction_error(s)
         lines.append(f"cost model (profile {p['profile']}): {p['tok_s']:.4g} decode tok/s, "
-                     f"binding {p['binding']} (measured decode tok/s "
-                     f"{interval_text(s['decode_tok_s'])})")
+                     f"binding {p['binding']}; measured over the same steps "
+                     f"{_f(s.get(p['compare_with']))} ({_f(err and 100 * err, '+.1f')} %)")
     if not s["tokens_equal_across_repeats"]:
         lines.append("warning: the repeats gave different tokens")
     return "\n".join(lines)

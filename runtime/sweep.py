@@ -56,6 +56,7 @@ from strata_runtime.bench import (
     interval_text,
     link_name,
     measure_ceilings,
+    prediction_error,
     run_bench,
 )
 from strata_runtime.engine import EngineConfig
@@ -388,8 +389,8 @@ def _first_ok(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 HEADER = ("| rung | tok/s median [95 % CI] | x first | bound tok/s | achieved / bound (binds) "
-          "| decode tok/s | predicted decode tok/s (binds) | tier-0 hit | prefetch hit "
-          "| h2d GB/step | disk stalls s (loads) |")
+          "| decode tok/s | predicted decode tok/s (binds, vs measured) | tier-0 hit "
+          "| prefetch hit | h2d GB/step | disk stalls s (loads) |")
 
 
 def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
@@ -398,7 +399,9 @@ def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
         return f"| {row['rung']} | {why} |" + " |" * (HEADER.count("|") - 3)
     b, p = row["bound"], row["predicted"]
     x = row["tok_s"]["median"] / first["tok_s"]["median"] if first else None
-    pred = "-" if p is None else f"{p['tok_s']:.4g} ({p['binding']})"
+    err = prediction_error(row)
+    pred = "-" if p is None else (f"{p['tok_s']:.4g} ({p['binding']}"
+                                  + ("" if err is None else f", {err:+.0%}") + ")")
     ratio = "-" if b["ratio"] is None else f"{b['ratio']:.2f} ({b['binds']})"
 
     def rate(v: float | None) -> str:

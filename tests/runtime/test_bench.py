@@ -15,6 +15,7 @@ from strata_runtime.bench import (
     hardware_fingerprint,
     median_interval,
     prediction,
+    prediction_error,
     synthetic_prompts,
 )
 from strata_runtime.cli import main
@@ -83,6 +84,15 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
         assert s["ceilings"][key] > 0
     assert set(s["predicted"]["inputs"]) >= {"batch", "routed", "misses", "hidden",
                                              "bytes_per_expert", "flops_per_token"}
+    # the summary's prediction is made from the repeats' summed counts: read against the
+    # decode rate of the same sums, not the median of the repeats
+    pooled = (sum(r["counts"]["decode_tokens"] for r in rows[:3])
+              / sum(r["counts"]["decode_s"] for r in rows[:3]))
+    assert s["decode_tok_s_pooled"] == pytest.approx(pooled)
+    assert s["predicted"]["compare_with"] == "decode_tok_s_pooled"
+    assert prediction_error(s) == pytest.approx(s["predicted"]["tok_s"] / pooled - 1)
+    assert prediction_error(rows[0]) == pytest.approx(
+        rows[0]["predicted"]["tok_s"] / rows[0]["decode_tok_s"] - 1)
 
 
 def test_the_interval_contains_the_median(rows):
