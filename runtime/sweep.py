@@ -439,10 +439,11 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
             "bytes / device read, FLOPs / matmul) + host->device bytes / link + disk bytes / "
             "the faster of the cold and warm expert reads), from the bytes counted in the run; "
             "binds = the largest term. Predicted = the cost model (runtime/cost_model.py) on "
-            "the measured ceilings (disk loads at the rate the rung's own loads achieved, "
-            "with the layers they ran again), to compare with the engine's decode tok/s. h2d "
-            "GB/step: per program call (decode step or prefill chunk); disk stalls: per "
-            "repeat.",
+            "the measured ceilings from the decode steps' counts of every repeat (disk loads "
+            "at the rate those loads achieved, with the layers they ran again); its error is "
+            "against the decode tok/s of the same steps (every repeat's decode tokens / their "
+            "decode seconds), not the median. h2d GB/step: per program call (decode step or "
+            "prefill chunk); disk stalls: per repeat.",
             "",
         ]
     lines += [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
