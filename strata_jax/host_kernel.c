@@ -14,7 +14,8 @@
  *
  * Packed int4 weights are output-major ([out, in/2], two inputs a byte; strata_jax/quant.py),
  * so there each output column is a dot product over contiguous bytes; a group's scale makes a
- * 16-entry table of q * s, which dequantizes a nibble in one permute.
+ * 16-entry table of q * s, which dequantizes a nibble in one permute (float32 tables, or with
+ * more rows bf16 ones for vdpbf16ps: q * s rounded to bf16, as the device dequantizes).
  *
  * Rounding points, as the device kernels: gate and up products accumulate in float32,
  * silu(gate) * up is rounded to the activations' dtype before the down projection, the output
@@ -337,9 +338,11 @@ static void mm_block(const mm_t *a, mk_fn mk, long k0, long k1, long c0, long c1
         long p1 = p0 + kb < k1 ? p0 + kb : k1;
         for (long c = c0; c < c1; c += NC) {
             int nc = c1 - c < NC ? (int)(c1 - c) : NC;
-            for (int r0 = 0; r0 < a->rows; r0 += RB) {
-                int rb = a->rows - r0 < RB ? a->rows - r0 : RB;
-                mk(rb, a, p0, p1, c, r0, nc, p0 == k0, r0 == 0);
+            /* blocks of equal rows: 16 rows as 8 + 8, not 12 + a weak 4 */
+            int blocks = (a->rows + RB - 1) / RB;
+            for (int b = 0; b < blocks; b++) {
+                int r0 = a->rows * b / blocks, rb = a->rows * (b + 1) / blocks - r0;
+                mk(rb, a, p0, p1, c, r0, nc, p0 == k0, b == 0);
             }
         }
     }
@@ -393,7 +396,7 @@ static grid_t plan(long K, long N, int rows, int nt) {
     g.tk = nt / g.tc;
     long most = (K + 15) / 16; /* at least 16 weight rows a range */
     if (g.tk > most) g.tk = (int)most;
-    g.kb = rows <= 4 ? 8 : rows <= 12 ? 16 : rows <= 32 ? 32 : 64;
+    g.kb = rows <= 4 ? 8 : rows <= 12 ? 16 : rows <= 32 ? 64 : 128;
     return g;
 }
 
@@ -645,6 +648,55 @@ static void q4_cols(const q4_t *w, const float *xe, const float *xo, int rows, f
 #endif
 }
 
+#ifdef HK_BF16
+#define Q4DR 6 /* rows at a time, vdpbf16ps path */
+
+/* q4_cols for bf16 rows xb [rows, k]: a nibble pair becomes two bf16 weights in one 32-bit
+ * lane by one vpermw of the group's table (q * s rounded to bf16, as the device dequantizes),
+ * against x's pair of the same inputs. */
+static void q4_cols_dp(const q4_t *w, const uint16_t *xb, int rows, float *out, long ldo,
+                       long c0, long c1) {
+    const __m512 base = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    for (long o0 = c0; o0 < c1; o0 += Q4C) {
+        int nc = c1 - o0 < Q4C ? (int)(c1 - o0) : Q4C;
+        for (int r0 = 0; r0 < rows; r0 += Q4DR) {
+            int nr = rows - r0 < Q4DR ? rows - r0 : Q4DR;
+            __m512 acc[Q4DR][Q4C];
+            for (int r = 0; r < Q4DR; r++)
+                for (int j = 0; j < Q4C; j++) acc[r][j] = _mm512_setzero_ps();
+            __m512i table[Q4C] = {_mm512_setzero_si512()};
+            for (long i0 = 0; i0 < w->k; i0 += 32) {
+                if (i0 % w->group == 0) {
+                    for (int j = 0; j < Q4C; j++) {
+                        long oj = o0 + (j < nc ? j : 0);
+                        float s = bf16_f32(w->s[(i0 / w->group) * w->n + oj]);
+                        __m256i t16 = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(base, _mm512_set1_ps(s)));
+                        table[j] = _mm512_broadcast_i64x4(t16);
+                    }
+                }
+                __m512bh wv[Q4C];
+#pragma GCC unroll 4
+                for (int j = 0; j < Q4C; j++) {
+                    long oj = o0 + (j < nc ? j : 0);
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q4_at(w, oj, i0)));
+                    __m512i idx = _mm512_or_si512(v, _mm512_slli_epi32(v, 12));
+                    wv[j] = (__m512bh)_mm512_permutexvar_epi16(idx, table[j]);
+                }
+#pragma GCC unroll 6
+                for (int r = 0; r < Q4DR; r++) {
+                    if (r >= nr) break;
+                    __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + (long)(r0 + r) * w->k + i0);
+#pragma GCC unroll 4
+                    for (int j = 0; j < Q4C; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                for (int j = 0; j < nc; j++) out[(r0 + r) * ldo + o0 + j] = _mm512_reduce_add_ps(acc[r][j]);
+        }
+    }
+}
+#endif
+
 /* x [rows, k] float32 -> its even and odd inputs [rows, k/2]. */
 static void deinterleave(const float *x, int rows, long k, float *xe, float *xo) {
     for (long i = 0; i < rows * k / 2; i++) {
@@ -665,16 +717,41 @@ int strata_swiglu_int4(const uint8_t *p1, const uint16_t *s1, const uint8_t *p3,
         f % tr1 || d % tr2)
         return -2;
     float *gate = grow(&t_gate, sizeof(float) * rows * f), *up = grow(&t_up, sizeof(float) * rows * f);
+    q4_t g = {p1, s1, f, d, tr1, tb1, group}, u = {p3, s3, f, d, tr1, tb1, group};
+    q4_t o = {p2, s2, d, f, tr2, tb2, group};
+    const int nt_want = threads > 0 ? threads : 1;
+    (void)nt_want; /* unused without OpenMP */
+    if (!gate || !up) return -1;
+#ifdef HK_BF16
+    /* With few rows the dequantization is the work, and the float32 table costs less. */
+    if (xdt == DT_BF16 && rows > 4) {
+        uint16_t *act = grow(&t_act, sizeof(uint16_t) * rows * f);
+        if (!act) return -1;
+        const uint16_t *xb = (const uint16_t *)x;
+#pragma omp parallel num_threads(nt_want)
+        {
+            int t = team_rank(), nt = team_size();
+            long lo, hi;
+            range(f, Q4C, t, nt, &lo, &hi);
+            if (lo < hi) {
+                q4_cols_dp(&g, xb, rows, gate, f, lo, hi);
+                q4_cols_dp(&u, xb, rows, up, f, lo, hi);
+                activate(gate, up, 1, rows, f, lo, hi, xdt, 1, act);
+            }
+#pragma omp barrier
+            range(d, Q4C, t, nt, &lo, &hi);
+            if (lo < hi) q4_cols_dp(&o, act, rows, out, d, lo, hi);
+        }
+        return 0;
+    }
+#endif
     float *act = grow(&t_act, sizeof(float) * rows * f);
     float *xf = grow(&t_x, sizeof(float) * rows * d);
     long big = d > f ? d : f;
     float *xe = grow(&t_even, sizeof(float) * rows * big / 2), *xo = grow(&t_odd, sizeof(float) * rows * big / 2);
-    if (!gate || !up || !act || !xf || !xe || !xo) return -1;
+    if (!act || !xf || !xe || !xo) return -1;
     for (long i = 0; i < rows * d; i++) xf[i] = load_f32(x, i, xdt);
     deinterleave(xf, rows, d, xe, xo);
-    q4_t g = {p1, s1, f, d, tr1, tb1, group}, u = {p3, s3, f, d, tr1, tb1, group};
-    q4_t o = {p2, s2, d, f, tr2, tb2, group};
-    const int nt_want = threads > 0 ? threads : 1;
 #pragma omp parallel num_threads(nt_want)
     {
         int t = team_rank(), nt = team_size();

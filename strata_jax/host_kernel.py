@@ -228,7 +228,8 @@ def swiglu_int4(w1: np.ndarray, s1: np.ndarray, w3: np.ndarray, s3: np.ndarray,
                 threads: int | None = None, march: str = MARCH) -> np.ndarray:
     """`swiglu` for packed int4 weights (`quant.Int4Weight` packing, output-major, row-major or
     tile-major as `ExpertPool` holds them) with bf16 group scales: w1, w3 [F, D/2] with scales
-    [D/group, F], w2 [D, F/2] with scales [F/group, D]; the weights are q * s exactly (float32).
+    [D/group, F], w2 [D, F/2] with scales [F/group, D]; the weights are q * s, exact in float32
+    with few rows, rounded to bf16 (as the device dequantizes) where bf16 rows take vdpbf16ps.
     The inputs D and F, the group and the tile's inputs must be multiples of 32."""
     f, d, tr1, tb1 = int4_layout(w1.shape)
     d2, f2, tr2, tb2 = int4_layout(w2.shape)

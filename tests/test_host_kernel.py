@@ -17,6 +17,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 # dtype as the kernel does; what is left is float32 accumulation order (and, once in a while,
 # an activation on the other side of a rounding tie).
 TOL = {np.dtype(np.float32): 1e-5, BF16: 4e-3, np.dtype(np.float16): 2e-3}
+# int4: the weights are q * s, exact in float32, or rounded to bf16 as the device's
+# dequantization does them (the vdpbf16ps path, with more than a few rows).
+INT4_TOL = 2e-2
 ROWS = (1, 3, 16, 64)
 
 
@@ -123,7 +126,7 @@ def test_int4_experts_match_float64(march, d, f, group, tile):
         for threads in (1, 2):
             y = host_kernel.swiglu_int4(*args, x, threads=threads, march=march)
             err = _err(y, ref)
-            assert err < TOL[BF16], (rows, threads, err)
+            assert err < INT4_TOL, (rows, threads, err)
 
 
 def test_bad_shapes_are_refused():

@@ -107,7 +107,7 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
 
 def test_host_compute_takes_packed_and_host_dequantized_experts(quantized, host_dequantized):
     """miss='host' reads tier 1 as it is held: bf16 (dequant='host'), or packed int4 (the host
-    kernel dequantizes in registers, q * s exactly where the device rounds it to bf16)."""
+    kernel dequantizes in registers)."""
     (ref_tokens, ref_logits), _ = host_dequantized
     (tokens, logits), engine = _generate(quantized, dequant="host", miss="host")
     assert engine.counters.hosted > 0
