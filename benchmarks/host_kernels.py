@@ -5,13 +5,14 @@ Tier-1 experts of the chosen shape (random bf16, generated on the device and cop
 `pinned_host` memory, as the engine's tier 1 is) are read in place through the kernel's own
 views. The plain read is a numpy sum of each expert's bytes as uint64 words, in one chunk per thread
 on as many threads as the kernel uses: the rate any kernel that reads the weights once can
-reach. Candidates: torch's own threads on one call per product (the engine's kernel), and
-column blocks with one single-threaded torch call per core. Each timed call takes the
+reach. Candidates: the compiled C kernel (`host_kernel`, the engine's kernel), torch's own
+threads on one call per product (the kernel before it), and column blocks with one
+single-threaded torch call per core; the torch ones need torch. Each timed call takes the
 next expert (round robin over more bytes than the caches hold). Per row count and thread
 count: GB/s of expert bytes, and the ratio to the plain read.
 
-Run: `python -m benchmarks.host_kernels --out DIR [--shape mixtral-8x7b] [--experts 8]`;
-writes DIR/host_kernels.jsonl and DIR/host_kernels.md.
+Run: `python -m benchmarks.host_kernels --out DIR [--shape mixtral-8x7b] [--experts 8]
+[--candidates c,torch] [--threads 15,16]`; writes DIR/host_kernels.jsonl and DIR/host_kernels.md.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import machine
-from strata_jax import host_experts
+from strata_jax import host_experts, host_kernel
 from strata_jax.pool import ExpertPool
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "tiny": (128, 256)}
@@ -62,11 +63,9 @@ def plain_read(views, slots: int, calls: int, threads: int) -> float:
     """Median seconds to read one expert's bytes once: numpy sums of uint64 words over
     `threads` contiguous chunks of each matrix on as many threads (a vectorized reduction
     that releases the GIL; no conversion, no writes)."""
-    import torch
-
     pool = ThreadPoolExecutor(threads)
-    flat = {k: [views[k][s].reshape(-1).view(torch.int64).numpy().view(np.uint64)
-                for s in range(slots)] for k in host_experts.KINDS}
+    flat = {k: [views[k][s].reshape(-1).view(np.uint64) for s in range(slots)]
+            for k in host_experts.KINDS}
 
     def read(i):
         chunks = [c for k in host_experts.KINDS for c in np.array_split(flat[k][i % slots],
@@ -77,6 +76,28 @@ def plain_read(views, slots: int, calls: int, threads: int) -> float:
         return timed(read, calls)
     finally:
         pool.shutdown()
+
+
+def torch_views(views):
+    """torch tensors over the numpy views (no copy)."""
+    import torch
+
+    out = {}
+    for k in host_experts.KINDS:
+        v = views[k]
+        bf16 = v.dtype == host_kernel.BF16
+        t = torch.from_numpy(v.view(np.uint16) if bf16 else v)
+        out[k] = t.view(torch.bfloat16) if bf16 else t
+    return out
+
+
+def torch_swiglu(views, slot: int, x):
+    """The torch kernel host_experts used before the C kernel: one call per product."""
+    import torch
+
+    w1, w3, w2 = (views[k][slot] for k in host_experts.KINDS)
+    act = (torch.nn.functional.silu((x @ w1).float()) * (x @ w3).float()).to(x.dtype)
+    return (act @ w2).float()
 
 
 def column_blocks(views, slot: int, x, pool: ThreadPoolExecutor, threads: int):
@@ -105,19 +126,25 @@ def column_blocks(views, slot: int, x, pool: ThreadPoolExecutor, threads: int):
 
 
 def kernel(views, slots: int, rows: int, calls: int, threads: int, candidate: str) -> float:
-    import torch
-
     d = views["w1"].shape[1]
-    x = torch.randn((rows, d)).to(torch.bfloat16)
-    if candidate == "torch":
+    x = np.random.default_rng(rows).normal(0, 1, (rows, d)).astype(host_kernel.BF16)
+    if candidate == "c":
         host_experts.set_threads(threads)
         return timed(lambda i: host_experts.swiglu(views, i % slots, x), calls)
+    import torch
+
+    tv = torch_views(views)
+    xt = torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16)
+    if candidate == "torch":
+        torch.set_num_threads(threads)
+        return timed(lambda i: torch_swiglu(tv, i % slots, xt), calls)
     torch.set_num_threads(1)
     with ThreadPoolExecutor(threads) as pool:
-        return timed(lambda i: column_blocks(views, i % slots, x, pool, threads), calls)
+        return timed(lambda i: column_blocks(tv, i % slots, xt, pool, threads), calls)
 
 
-CANDIDATES = {"torch": "one torch call per product on torch's threads (host_experts.swiglu)",
+CANDIDATES = {"c": "the compiled C kernel (host_kernel, host_experts.swiglu)",
+              "torch": "one torch call per product on torch's threads",
               "blocks": "column blocks, one single-threaded torch call per core"}
 
 
@@ -129,19 +156,20 @@ def run(args: argparse.Namespace) -> list[dict]:
     nbytes = 3 * d * f * 2
     cores = os.cpu_count() or 1
     rows_out = []
-    for threads in sorted({cores, max(1, cores - 1)}):
+    for threads in args.threads or sorted({cores, max(1, cores - 1)}):
         read_s = plain_read(views, args.experts, args.calls, threads)
         read_gbps = nbytes / read_s / 1e9
         base = {"shape": args.shape, "threads": threads, "expert_bytes": nbytes,
-                "plain_read_gbps": read_gbps, "machine": machine()}
+                "plain_read_gbps": read_gbps, "isa": host_kernel.isa(), "machine": machine()}
         print(f"threads {threads}: plain read {read_gbps:.1f} GB/s", flush=True)
-        for candidate, name in CANDIDATES.items():
+        for candidate in args.candidates:
+            name = CANDIDATES[candidate]
             for rows in args.rows:
                 s = kernel(views, args.experts, rows, args.calls, threads, candidate)
                 gbps = nbytes / s / 1e9
                 row = {**base, "kernel": name, "rows": rows, "ms": s * 1e3, "gbps": gbps,
                        "ratio": gbps / read_gbps}
-                print(f"  {name[:13]} rows {rows:3d}: {s * 1e3:7.2f} ms {gbps:6.1f} GB/s = "
+                print(f"  {candidate:6s} rows {rows:3d}: {s * 1e3:7.2f} ms {gbps:6.1f} GB/s = "
                       f"{gbps / read_gbps:.2f} of the plain read", flush=True)
                 rows_out.append(row)
     host_experts.release(tier)
@@ -151,7 +179,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 def render(rows: list[dict]) -> str:
     env = rows[0]["machine"]
     lines = [f"# Host expert kernel vs a plain read, {rows[0]['shape']} bf16 experts "
-             f"({env['device']} host, JAX {env['jax']}, {env['date']})", "",
+             f"({env['device']} host, JAX {env['jax']}, {env['date']}; C kernel built for "
+             f"{rows[0].get('isa', '?')})", "",
              "Tier-1 experts in pinned host memory read in place; plain read = numpy uint64 "
              "sums of the same expert's bytes, one chunk per thread, on as many threads; one "
              "expert per call, round robin over more bytes than the caches hold; median of "
@@ -171,6 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")],
                     default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--calls", type=int, default=8, help="timed calls per figure")
+    ap.add_argument("--candidates", type=lambda s: s.split(","), default=["c", "torch"],
+                    help=f"kernels timed, of {','.join(CANDIDATES)}")
+    ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
+                    help="thread counts (default: all cores, and all but one)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -595,7 +595,7 @@ def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
 
         tier = host_experts.register(host["tier"])
         views = host_experts.tier(tier).views
-        nbytes = sum(v[0].numel() * v.element_size() for v in views.values())
+        nbytes = sum(v[0].nbytes for v in views.values())
         threads = host_experts.set_threads(host.get("threads"))
         read = nbytes / plain_read(views, min(8, views["w1"].shape[0]), 6, threads) / 1e9
         gbps, growth = host_experts.measure(tier)

@@ -4,20 +4,19 @@ docs/design.md, "Host compute of misses". The step hands a layer's host share to
 through two callbacks (`misses.host_round_trip`): `submit` starts the work on a worker thread
 and returns at once, so the device goes on copying and computing the other misses; `collect`
 waits for it and returns each pick's output. The kernel reads the tier-1 `pinned_host`
-buffers in place (no copy of the weights): a `HostTier` holds views of them, registered under
-an integer id that the step carries as an argument, so one compiled program serves every
+buffers in place (no copy of the weights): a `HostTier` holds numpy views of them, registered
+under an integer id that the step carries as an argument, so one compiled program serves every
 engine and every version of the tier.
 
-The matrices are multiplied by torch (oneDNN) on all cores but one: the core left over keeps
-the device fed while the host computes. Host compute rounds differently from the device's
-kernels (docs/design.md: a tested tolerance, not bits).
+The experts are computed by the compiled kernel of `host_kernel` (float and packed int4) on all
+cores but one: the core left over keeps the device fed while the host computes. Host compute
+rounds differently from the device's kernels (docs/design.md: a tested tolerance, not bits).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,41 +24,41 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from strata_jax import host_kernel
 from strata_jax.pool import ExpertPool
 
 KINDS = ("w1", "w3", "w2")
+SCALES = ("w1_scale", "w3_scale", "w2_scale")
 FLOAT_DTYPES = frozenset({"bfloat16", "float32", "float16"})
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError as err:  # pragma: no cover - torch is a test dependency
-        raise ImportError("computing experts on the host (EngineConfig.miss 'host' or "
-                          "'auto') needs torch: pip install 'strata-jax[host]'") from err
-    return torch
-
-
 def check_pool(pool: ExpertPool) -> None:
-    """Refuse a tier-1 pool the host kernel cannot read (packed int4, for now)."""
+    """Refuse a tier-1 pool the host kernel cannot read."""
     if pool.quantized:
-        raise ValueError("host compute of packed int4 experts is not implemented: use "
-                         "miss='fetch', or dequant='host' (tier 1 then holds bf16 experts)")
+        if any(np.dtype(getattr(pool, k).dtype) != np.uint8 for k in KINDS) or any(
+                str(np.dtype(getattr(pool, s).dtype)) != "bfloat16" for s in SCALES):
+            raise ValueError("host compute of packed int4 experts take uint8 weights with "
+                             "bfloat16 scales, got "
+                             f"{[str(getattr(pool, k).dtype) for k in (*KINDS, *SCALES)]}")
+        f, d, _, tb1 = host_kernel.int4_layout(pool.w1.shape[1:])
+        _, _, _, tb2 = host_kernel.int4_layout(pool.w2.shape[1:])
+        group = d // pool.w1_scale.shape[1]
+        if any(v % 32 for v in (d, f, group, tb1, tb2)):
+            raise ValueError(f"host compute of packed int4 experts needs D={d}, F={f}, the "
+                             f"group {group} and the tile's inputs to be multiples of 32: use "
+                             "miss='fetch'")
+        return
     name = str(np.dtype(pool.w1.dtype))
     if name not in FLOAT_DTYPES:
         raise ValueError(f"host compute takes float experts, got {name}")
 
 
-def _view(array, torch):
-    """A torch tensor over a host-resident jax array's own buffer (no copy)."""
+def _view(array) -> np.ndarray:
+    """A numpy array over a host-resident jax array's own buffer (no copy)."""
     dtype = np.dtype(array.dtype)
     raw = (ctypes.c_uint8 * (array.size * dtype.itemsize)).from_address(
         array.unsafe_buffer_pointer())
-    flat = np.frombuffer(raw, np.uint16 if dtype.name == "bfloat16" else dtype)
-    tensor = torch.from_numpy(flat)
-    if dtype.name == "bfloat16":
-        tensor = tensor.view(torch.bfloat16)
-    return tensor.view(*array.shape)
+    return np.frombuffer(raw, dtype).reshape(array.shape)
 
 
 @dataclass
@@ -68,8 +67,9 @@ class HostTier:
 
     pool: ExpertPool
     """The jax arrays the views read: kept alive while the views are in use."""
-    views: dict[str, object]
-    """Each weight kind as a torch tensor [slots, in, out] over the pool's buffer."""
+    views: dict[str, np.ndarray]
+    """Each weight kind (and a packed pool's scales) as a numpy array over the pool's buffer:
+    float [slots, in, out], packed as `ExpertPool` holds them."""
     busy_s: float = 0.0
     """Seconds the worker spent in the kernel."""
     experts: int = 0
@@ -86,20 +86,17 @@ _GUARD = threading.Lock()
 
 
 def set_threads(threads: int | None) -> int:
-    """Cores the host kernel uses (None: all but one); returns the count set. torch's
-    thread count is process-wide."""
-    torch = _torch()
-    n = threads or max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(n)
-    return n
+    """Cores the host kernel uses (None: all but one); returns the count set."""
+    return host_kernel.set_threads(threads)
 
 
 def register(pool: ExpertPool) -> int:
     """Views of `pool` (a host-resident tier-1 pool) under a new id."""
     check_pool(pool)
-    torch = _torch()
+    host_kernel.library()  # compiled now, not in the step's first callback
     tier_id = next(_IDS)
-    _TIERS[tier_id] = HostTier(pool, {k: _view(getattr(pool, k), torch) for k in KINDS})
+    kinds = KINDS + (SCALES if pool.quantized else ())
+    _TIERS[tier_id] = HostTier(pool, {k: _view(getattr(pool, k)) for k in kinds})
     return tier_id
 
 
@@ -115,14 +112,24 @@ def tier(tier_id: int) -> HostTier:
                        "registered by this process)") from None
 
 
-def swiglu(views: dict[str, object], slot: int, x):
-    """(silu(x @ w1) * (x @ w3)) @ w2 of host slot `slot` for rows x [r, D] (torch, the
+def quantized(views: dict[str, np.ndarray]) -> bool:
+    return "w1_scale" in views
+
+
+def hidden_size(views: dict[str, np.ndarray]) -> int:
+    if quantized(views):
+        return host_kernel.int4_layout(views["w1"].shape[1:])[1]
+    return views["w1"].shape[1]
+
+
+def swiglu(views: dict[str, np.ndarray], slot: int, x: np.ndarray) -> np.ndarray:
+    """(silu(x @ w1) * (x @ w3)) @ w2 of host slot `slot` for rows x [r, D] (numpy, the
     activations' dtype) -> float32 [r, D]: the gate and up products in float32, rounded to
-    x's dtype before the down projection, weights in x's dtype, as the device kernels do."""
-    torch = _torch()
-    w1, w3, w2 = (views[k][slot].to(x.dtype) for k in KINDS)  # a copy only if they differ
-    act = (torch.nn.functional.silu((x @ w1).float()) * (x @ w3).float()).to(x.dtype)
-    return (act @ w2).float()
+    x's dtype before the down projection, as the device kernels do (`host_kernel.swiglu`)."""
+    if quantized(views):
+        return host_kernel.swiglu_int4(*(views[n][slot] for k in KINDS
+                                         for n in (k, f"{k}_scale")), x)
+    return host_kernel.swiglu(*(views[k][slot] for k in KINDS), x)
 
 
 def compute(tier_id: int, h: np.ndarray, experts: np.ndarray, live: np.ndarray,
@@ -130,15 +137,10 @@ def compute(tier_id: int, h: np.ndarray, experts: np.ndarray, live: np.ndarray,
     """Each pick's output [N, k, D] float32 for the picks of live tokens routed to the
     experts marked in `hosted` [E] (others zero): h [N, D] the layer's MoE input, experts
     [N, k] the picks, host_row [E] each expert's tier-1 slot."""
-    torch = _torch()
     t = tier(tier_id)
     n, k = experts.shape
     out = np.zeros((n, k, h.shape[-1]), np.float32)
-    dtype = np.dtype(h.dtype)
-    h = np.array(h)  # writable, as torch wants
-    x_all = torch.from_numpy(h.view(np.uint16) if dtype.name == "bfloat16" else h)
-    if dtype.name == "bfloat16":
-        x_all = x_all.view(torch.bfloat16)
+    h = np.asarray(h)
     t0 = time.perf_counter()
     done = 0
     for e in np.flatnonzero(hosted):
@@ -146,9 +148,7 @@ def compute(tier_id: int, h: np.ndarray, experts: np.ndarray, live: np.ndarray,
         tokens, which = np.nonzero(picks)
         if not len(tokens):
             continue
-        rows = torch.from_numpy(tokens.astype(np.int64))
-        y = swiglu(t.views, int(host_row[e]), x_all[rows])
-        out[tokens, which] = y.numpy()
+        out[tokens, which] = swiglu(t.views, int(host_row[e]), h[tokens])
         done += 1
     with t.lock:
         t.busy_s += time.perf_counter() - t0
@@ -180,16 +180,16 @@ def collect(ticket, _after) -> np.ndarray:
 
 
 def measure(tier_id: int, rows: tuple[int, int] = (1, 16), repeats: int = 3
-            ) -> tuple[float, float]:
+             ) -> tuple[float, float]:
     """(GB/s of expert bytes at `rows[0]` rows, the relative cost of each further row), from
     the median time of the kernel on tier slot 0 at both row counts (`misses.MissRates`)."""
-    torch = _torch()
     t = tier(tier_id)
-    d = t.views["w1"].shape[1]
-    nbytes = sum(v[0].numel() * v.element_size() for v in t.views.values())
+    d = hidden_size(t.views)
+    nbytes = sum(v[0].nbytes for v in t.views.values())
+    dtype = host_kernel.BF16 if quantized(t.views) else t.views["w1"].dtype
     times = []
     for r in rows:
-        x = torch.ones((r, d), dtype=t.views["w1"].dtype)
+        x = np.ones((r, d), dtype=dtype)
         swiglu(t.views, 0, x)
         runs = []
         for _ in range(repeats):

@@ -6,10 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from strata_jax import host_experts
+from strata_jax import host_experts, quant
 from strata_jax.pool import ExpertPool
 
-pytest.importorskip("torch")
 D, F, SLOTS, E, K = 64, 96, 5, 8, 2
 
 
@@ -26,6 +25,21 @@ def _reference(arrays, slot, x):
     x = np.asarray(x, np.float64)
     gate, up = x @ w1, x @ w3
     return (gate / (1 + np.exp(-gate)) * up) @ w2
+
+
+def _int4_pool(d, f, seed=0, tile=None):
+    """A pinned int4 pool and its exactly dequantized float weights."""
+    rng = np.random.default_rng(seed)
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    arrays, dense = {}, {}
+    for k, shape in (("w1", (d, f)), ("w3", (d, f)), ("w2", (f, d))):
+        qs = [quant.quantize_int4_rtn(rng.normal(0, 0.2, shape).astype(np.float32))
+              for _ in range(SLOTS)]
+        arrays[k] = np.stack([q.packed for q in qs])
+        arrays[f"{k}_scale"] = np.stack([q.scales for q in qs])
+        dense[k] = np.stack([quant.dequantize_int4(q) for q in qs])
+    pool = ExpertPool(**{k: jax.device_put(a, pinned) for k, a in arrays.items()})
+    return (pool if tile is None else pool.tiled_by(*tile)), dense
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 1e-5), (ml_dtypes.bfloat16, 2e-2)])
@@ -80,11 +94,42 @@ def test_the_views_follow_writes_to_the_pool_buffer():
     np.testing.assert_allclose(y[0, 0], _reference(arrays, 2, x)[0], rtol=1e-5)
 
 
-def test_packed_pools_and_stale_tiers_are_refused():
+@pytest.mark.parametrize("tile", [None, (8, 128)], ids=["rows", "tiles"])
+def test_int4_pools_are_computed(tile):
+    """A packed int4 tier 1, row-major or tile-major as the int4 kernel's pools are, against
+    the float64 product of its dequantized weights."""
+    d, f = 128, 256
+    pool, dense = _int4_pool(d, f, seed=1, tile=tile)
+    host_experts.check_pool(pool)
+    rng = np.random.default_rng(2)
+    h = rng.normal(0, 1, (3, d)).astype(ml_dtypes.bfloat16)
+    experts = np.array([[1, 2], [2, 0], [1, 3]], np.int32)
+    hosted = np.array([False, True, True, False])
+    host_row = np.array([0, 4, 2, 1], np.int32)
+    tier = host_experts.register(pool)
+    try:
+        out = host_experts.compute(tier, h, experts, np.ones(3, bool), hosted, host_row)
+        gbps, growth = host_experts.measure(tier, repeats=1)
+    finally:
+        host_experts.release(tier)
+    assert gbps > 0 and growth >= 0
+    for n in range(3):
+        for j in range(2):
+            e = experts[n, j]
+            if not hosted[e]:
+                assert not out[n, j].any()
+                continue
+            ref = _reference(dense, host_row[e], h[n][None])[0]
+            assert np.abs(out[n, j] - ref).max() / np.abs(ref).max() < 2e-2
+
+
+def test_bad_pools_and_stale_tiers_are_refused():
     pool, _ = _pool(np.float32)
     packed = pool._replace(w1_scale=pool.w1, w3_scale=pool.w3, w2_scale=pool.w2)
-    with pytest.raises(ValueError, match="packed int4"):
+    with pytest.raises(ValueError, match="packed int4 experts take uint8 weights"):
         host_experts.register(packed)
+    with pytest.raises(ValueError, match="float experts, got int32"):
+        host_experts.check_pool(pool._replace(w1=pool.w1.astype(np.int32)))
     tier = host_experts.register(pool)
     host_experts.release(tier)
     with pytest.raises(KeyError, match=f"host tier {tier} is not registered"):

@@ -105,13 +105,16 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
         assert engine.staging > 0
 
 
-def test_host_compute_takes_host_dequantized_experts_only(quantized, host_dequantized):
-    """miss='host' reads tier 1 as the host kernel can: bf16 (dequant='host'), not packed."""
-    pytest.importorskip("torch")
-    with pytest.raises(ValueError, match="packed int4"):
-        _generate(quantized, miss="host")
+def test_host_compute_takes_packed_and_host_dequantized_experts(quantized, host_dequantized):
+    """miss='host' reads tier 1 as it is held: bf16 (dequant='host'), or packed int4 (the host
+    kernel dequantizes in registers)."""
     (ref_tokens, ref_logits), _ = host_dequantized
     (tokens, logits), engine = _generate(quantized, dequant="host", miss="host")
     assert engine.counters.hosted > 0
     np.testing.assert_array_equal(tokens, ref_tokens)
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=0.02 * np.abs(ref_logits).max())
+    (dev_tokens, dev_logits), _ = _generate(quantized)
+    (tokens, logits), engine = _generate(quantized, miss="host")
+    assert engine.counters.hosted > 0 and engine.residency.host.quantized
+    np.testing.assert_array_equal(tokens, dev_tokens)
+    np.testing.assert_allclose(logits, dev_logits, rtol=0, atol=0.02 * np.abs(dev_logits).max())

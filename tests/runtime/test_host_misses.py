@@ -10,7 +10,6 @@ from strata_runtime.engine import Engine, EngineConfig
 from tests.helpers import tiny_config, write_checkpoint
 from tests.runtime.contract import run_rows
 
-pytest.importorskip("torch")
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
 SHAPE = dict(batch_capacity=4, max_len=32)
 F32_TOL = 1e-4  # of the logits' spread: float32 experts, host vs device accumulation order
