@@ -31,6 +31,8 @@
 #                     checkpoint (every expert in HBM, then the naive rung's budgets)
 #   "repeat" in PARTS  benchmarks/repeat_check.py: same tokens on every repeat of one engine?
 #                     (as is, then with --xla_gpu_deterministic_ops)
+#   "exact" in PARTS   the offloaded prefill against resident on the ladder's checkpoint, every
+#                     step's logits: as is, without GEMM autotuning, without row chunks
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -132,6 +134,19 @@ if [[ $PARTS == *repeat* ]]; then  # do repeats of one engine give the same toke
   timeout -k 10 150 python3 -m benchmarks.repeat_check --out "$OUT" 2>&1 | grep -v "^[WI]0"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true" timeout -k 10 150 \
     python3 -m benchmarks.repeat_check --out "$OUT" 2>&1 | grep -v "^[WI]0"
+fi
+if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Disk stalls")
+  ckpt=/tmp/strata_seed6_bf16
+  [[ -f $ckpt/config.json ]] || python3 -c "from strata_jax import synth; synth.synthesize(
+    'seed-125b', '$ckpt', layers=6, skew=0.7, seed=0, dtype='bfloat16', progress=False)"
+  A="--checkpoint $ckpt --prompts 2 --prompt-len 32 --new 6 --batch 2 --logits"
+  A="$A --engines resident,ladder-no-disk"
+  for v in "" "XLA_FLAGS=--xla_gpu_autotune_level=0" "--row-chunks off"; do
+    echo "== t=${SECONDS}s: exactness of the offloaded prefill ($v)"
+    if [[ $v == XLA_FLAGS=* ]]; then env "$v" timeout -k 5 200 python3 -m benchmarks.repeat_check \
+      --out "$OUT" $A; else timeout -k 5 200 python3 -m benchmarks.repeat_check --out "$OUT" \
+      $A $v; fi 2>&1 | grep -v "^[WI]0" | cut -c1-900
+  done
 fi
 if [[ $PARTS == *disk* ]]; then
   left=$((BUDGET_S - SECONDS - 10))
