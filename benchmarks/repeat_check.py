@@ -100,7 +100,6 @@ def main() -> None:
     reader = CheckpointReader(path)
     prompts = synthetic_prompts(reader.config.vocab_size, args.prompts, args.prompt_len, 0)
     reference = None
-    rows = []
     for name, knobs in engines.items():
         chunks = {"default": None, "on": True, "off": False}[args.row_chunks]
         config = EngineConfig(batch_capacity=args.batch, row_chunks=chunks,
@@ -128,9 +127,8 @@ def main() -> None:
             row["max_abs_logit_diff"] = [
                 np.abs(lg - reference_logits[0]).max(axis=(1, 2)).tolist() for lg in logits]
         print(json.dumps(row), flush=True)
-        rows.append(row)
-    with open(Path(args.out) / "repeat_check.jsonl", "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        with open(Path(args.out) / "repeat_check.jsonl", "a") as f:  # kept if a later one is cut
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
