@@ -9,6 +9,11 @@ memory (tier 1) as far as the host budget goes, and on disk (tier 2) after that.
 
 If every expert fits next to the dense weights, KV cache and workspace, the model runs fully
 resident: every expert gets a slot and no staging buffers are reserved (nothing is ever fetched).
+
+Over several devices (`devices`, `strata_jax.expert_parallel`) the HBM budget is each device's:
+each holds the dense weights, the KV cache, its workspace and staging and the slots of its own
+share of the experts. The host budget is the whole tier 1, split evenly into the devices'
+shares.
 """
 
 from __future__ import annotations
@@ -156,24 +161,58 @@ class ModelBytes:
         return cls.from_specs(reader.config, reader.expert_specs, reader.dense_specs)
 
 
+def device_experts(model: ModelBytes, devices: int) -> tuple[int, ...]:
+    """The experts each of `devices` devices owns: an equal count of every layer, the first
+    devices one more where the layer's experts do not divide evenly."""
+    if not 1 <= devices <= model.experts_per_layer:
+        raise ValueError(f"expert_devices must be in [1, {model.experts_per_layer}] (the "
+                         f"experts of a layer), got {devices}")
+    per_layer, extra = divmod(model.experts_per_layer, devices)
+    return tuple(model.num_layers * (per_layer + (d < extra)) for d in range(devices))
+
+
+def even_share(count: int, total: int, devices: int, most: int) -> int:
+    """Each device's share of `count` of the `total` experts held over `devices` devices that
+    own at most `most` each: all its own when `count` covers every expert, else an even share
+    (rounded up)."""
+    return most if count >= total else -(-count // devices)
+
+
 @dataclass(frozen=True)
 class Ledger:
-    """Where every byte of the HBM budget goes, and which tier each expert lives in."""
+    """Where every byte of the HBM budget goes, and which tier each expert lives in. Over
+    several devices the HBM lines are each device's (`hbm_budget` is per device) and the
+    expert counts are totals."""
 
     hbm_budget: int
     dense: int
     kv_cache: int
     staging: int  # two buffers of `staging_slots` experts each
     workspace: int
-    pool_slots: int
+    pool_slots: int  # per device
     bytes_per_expert: int
     staging_slots: int
     num_experts: int
-    host_budget: int | None  # None: unlimited
-    host_slots: int
+    host_budget: int | None  # None: unlimited; over several devices all their shares
+    host_slots: int  # all devices' tier 1 together
     batch_capacity: int
     max_len: int
-    resident_budget: int  # the smallest HBM budget that holds every expert
+    resident_budget: int  # the smallest HBM budget (per device) that holds every expert
+    owned: tuple[int, ...]  # the experts each device owns (`device_experts`)
+
+    @property
+    def devices(self) -> int:
+        return len(self.owned)
+
+    @property
+    def most_owned(self) -> int:
+        """The experts of the device that owns most."""
+        return max(self.owned)
+
+    @property
+    def host_share(self) -> int:
+        """Tier-1 experts of each device (`even_share` of `host_slots`)."""
+        return even_share(self.host_slots, self.num_experts, self.devices, self.most_owned)
 
     @property
     def pool(self) -> int:
@@ -190,8 +229,8 @@ class Ledger:
 
     @property
     def tier0(self) -> int:
-        """Experts in HBM slots."""
-        return min(self.pool_slots, self.num_experts)
+        """Experts in HBM slots (on every device)."""
+        return sum(min(self.pool_slots, n) for n in self.owned)
 
     @property
     def tier1(self) -> int:
@@ -250,11 +289,12 @@ class Ledger:
         return lines
 
 
-def default_staging_slots(model: ModelBytes, batch_capacity: int) -> int:
+def default_staging_slots(model: ModelBytes, batch_capacity: int, devices: int = 1) -> int:
     """Experts per staging buffer: what one layer can need in a decode step,
     min(experts per layer, batch_capacity * top_k), but no more than two halves of
-    `STAGING_HALF_BYTES` each (at least 2, so passes can alternate)."""
-    step = min(model.experts_per_layer, batch_capacity * model.top_k)
+    `STAGING_HALF_BYTES` each (at least 2, so passes can alternate). Over `devices` devices,
+    what one device's share of a layer can need."""
+    step = min(-(-model.experts_per_layer // devices), batch_capacity * model.top_k)
     halves = 2 * max(1, math.ceil(STAGING_HALF_BYTES / model.bytes_per_expert))
     return min(step, halves)
 
@@ -306,21 +346,25 @@ def plan_ledger(
     min_pool_slots: int | None = None,
     workspace_fraction: float = WORKSPACE_FRACTION,
     workspace_floor: int | str = WORKSPACE_FLOOR,
+    devices: int = 1,
 ) -> Ledger:
     """Split `hbm_budget` among dense, KV cache, staging, workspace and the expert pool.
 
     `staging_slots` defaults to `default_staging_slots`, halved (down to 1) while that does not
     fit the budget; `min_pool_slots` defaults to the staging slots. `host_budget` None means
-    unlimited pinned host memory. Raises `BudgetError` (with the rendered ledger and the
-    shortfall: how much larger the budget must be, its workspace share included) when the
-    minimum pool does not fit.
+    unlimited pinned host memory. Over `devices` devices the HBM budget and every HBM line
+    are each device's, the pool that of its own experts (`device_experts`), and the host
+    budget is all their shares together (module docstring). Raises `BudgetError` (with the
+    rendered ledger and the shortfall: how much larger the budget must be, its workspace share
+    included) when the minimum pool does not fit.
     """
     _check_args(batch_capacity, max_len, workspace_fraction, staging_slots, min_pool_slots)
     kw = dict(batch_capacity=batch_capacity, max_len=max_len, min_pool_slots=min_pool_slots,
-              workspace_fraction=workspace_fraction, workspace_floor=workspace_floor)
+              workspace_fraction=workspace_fraction, workspace_floor=workspace_floor,
+              owned=device_experts(model, devices))
     if staging_slots is not None:
         return _plan(model, hbm_budget, host_budget, staging_slots=staging_slots, **kw)
-    slots = default_staging_slots(model, batch_capacity)
+    slots = default_staging_slots(model, batch_capacity, devices)
     while True:
         try:
             return _plan(model, hbm_budget, host_budget, staging_slots=slots, **kw)
@@ -341,19 +385,22 @@ def _plan(
     min_pool_slots: int | None,
     workspace_fraction: float,
     workspace_floor: int | str,
+    owned: tuple[int, ...],
 ) -> Ledger:
     hbm, floor = parse_bytes(hbm_budget), parse_bytes(workspace_floor)
     host = None if host_budget is None else parse_bytes(host_budget)
-    bpe, total = model.bytes_per_expert, model.num_experts
+    bpe, total, most, devices = model.bytes_per_expert, model.num_experts, max(owned), len(owned)
     kv = batch_capacity * max_len * model.kv_bytes_per_token
     workspace = workspace_bytes(hbm, workspace_fraction, floor)
     fixed = model.dense + kv + workspace
-    everything = resident_budget(model.dense + kv + model.expert_bytes, workspace_fraction, floor)
-    if fixed + model.expert_bytes <= hbm:
-        slots, pool = 0, total
+    everything = resident_budget(model.dense + kv + most * bpe, workspace_fraction, floor)
+    if fixed + most * bpe <= hbm:
+        slots, pool = 0, most
     else:
         slots = staging_slots
-        pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), total)
+        pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), most)
+    # each device's share of tier 1 is whole experts: the host budget's even split
+    host_slots = total if host is None else min(devices * (host // devices // bpe), total)
     ledger = Ledger(
         hbm_budget=hbm,
         dense=model.dense,
@@ -365,12 +412,13 @@ def _plan(
         staging_slots=slots,
         num_experts=total,
         host_budget=host,
-        host_slots=total if host is None else min(host // bpe, total),
+        host_slots=host_slots,
         batch_capacity=batch_capacity,
         max_len=max_len,
         resident_budget=everything,
+        owned=owned,
     )
-    need_slots = min(slots if min_pool_slots is None else min_pool_slots, total)
+    need_slots = min(slots if min_pool_slots is None else min_pool_slots, most)
     if ledger.pool_slots < need_slots or ledger.free < 0:
         without_ws = ledger.dense + kv + ledger.staging + need_slots * bpe
         offloaded = resident_budget(without_ws, workspace_fraction, floor)

@@ -38,6 +38,12 @@ AXIS = "expert"
 """The mesh axis the expert slots are sharded over."""
 
 
+def owners(num_layers: int, num_experts: int, devices: int) -> np.ndarray:
+    """int32 [L, E]: the device that owns each expert, e mod `devices`."""
+    row = np.arange(num_experts, dtype=np.int32) % devices
+    return np.broadcast_to(row, (num_layers, num_experts)).copy()
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each (layer, expert) lies over `devices` devices: on its owner, device e mod n,
@@ -144,8 +150,8 @@ def from_host(config, params, experts: dict[str, np.ndarray], devices, tokenizer
 def _devices(devices: Sequence[jax.Device] | int) -> Sequence[jax.Device]:
     if isinstance(devices, int):
         if not 1 <= devices <= len(jax.devices()):
-            raise ValueError(f"{devices} devices asked for; this process sees "
-                             f"{len(jax.devices())} ({jax.default_backend()})")
+            raise ValueError(f"expert_devices={devices} (--expert-devices): this process "
+                             f"sees {len(jax.devices())} {jax.default_backend()} device(s)")
         return jax.devices()[:devices]
     return devices
 
@@ -222,37 +228,61 @@ class Programs:
     forward: object
 
 
+def _own_counters(record: step.StepRecord) -> dict[str, jax.Array]:
+    """Inside `shard_map`: this device's `step.PER_DEVICE` counters, [L] -> [L, 1]."""
+    return {k: getattr(record, k)[:, None] for k in step.PER_DEVICE}
+
+
+def _with_counters(out, counters: dict[str, jax.Array]):
+    """`out` (a StepOutput, or a StepRecord) with the counters of every device, [L, n]."""
+    if isinstance(out, step.StepRecord):
+        return out.replace(**counters)
+    return out.replace(record=out.record.replace(**counters))
+
+
 @functools.cache
 def programs(mesh: Mesh) -> Programs:
-    """The step programs of `mesh`, compiled once per (mesh, shapes)."""
+    """The step programs of `mesh`, compiled once per (mesh, shapes). Their records carry
+    the `step.PER_DEVICE` counters of each device, [L, n]; the rest is replicated."""
     shard_map = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
-    experts, everyone = P(AXIS), P()
+    experts, everyone, per_device = P(AXIS), P(), P(None, AXIS)
 
     def decode(cfg, plan, params, pool, tiers_, state, resume=None, forced=None):
-        body = shard_map(
-            lambda params, pool, tiers_, state, resume, forced: step.decode_step(
-                cfg, _sharded(plan), params, pool, _local(tiers_), state, resume, forced),
-            in_specs=(everyone, experts, experts, everyone, everyone, everyone),
-            out_specs=(everyone, everyone, experts))
-        return body(params, pool, tiers_, state, resume, forced)
+        def local(params, pool, tiers_, state, resume, forced):
+            state, out, pool = step.decode_step(cfg, _sharded(plan), params, pool,
+                                                _local(tiers_), state, resume, forced)
+            return state, out, pool, _own_counters(out.record)
+
+        state, out, pool, counters = shard_map(
+            local, in_specs=(everyone, experts, experts, everyone, everyone, everyone),
+            out_specs=(everyone, everyone, experts, per_device),
+        )(params, pool, tiers_, state, resume, forced)
+        return state, _with_counters(out, counters), pool
 
     def prefill(cfg, plan, params, pool, tiers_, state, row, tokens, start, count,
                 sampling=None, resume=None, forced=None):
-        body = shard_map(
-            lambda params, pool, tiers_, state, args, resume, forced: step.prefill_step(
-                cfg, _sharded(plan), params, pool, _local(tiers_), state, *args,
-                resume=resume, forced=forced),
-            in_specs=(everyone, experts, experts, everyone, everyone, everyone, everyone),
-            out_specs=(everyone, everyone, experts))
-        return body(params, pool, tiers_, state, (row, tokens, start, count, sampling),
-                    resume, forced)
+        def local(params, pool, tiers_, state, args, resume, forced):
+            state, out, pool = step.prefill_step(cfg, _sharded(plan), params, pool,
+                                                 _local(tiers_), state, *args, resume=resume,
+                                                 forced=forced)
+            return state, out, pool, _own_counters(out.record)
+
+        state, out, pool, counters = shard_map(
+            local, in_specs=(everyone, experts, experts, everyone, everyone, everyone, everyone),
+            out_specs=(everyone, everyone, experts, per_device),
+        )(params, pool, tiers_, state, (row, tokens, start, count, sampling), resume, forced)
+        return state, _with_counters(out, counters), pool
 
     def forward(cfg, plan, params, pool, tiers_, tokens):
-        body = shard_map(
-            lambda params, pool, tiers_, tokens: step.forward_pass(
-                cfg, _sharded(plan), params, pool, _local(tiers_), tokens),
-            in_specs=(everyone, experts, experts, everyone), out_specs=everyone)
-        return body(params, pool, tiers_, tokens)
+        def local(params, pool, tiers_, tokens):
+            logits, record = step.forward_pass(cfg, _sharded(plan), params, pool,
+                                               _local(tiers_), tokens)
+            return logits, record, _own_counters(record)
+
+        logits, record, counters = shard_map(
+            local, in_specs=(everyone, experts, experts, everyone),
+            out_specs=(everyone, everyone, per_device))(params, pool, tiers_, tokens)
+        return logits, _with_counters(record, counters)
 
     jit = functools.partial(jax.jit, static_argnames=("cfg", "plan"),
                             compiler_options=step.COMPILER_OPTIONS)

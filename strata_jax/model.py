@@ -287,9 +287,7 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
         routing = force_routing(cfg, routing, forced)
     counts = _present(routing.experts, token_live, cfg.num_experts)
     present = counts > 0
-    hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)
-    if plan.expert_axis is not None:  # each device counts its own experts
-        hits = jax.lax.psum(hits, plan.expert_axis)
+    hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)  # over an axis: its own
     zero = jnp.zeros((), jnp.int32)
     fields = {"counts": counts, "experts": routing.experts, "hits": hits}
     if plan.staging == 0:
@@ -317,9 +315,9 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     if ticket is not None:
         picks = misses.host_collect(ticket, hosted, routing.experts, picks)
     issued = jnp.sum(pre_ids >= 0, dtype=jnp.int32)
-    if plan.expert_axis is not None:  # each device served its own experts' picks
-        picks, prefetched, fetched, issued, disk = jax.lax.psum(
-            (picks, prefetched, fetched, issued, disk.astype(jnp.int32)), plan.expert_axis)
+    if plan.expert_axis is not None:  # each device served its own experts' picks; the
+        # counters stay its own (`expert_parallel.programs` gives them per device)
+        picks, disk = jax.lax.psum((picks, disk.astype(jnp.int32)), plan.expert_axis)
         disk = disk > 0
     out = combine_routed(routing, picks).astype(h.dtype)
     fields.update(prefetched=prefetched, fetched=fetched,
