@@ -6,16 +6,41 @@ runtime are fixed when it starts, so each setting needs a process of its own.
         experts per layer and device in HBM, S per staging half, predictor P), tokens equal,
         and whether every routed expert was served once (hit, prefetched or copied)
     python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
+    python -m tests.ep_worker CKPT engine N:CASE ...  -> JSON: per setting (the offload engine
+        over N devices with the knobs of ENGINE_CASES[CASE]), tokens and every decode step's
+        logits equal to the one-device resident engine's, whether every device's tables hold
+        only its own experts, whether its per-device counters sum to the totals, and the
+        counters that say each mechanism ran
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4, 90, 3, 17]]
 NEW = 8
+
+
+def launch(*args: str) -> subprocess.Popen:
+    """This worker in a subprocess of its own (the repository first on its path)."""
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "tests.ep_worker", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen, timeout: int = 300) -> dict:
+    """The JSON a worker launched by `launch` printed (its stderr's tail if it failed)."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def _generate(model, sampled: bool):
@@ -26,8 +51,9 @@ def _generate(model, sampled: bool):
     return strata_jax.generate(model, PROMPTS, max_new_tokens=NEW, batch_capacity=2, **kw)
 
 
-def _cli(ckpt: str, n: int) -> list[int]:
-    """`strata generate --expert-devices n`'s new ids of the first prompt."""
+def _cli(ckpt: str, n: int, flags: tuple[str, ...] = (), prompt: list[int] = PROMPTS[0],
+         new: int = NEW) -> list[int]:
+    """`strata generate --expert-devices n` (and `flags`)'s new ids of `prompt`."""
     import contextlib
     import io
 
@@ -35,9 +61,9 @@ def _cli(ckpt: str, n: int) -> list[int]:
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        ids = ",".join(map(str, PROMPTS[0]))
-        assert main(["generate", ckpt, "--prompt-ids", ids, "--max-new-tokens", str(NEW),
-                     "--expert-devices", str(n), "--json", "-"]) == 0
+        ids = ",".join(map(str, prompt))
+        assert main(["generate", ckpt, "--prompt-ids", ids, "--max-new-tokens", str(new),
+                     "--expert-devices", str(n), "--json", "-", *flags]) == 0
     return json.loads(text.getvalue())["requests"][0]["new_ids"]
 
 
@@ -115,6 +141,75 @@ def offload(ckpt: str, settings: list[str]) -> dict:
     return out
 
 
+ENGINE_SHAPE = {"batch_capacity": 4, "max_len": 32}
+ENGINE_CASES = {
+    "resident": {},  # every expert in its owner's slots
+    # staging passes, cache admissions, the next-gate prefetch and rebalancing swaps
+    "tight": {"resident_experts": 3, "staging_slots": 1, "cache_fraction": 0.34,
+              "policy": "lfru", "predictor": "next-gate", "rebalance_every": 2},
+    "disk": {"resident_experts": 2, "host_experts": 4, "cache_fraction": 0.5},
+    "cli": {},  # `strata generate --hbm ... --expert-devices N --resident-experts 1`
+}
+ENGINE_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+ENGINE_NEW = 6
+COUNTED = ("hits", "fetched", "issued", "admissions", "disk_loads")  # per device and in all
+
+
+def _owners_only(engine) -> bool:
+    """Every device's page tables and slots hold only experts it owns."""
+    for share in engine.shares:
+        r, mine = share.residency, engine.owner == share.device
+        held = [k for k in r.slot_key + r.host_key if k is not None]
+        if (r.page[~mine] >= 0).any() or (r.host_page[~mine] >= 0).any():
+            return False
+        if not all(mine[k] for k in held) or not all(mine[k] for k in share.pinned):
+            return False
+    return True
+
+
+def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
+    import numpy as np
+
+    from strata_runtime.engine import Engine, EngineConfig
+    from tests.runtime.contract import run_rows
+
+    if case == "cli":
+        flags = ("--hbm", "1GB", "--resident-experts", "1", "--no-warmup", "--max-len",
+                 str(ENGINE_SHAPE["max_len"]), "--batch-capacity",
+                 str(ENGINE_SHAPE["batch_capacity"]))
+        prompt = ENGINE_PROMPTS[0]
+        return {"tokens": _cli(ckpt, n, flags, prompt, ENGINE_NEW) == reference[0][0].tolist()}
+    config = EngineConfig(**ENGINE_SHAPE, expert_devices=n, **ENGINE_CASES[case])
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        tokens, logits = run_rows(engine, ENGINE_PROMPTS, ENGINE_NEW)
+        stats = engine.stats()
+        owners = _owners_only(engine)
+    devices = stats["devices"]
+    return {"tokens": bool(np.array_equal(tokens, reference[0])),
+            "logits": bool(np.array_equal(logits, reference[1])),
+            "owners": owners, "devices": len(devices),
+            "sums": all(sum(d[k] for d in devices) == getattr(engine.counters, k)
+                        for k in COUNTED)
+            and sum(d["h2d_bytes"] for d in devices) == stats["h2d_bytes"],
+            **{k: stats[k] for k in ("tier0_experts", "admissions", "disk_loads",
+                                     "resumed_layers", "rebalance_swaps", "misses_per_step")}}
+
+
+def engine(ckpt: str, settings: list[str]) -> dict:
+    """The offload engine over several devices against the one-device resident engine."""
+    from strata_runtime.engine import Engine, EngineConfig
+    from tests.runtime.contract import run_rows
+
+    with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
+        assert one.resident
+        tokens, logits = run_rows(one, ENGINE_PROMPTS, ENGINE_NEW)
+    out = {}
+    for setting in settings:
+        n, case = setting.split(":")
+        out[setting] = _engine_case(ckpt, int(n), case, (tokens, logits))
+    return out
+
+
 def process(ckpt: str, pid: int, port: str) -> dict:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
@@ -140,6 +235,8 @@ if __name__ == "__main__":
         result = devices(ckpt, [int(n) for n in rest[0].split(",")])
     elif mode == "offload":
         result = offload(ckpt, rest)
+    elif mode == "engine":
+        result = engine(ckpt, rest)
     else:
         result = process(ckpt, int(rest[0]), rest[1])
     print("RESULT " + json.dumps(result), flush=True)
