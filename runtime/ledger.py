@@ -232,10 +232,19 @@ class Ledger:
         """Experts in HBM slots (on every device)."""
         return sum(min(self.pool_slots, n) for n in self.owned)
 
+    def device_tiers(self) -> list[tuple[int, int, int]]:
+        """Each device's (tier 0, tier 1, tier 2) expert counts, of the experts it owns."""
+        tiers = []
+        for owned in self.owned:
+            hbm = min(self.pool_slots, owned)
+            host = min(owned - hbm, self.host_share)
+            tiers.append((hbm, host, owned - hbm - host))
+        return tiers
+
     @property
     def tier1(self) -> int:
-        """Experts in pinned host memory."""
-        return min(self.num_experts - self.tier0, self.host_slots)
+        """Experts in pinned host memory (on every device's share)."""
+        return sum(host for _, host, _ in self.device_tiers())
 
     @property
     def tier2(self) -> int:
@@ -247,7 +256,8 @@ class Ledger:
         return self.tier0 == self.num_experts
 
     def render(self) -> str:
-        """A table of components (bytes, GiB, MB, share of budget) and the tier split."""
+        """A table of components (bytes, GiB, MB, share of budget; over several devices each
+        device's, and all devices' together) and the tier split (per device too)."""
         return "\n".join([*self._component_lines(), "", *self._tier_lines()])
 
     def _component_lines(self) -> list[str]:
@@ -260,31 +270,45 @@ class Ledger:
             (f"expert pool ({self.pool_slots} slots)", self.pool),
             ("free" if self.free >= 0 else "OVER BUDGET", self.free),
         ]
-        lines = [
-            f"HBM budget {fmt_bytes(self.hbm_budget)} ({self.hbm_budget / GB:.2f} GB)",
-            f"  {'component':<42}{'bytes':>16}{'GiB':>10}{'MB':>12}{'share':>8}",
-        ]
-        for name, n in [*rows, ("total", self.hbm_budget)]:
-            share = n / self.hbm_budget if self.hbm_budget else 0.0
-            lines.append(f"  {name:<42}{n:>16,}{n / GiB:>10.3f}{n / MB:>12.2f}{share:>8.1%}")
+        n = self.devices
+        budget = f"HBM budget {fmt_bytes(self.hbm_budget)} ({self.hbm_budget / GB:.2f} GB)"
+        every = f"{f'x {n} GiB':>10}" if n > 1 else ""
+        if n > 1:
+            budget += f" per device; {n} devices: {fmt_bytes(n * self.hbm_budget)} in all"
+        lines = [budget, f"  {'component':<42}{'bytes':>16}{'GiB':>10}{'MB':>12}{'share':>8}"
+                         + every]
+        for name, b in [*rows, ("total", self.hbm_budget)]:
+            share = b / self.hbm_budget if self.hbm_budget else 0.0
+            lines.append(f"  {name:<42}{b:>16,}{b / GiB:>10.3f}{b / MB:>12.2f}{share:>8.1%}"
+                         + (f"{n * b / GiB:>10.3f}" if n > 1 else ""))
         return lines
 
     def _tier_lines(self) -> list[str]:
         host = "unlimited" if self.host_budget is None else fmt_bytes(self.host_budget)
-        n = self.num_experts
-        lines = [f"experts: {n} of {fmt_bytes(self.bytes_per_expert)} each"]
-        for label, count in (
+        n, total = self.devices, self.num_experts
+        lines = [f"experts: {total} of {fmt_bytes(self.bytes_per_expert)} each"]
+        if n > 1:
+            share = "" if self.host_budget is None else (
+                f", the host budget in {n} shares of {fmt_bytes(self.host_budget // n)}")
+            lines[0] += (f", over {n} devices owning {', '.join(map(str, self.owned))}{share} "
+                         "(last column: per device)")
+        per_device = self.device_tiers()
+        for i, (label, count) in enumerate((
             ("tier 0  HBM slots", self.tier0),
             (f"tier 1  pinned host (budget {host})", self.tier1),
             ("tier 2  disk", self.tier2),
-        ):
-            lines.append(f"  {label:<42}{count:>8}{count / n:>8.1%}")
+        )):
+            line = f"  {label:<42}{count:>8}{count / total:>8.1%}"
+            if n > 1:
+                line += "    " + " / ".join(str(t[i]) for t in per_device)
+            lines.append(line)
         if self.resident:
             lines.append("fully resident: every expert has an HBM slot, no staging buffers")
         else:
             lines.append(
-                f"{self.tier0 / n:.1%} of experts in HBM; fully resident needs an HBM budget "
-                f"of {fmt_bytes(self.resident_budget)}"
+                f"{self.tier0 / total:.1%} of experts in HBM; fully resident needs an HBM "
+                f"budget of {fmt_bytes(self.resident_budget)}"
+                + (" per device" if n > 1 else "")
             )
         return lines
 
@@ -430,7 +454,8 @@ def _over_budget(ledger: Ledger, need_slots: int, minimum: int) -> None:
     """Raise BudgetError; `minimum` is the smallest budget that plans (offloaded or resident)."""
     shortfall = minimum - ledger.hbm_budget
     raise BudgetError(
-        f"HBM budget {fmt_bytes(ledger.hbm_budget)} is too small: dense + KV cache + staging + "
+        f"HBM budget {fmt_bytes(ledger.hbm_budget)}"
+        f"{' per device' if ledger.devices > 1 else ''} is too small: dense + KV cache + staging + "
         f"workspace + {need_slots} expert slots (or every expert, without staging) need "
         f"{fmt_bytes(minimum)}, short by "
         f"{fmt_bytes(shortfall)} ({shortfall:,} bytes). Raise the budget, or lower "

@@ -74,3 +74,14 @@ def test_expert_devices_beyond_the_devices_present_is_refused_by_name(ckpt, caps
         Engine.from_checkpoint(ckpt, EngineConfig(expert_devices=2, miss="auto"))
     with pytest.raises(ValueError, match="expert_devices must be >= 1"):
         EngineConfig(expert_devices=0)
+
+
+def test_strata_plan_shows_each_devices_figures_and_all_of_theirs(ckpt, capsys):
+    args = ["plan", str(ckpt), "--hbm", "200KiB", "--host", "100KiB", "--workspace", "64KiB",
+            "--max-len", "32", "--batch-capacity", "2"]
+    assert main([*args, "--expert-devices", "3"]) == 0  # planned without the devices present
+    out = capsys.readouterr().out
+    assert "HBM budget 200.00 KiB (0.00 GB) per device; 3 devices: 600.00 KiB in all" in out
+    assert "over 3 devices owning 12, 10, 10" in out and "2 / 2 / 2" in out
+    assert main(args) == 0
+    assert "per device" not in capsys.readouterr().out
