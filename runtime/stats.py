@@ -9,6 +9,7 @@ program is counted as compile time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field, fields
 
@@ -75,6 +76,12 @@ class DeviceCounts:
     issued: int = 0
     admissions: int = 0
     disk_loads: int = 0
+
+    def __add__(self, other: DeviceCounts) -> DeviceCounts:
+        """The counts of both runs of the same device."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+            if f.name not in ("device", "link_gbps")})
 
     def h2d_bytes(self, bytes_per_expert: int) -> int:
         """Expert bytes over its link: demand copies, prefetches issued, cache admissions."""

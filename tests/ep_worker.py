@@ -149,6 +149,7 @@ ENGINE_CASES = {
               "policy": "lfru", "predictor": "next-gate", "rebalance_every": 2},
     "disk": {"resident_experts": 2, "host_experts": 4, "cache_fraction": 0.5},
     "cli": {},  # `strata generate --hbm ... --expert-devices N --resident-experts 1`
+    "bench": {},  # `strata bench --expert-devices N --resident-experts 1`: per-device figures
 }
 ENGINE_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
 ENGINE_NEW = 6
@@ -179,6 +180,8 @@ def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
                  str(ENGINE_SHAPE["batch_capacity"]))
         prompt = ENGINE_PROMPTS[0]
         return {"tokens": _cli(ckpt, n, flags, prompt, ENGINE_NEW) == reference[0][0].tolist()}
+    if case == "bench":
+        return _bench(ckpt, n)
     config = EngineConfig(**ENGINE_SHAPE, expert_devices=n, **ENGINE_CASES[case])
     with Engine.from_checkpoint(ckpt, config) as engine:
         tokens, logits = run_rows(engine, ENGINE_PROMPTS, ENGINE_NEW)
@@ -193,6 +196,30 @@ def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
             and sum(d["h2d_bytes"] for d in devices) == stats["h2d_bytes"],
             **{k: stats[k] for k in ("tier0_experts", "admissions", "disk_loads",
                                      "resumed_layers", "rebalance_swaps", "misses_per_step")}}
+
+
+def _bench(ckpt: str, n: int) -> dict:
+    """`strata bench` over n devices: its summary's per-device link figures."""
+    import contextlib
+    import io
+    import tempfile
+
+    from strata_runtime.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.jsonl")
+        with contextlib.redirect_stdout(io.StringIO()) as text:
+            assert main(["bench", ckpt, "--expert-devices", str(n), "--resident-experts", "1",
+                         "--batch-capacity", "4", "--max-len", "32", "--prompts", "3",
+                         "--prompt-len", "5", "--new", "4", "--repeats", "1",
+                         "--warmup-new", "2", "--json-out", out]) == 0
+        with open(out) as f:
+            summary = json.loads(f.read().splitlines()[-1])
+    devices = summary["devices"]
+    return {"devices": len(devices), "lines": text.getvalue().count("\ndevice "),
+            "h2d_sum": sum(d["h2d_bytes"] for d in devices) == summary["bytes"]["h2d"],
+            "rates": all(d["h2d_gbps"] > 0 and d["link_gbps"] > 0 and d["link_busy"] > 0
+                         for d in devices)}
 
 
 def engine(ckpt: str, settings: list[str]) -> dict:

@@ -14,7 +14,7 @@ from tests.ep_worker import launch, result
 from tests.helpers import tiny_config, write_checkpoint, write_quantized_checkpoint
 
 FLOAT = ["4:resident", "3:tight", "4:disk", "4:cli"]  # 16 experts: 3 devices own 6, 5, 5
-INT4 = ["4:tight"]
+INT4 = ["4:tight", "4:bench"]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,12 @@ def test_the_disk_tier_stalls_and_resumes_over_the_mesh(runs):
 
 def test_strata_generate_runs_the_engine_over_devices(runs):
     assert runs["4:cli"] == {"tokens": True}
+
+
+def test_strata_bench_reports_each_devices_link(runs):
+    """Its summary row and lines: each device's host -> device bytes (summing to the run's),
+    their rate and the share of its own measured link."""
+    assert runs["int4 4:bench"] == {"devices": 4, "lines": 4, "h2d_sum": True, "rates": True}
 
 
 def test_expert_devices_beyond_the_devices_present_is_refused_by_name(ckpt, capsys):
