@@ -6,7 +6,9 @@ retires it. Each call dispatches one compiled program (`strata_jax.step`), whate
 budget: the misses are copied inside it. Between steps the host reads the step's record (the
 previous step's, after the next one is dispatched, unless tier 2 is in play) and applies the
 cache policy, the heat rebalancing and the disk tier by donated in-place updates
-(`residency.py`). Every budget, policy and predictor gives the resident bits.
+(`residency.py`). Every budget, policy and predictor gives the resident bits. Over several
+devices (`EngineConfig.expert_devices`) each device holds the experts it owns in a residency
+of its own and every move goes to the owner (docs/design.md, "The engine over a mesh").
 """
 
 from __future__ import annotations
@@ -282,15 +284,18 @@ class Engine:
         self.device = self.devices[0]
         self.mesh = None if len(self.devices) == 1 else expert_parallel.mesh_of(self.devices)
         self._everyone = self.device if self.mesh is None else NamedSharding(self.mesh, P())
-        self.owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(self.devices))
+        heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
+        self.owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(self.devices),
+                                            heat)
         self.tile = slot_tile(reader, config)
         self.numa = plan_binding(gpu_pci_bus_id(self.device))
         self._threads = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="strata-io",
                                            initializer=bind_current_thread,
                                            initargs=(self.numa,))
         self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
-        self.shares = self._shares()
-        self.residency = Residencies([s.residency for s in self.shares], self.mesh)
+        self.shares = self._shares(heat)
+        self.residency = Residencies([s.residency for s in self.shares], self.mesh,
+                                     None if self.mesh is None else self.owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         self.params = api.read_dense_params(reader)
         if self.mesh is not None:
@@ -332,10 +337,11 @@ class Engine:
 
     # --- set-up --------------------------------------------------------------------------------
 
-    def _shares(self) -> list[Share]:
-        """Each device's residency, pinned set and cache: its hottest experts pinned, the next
-        in its cache slots as they are routed, the rest in its share of tier 1 as far as it
-        goes. Sets `resident`, `staging` and whether a step can stall on disk."""
+    def _shares(self, heat: np.ndarray | None) -> list[Share]:
+        """Each device's residency, pinned set and cache: its hottest experts (by `heat`, else
+        spread over the layers) pinned, the next in its cache slots as they are routed, the
+        rest in its share of tier 1 as far as it goes. Sets `resident`, `staging` and whether
+        a step can stall on disk."""
         cfg, config = self.cfg, self.config
         mine = [self.owner == d for d in range(len(self.devices))]
         owned = [int(m.sum()) for m in mine]
@@ -343,7 +349,6 @@ class Engine:
         self.resident = all(slots >= n for n in owned)
         cache = 0 if self.resident or config.policy == "static" else int(
             config.cache_fraction * slots)
-        heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
         placed = [placement(cfg, slots - cache, host, heat, m) for m in mine]
         self.staging = 0 if self.resident else staging
         self._disk_possible = not self.resident and any(host < n for n in owned)
@@ -534,7 +539,7 @@ class Engine:
         tiers = self.residency.tiers()
         if self.host_misses is None:
             return tiers
-        return tiers.replace(host_work=self.host_misses.work(self.residency.host))
+        return tiers.replace(host_work=self.host_misses.work(self.shares[0].residency.host))
 
     def _from_start(self, args: tuple) -> step.Resume:
         """The resume argument of a run from the first layer, kept per shape (a decode step
@@ -613,6 +618,8 @@ class Engine:
         counts = np.asarray(record.counts)
         for layer in range(self.cfg.num_layers):
             self.heat.observe(layer, counts[layer])
+        if not any(s.cache.capacity for s in self.shares):
+            return
         used = np.argwhere(counts > 0)
         for layer, e in map(tuple, used):
             key = (int(layer), int(e))

@@ -184,17 +184,22 @@ class Residency:
 class Residencies:
     """The residency of every device of the expert axis, and the arrays the step reads.
 
-    `parts[d]` holds the experts device d owns, in its own slot numbers (its tables mark the
-    others -1). On one device the step reads that part's pool and tiers as they are; over a
-    mesh (`expert_parallel.programs`), global arrays sharded over the axis whose pieces are
-    the parts' own buffers (no copy), the page tables stacked [n, L, E]. A pool the step
-    returns (donated) goes back to the parts piece by piece."""
+    `parts[d]` holds the experts device d owns (`owner` [L, E] == d), in its own slot
+    numbers (its tables mark the others -1). On one device the step reads that part's pool
+    and tiers as they are; over a mesh (`expert_parallel.programs`), global arrays sharded
+    over the axis whose pieces are the parts' own buffers (no copy), the page tables stacked
+    [n, L, E], the owner table on every device. A pool the step returns (donated) goes back
+    to the parts piece by piece."""
 
-    def __init__(self, parts: Sequence[Residency], mesh: Mesh | None = None) -> None:
-        if (mesh is None) != (len(parts) == 1):
-            raise ValueError(f"{len(parts)} residencies need a mesh of as many devices")
+    def __init__(self, parts: Sequence[Residency], mesh: Mesh | None = None,
+                 owner: np.ndarray | None = None) -> None:
+        if (mesh is None) != (len(parts) == 1) or (mesh is None) != (owner is None):
+            raise ValueError(f"{len(parts)} residencies need a mesh of as many devices and "
+                             "the owner table")
         self.parts = list(parts)
         self.mesh = mesh
+        self._owner = None if mesh is None else jax.device_put(
+            np.asarray(owner, np.int32), NamedSharding(mesh, P()))
         self._tiers: tuple[tuple[int, ...], Tiers] | None = None  # at the parts' versions
 
     @property
@@ -226,7 +231,8 @@ class Residencies:
             if self.parts[0].host is not None:
                 host = _global([p.host for p in self.parts],
                                NamedSharding(self.mesh, P(AXIS), memory_kind="pinned_host"))
-            self._tiers = (versions, Tiers(page=page, host=host, host_page=host_page))
+            self._tiers = (versions, Tiers(page=page, host=host, host_page=host_page,
+                                           owner=self._owner))
         return self._tiers[1]
 
     @property

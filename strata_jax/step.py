@@ -113,12 +113,15 @@ class Tiers:
     halves can be donated). `page` int32 [L, E]: an expert's pool slot, or -1; `host`: the
     pinned-host tier 1, slots on axis 0 (None when every expert has a device slot);
     `host_page` int32 [L, E]: an expert's host slot, or -1 when it lies only on disk;
-    `host_work`: the host kernel's tier and rates, for plans whose `miss` is not "fetch"."""
+    `host_work`: the host kernel's tier and rates, for plans whose `miss` is not "fetch";
+    `owner` int32 [L, E]: over an expert axis, the device that owns each expert (whose slots,
+    tier-1 share and link serve it; `expert_parallel.owners`), None on one device."""
 
     page: jax.Array
     host: ExpertPool | None
     host_page: jax.Array
     host_work: HostWork | None = None
+    owner: jax.Array | None = None
 
 
 @chex.dataclass(frozen=True)

@@ -142,12 +142,15 @@ def offload(ckpt: str, settings: list[str]) -> dict:
 
 
 ENGINE_SHAPE = {"batch_capacity": 4, "max_len": 32}
+HEAT = "the reference run's heat"  # a case's heat_file: the one-device engine's routing
 ENGINE_CASES = {
     "resident": {},  # every expert in its owner's slots
     # staging passes, cache admissions, the next-gate prefetch and rebalancing swaps
     "tight": {"resident_experts": 3, "staging_slots": 1, "cache_fraction": 0.34,
               "policy": "lfru", "predictor": "next-gate", "rebalance_every": 2},
-    "disk": {"resident_experts": 2, "host_experts": 4, "cache_fraction": 0.5},
+    # experts dealt to the devices by heat, one tier-1 expert per device: stalls and resumes
+    "disk": {"resident_experts": 2, "host_experts": 4, "cache_fraction": 0.5,
+             "heat_file": HEAT},
     "cli": {},  # `strata generate --hbm ... --expert-devices N --resident-experts 1`
     "bench": {},  # `strata bench --expert-devices N --resident-experts 1`: per-device figures
 }
@@ -171,6 +174,7 @@ def _owners_only(engine) -> bool:
 def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
     import numpy as np
 
+    from strata_jax.expert_parallel import owners
     from strata_runtime.engine import Engine, EngineConfig
     from tests.runtime.contract import run_rows
 
@@ -182,15 +186,19 @@ def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
         return {"tokens": _cli(ckpt, n, flags, prompt, ENGINE_NEW) == reference[0][0].tolist()}
     if case == "bench":
         return _bench(ckpt, n)
-    config = EngineConfig(**ENGINE_SHAPE, expert_devices=n, **ENGINE_CASES[case])
+    knobs = {k: reference[2] if v == HEAT else v for k, v in ENGINE_CASES[case].items()}
+    config = EngineConfig(**ENGINE_SHAPE, expert_devices=n, **knobs)
     with Engine.from_checkpoint(ckpt, config) as engine:
         tokens, logits = run_rows(engine, ENGINE_PROMPTS, ENGINE_NEW)
         stats = engine.stats()
-        owners = _owners_only(engine)
+        own = _owners_only(engine)
+    cfg = engine.cfg
     devices = stats["devices"]
     return {"tokens": bool(np.array_equal(tokens, reference[0])),
             "logits": bool(np.array_equal(logits, reference[1])),
-            "owners": owners, "devices": len(devices),
+            "owners": own, "devices": len(devices),
+            "by_heat": not np.array_equal(engine.owner, owners(cfg.num_layers,
+                                                               cfg.num_experts, n)),
             "sums": all(sum(d[k] for d in devices) == getattr(engine.counters, k)
                         for k in COUNTED)
             and sum(d["h2d_bytes"] for d in devices) == stats["h2d_bytes"],
@@ -224,16 +232,21 @@ def _bench(ckpt: str, n: int) -> dict:
 
 def engine(ckpt: str, settings: list[str]) -> dict:
     """The offload engine over several devices against the one-device resident engine."""
+    import tempfile
+
     from strata_runtime.engine import Engine, EngineConfig
     from tests.runtime.contract import run_rows
 
-    with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
-        assert one.resident
-        tokens, logits = run_rows(one, ENGINE_PROMPTS, ENGINE_NEW)
     out = {}
-    for setting in settings:
-        n, case = setting.split(":")
-        out[setting] = _engine_case(ckpt, int(n), case, (tokens, logits))
+    with tempfile.TemporaryDirectory() as tmp:
+        heat = os.path.join(tmp, "heat.json")
+        with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
+            assert one.resident
+            tokens, logits = run_rows(one, ENGINE_PROMPTS, ENGINE_NEW)
+            one.save_heat(heat)
+        for setting in settings:
+            n, case = setting.split(":")
+            out[setting] = _engine_case(ckpt, int(n), case, (tokens, logits, heat))
     return out
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax.expert_parallel import Layout, sources
+from strata_jax.expert_parallel import Layout, owners, sources
 from tests.ep_worker import launch, result
 from tests.helpers import tiny_config, write_checkpoint, write_quantized_checkpoint
 
@@ -40,6 +40,26 @@ def test_layout_puts_every_expert_in_one_slot_of_its_owner(layers, experts, devi
     assert sorted(s for s in held if s >= 0) == list(range(layers * experts))
     with pytest.raises(ValueError, match="resident experts per layer"):
         Layout(layers, experts, devices, layout.per_layer + 1)
+
+
+@pytest.mark.parametrize(("experts", "devices"), [(16, 4), (10, 4), (6, 4), (6, 3)])
+def test_experts_dealt_by_heat_give_every_device_a_like_share(experts, devices):
+    """Snake order over each layer's experts, hottest first: the counts of e mod n (the first
+    devices one more), and no two devices' heat apart by more than the layer's hottest
+    expert."""
+    heat = np.random.default_rng(experts).gamma(0.5, size=(3, experts))
+    owner = owners(3, experts, devices, heat)
+    default = owners(3, experts, devices)
+    assert (default == np.arange(experts) % devices).all() and not (owner == default).all()
+    for layer in range(3):
+        counts = np.bincount(owner[layer], minlength=devices)
+        np.testing.assert_array_equal(counts, np.bincount(default[layer], minlength=devices))
+        shares = np.bincount(owner[layer], weights=heat[layer], minlength=devices)
+        assert shares.max() - shares.min() <= heat[layer].max()
+    layout = Layout(3, experts, devices, 1, owner=owner)
+    page, host = layout.pages()
+    for d in range(devices):  # each device's tables hold exactly its own experts
+        np.testing.assert_array_equal((page[d] >= 0) | (host[d] >= 0), owner == d)
 
 
 @pytest.fixture(scope="module")

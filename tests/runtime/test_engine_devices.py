@@ -42,7 +42,7 @@ def test_every_expert_in_its_owners_slots(runs):
     run = runs["4:resident"]
     _exact(run)
     assert run["devices"] == 4 and run["tier0_experts"] == 2 * 16
-    assert run["misses_per_step"] == 0 and run["admissions"] == 0
+    assert run["misses_per_step"] == 0 and run["admissions"] == 0 and not run["by_heat"]
 
 
 @pytest.mark.parametrize("setting", ["3:tight", "int4 4:tight"])
@@ -55,10 +55,11 @@ def test_a_tight_budget_admits_and_rebalances_per_device(runs, setting):
 
 
 def test_the_disk_tier_stalls_and_resumes_over_the_mesh(runs):
-    """One tier-1 expert per device: steps stall on disk, load into the owner's share and
-    resume from the stalled layer."""
+    """Experts dealt to the devices by a heat file, one tier-1 expert per device: steps stall
+    on disk, load into the owner's share and resume from the stalled layer."""
     run = runs["4:disk"]
     _exact(run)
+    assert run["by_heat"]
     assert run["disk_loads"] > 0 and run["resumed_layers"] > 0 and run["admissions"] > 0
 
 
