@@ -297,9 +297,12 @@ class Engine:
         self.residency = Residencies([s.residency for s in self.shares], self.mesh,
                                      None if self.mesh is None else self.owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
-        self.params = api.read_dense_params(reader)
-        if self.mesh is not None:
-            self.params = expert_parallel.place(self.params, self._everyone)
+        if self.mesh is None:
+            self.params = api.read_dense_params(reader)
+        else:  # read on the host: each device receives its copy, the first no second one
+            with jax.default_device(_CPU):
+                self.params = expert_parallel.place(api.read_dense_params(reader),
+                                                    self._everyone)
         links = [None if self.resident else _link_rate(d) for d in self.devices]
         self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
             self.device, self.shares[0].residency.host, None if config.miss_rates is None

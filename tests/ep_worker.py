@@ -1,5 +1,6 @@
-"""Runs in a subprocess of tests/test_expert_parallel.py: JAX's device count and distributed
-runtime are fixed when it starts, so each setting needs a process of its own.
+"""Runs in a subprocess of tests/test_expert_parallel.py and tests/runtime/
+test_engine_devices.py (`launch`): JAX's device count and distributed runtime are fixed when
+it starts, so each setting needs a process of its own.
 
     python -m tests.ep_worker CKPT devices N,N,...   -> JSON: per N, tokens and logits equal?
     python -m tests.ep_worker CKPT offload N:R:S:P ...  -> JSON: per setting (N devices, R
@@ -10,7 +11,7 @@ runtime are fixed when it starts, so each setting needs a process of its own.
         over N devices with the knobs of ENGINE_CASES[CASE]), tokens and every decode step's
         logits equal to the one-device resident engine's, whether every device's tables hold
         only its own experts, whether its per-device counters sum to the totals, and the
-        counters that say each mechanism ran
+        counters that say each mechanism ran; N:bench: `strata bench`'s per-device figures
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ def _generate(model, sampled: bool):
     return strata_jax.generate(model, PROMPTS, max_new_tokens=NEW, batch_capacity=2, **kw)
 
 
-def _cli(ckpt: str, n: int, flags: tuple[str, ...] = (), prompt: list[int] = PROMPTS[0],
-         new: int = NEW) -> list[int]:
-    """`strata generate --expert-devices n` (and `flags`)'s new ids of `prompt`."""
+def _cli(ckpt: str, n: int) -> list[int]:
+    """`strata generate --expert-devices n`'s new ids of the first prompt."""
     import contextlib
     import io
 
@@ -61,9 +61,9 @@ def _cli(ckpt: str, n: int, flags: tuple[str, ...] = (), prompt: list[int] = PRO
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        ids = ",".join(map(str, prompt))
-        assert main(["generate", ckpt, "--prompt-ids", ids, "--max-new-tokens", str(new),
-                     "--expert-devices", str(n), "--json", "-", *flags]) == 0
+        ids = ",".join(map(str, PROMPTS[0]))
+        assert main(["generate", ckpt, "--prompt-ids", ids, "--max-new-tokens", str(NEW),
+                     "--expert-devices", str(n), "--json", "-"]) == 0
     return json.loads(text.getvalue())["requests"][0]["new_ids"]
 
 
@@ -151,7 +151,6 @@ ENGINE_CASES = {
     # experts dealt to the devices by heat, one tier-1 expert per device: stalls and resumes
     "disk": {"resident_experts": 2, "host_experts": 4, "cache_fraction": 0.5,
              "heat_file": HEAT},
-    "cli": {},  # `strata generate --hbm ... --expert-devices N --resident-experts 1`
     "bench": {},  # `strata bench --expert-devices N --resident-experts 1`: per-device figures
 }
 ENGINE_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
@@ -178,12 +177,6 @@ def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
     from strata_runtime.engine import Engine, EngineConfig
     from tests.runtime.contract import run_rows
 
-    if case == "cli":
-        flags = ("--hbm", "1GB", "--resident-experts", "1", "--no-warmup", "--max-len",
-                 str(ENGINE_SHAPE["max_len"]), "--batch-capacity",
-                 str(ENGINE_SHAPE["batch_capacity"]))
-        prompt = ENGINE_PROMPTS[0]
-        return {"tokens": _cli(ckpt, n, flags, prompt, ENGINE_NEW) == reference[0][0].tolist()}
     if case == "bench":
         return _bench(ckpt, n)
     knobs = {k: reference[2] if v == HEAT else v for k, v in ENGINE_CASES[case].items()}

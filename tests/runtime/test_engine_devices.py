@@ -13,7 +13,7 @@ from strata_runtime.engine import Engine, EngineConfig
 from tests.ep_worker import launch, result
 from tests.helpers import tiny_config, write_checkpoint, write_quantized_checkpoint
 
-FLOAT = ["4:resident", "3:tight", "4:disk", "4:cli"]  # 16 experts: 3 devices own 6, 5, 5
+FLOAT = ["4:resident", "3:tight", "4:disk"]  # 16 experts a layer: 3 devices own 6, 5, 5
 INT4 = ["4:tight", "4:bench"]
 
 
@@ -63,12 +63,9 @@ def test_the_disk_tier_stalls_and_resumes_over_the_mesh(runs):
     assert run["disk_loads"] > 0 and run["resumed_layers"] > 0 and run["admissions"] > 0
 
 
-def test_strata_generate_runs_the_engine_over_devices(runs):
-    assert runs["4:cli"] == {"tokens": True}
-
-
 def test_strata_bench_reports_each_devices_link(runs):
-    """Its summary row and lines: each device's host -> device bytes (summing to the run's),
+    """`strata bench --expert-devices 4` (the engine flags' path of generate and serve too):
+    its summary row and lines give each device's host -> device bytes (summing to the run's),
     their rate and the share of its own measured link."""
     assert runs["int4 4:bench"] == {"devices": 4, "lines": 4, "h2d_sum": True, "rates": True}
 
