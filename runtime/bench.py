@@ -16,6 +16,9 @@ bytes and FLOPs the run's counters give:
     table, the KV cache (decode: every row's `max_len` positions; a prefill chunk: its row's),
     and every distinct routed expert (bytes as the slots hold them);
   - host -> device: demand copies + prefetches issued + cache admissions (`EngineStats`);
+    over several devices (`EngineConfig.expert_devices`) also each device's own, with its
+    rate over the engine's time and the share of its link that is (`device_figures`), and
+    the bound's link term is the busiest device's (the links copy side by side);
   - disk: disk loads x bytes per expert;
   - host compute: misses computed on the host cores (`EngineConfig.miss`) x bytes per
     expert, read at the host's DRAM rate;
@@ -63,7 +66,7 @@ import numpy as np
 from strata_jax.checkpoint import CheckpointReader
 from strata_runtime.cost_model import HardwareProfile, ModelCost, model_cost, predict, profile
 from strata_runtime.engine import Engine, EngineConfig, _link_rate
-from strata_runtime.stats import PhaseCounts
+from strata_runtime.stats import DeviceCounts, PhaseCounts
 
 REPO = Path(__file__).resolve().parents[1]
 LEVEL = 0.95
@@ -336,10 +339,15 @@ class Counts:
     decode: PhaseCounts = dataclasses.field(default_factory=PhaseCounts)
     """The decode steps' counters alone (`decode.calls`: decode steps observed, the compiling
     one included), which the cost model's prediction reads."""
+    devices: tuple[DeviceCounts, ...] = ()
+    """Each device's share (`EngineStats.devices`)."""
 
     def __add__(self, other: Counts) -> Counts:
-        return Counts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                         for f in dataclasses.fields(self)})
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
+                  for f in dataclasses.fields(self) if f.name != "devices"}
+        devices = (tuple(a + b for a, b in zip(self.devices, other.devices, strict=True))
+                   if self.devices and other.devices else self.devices or other.devices)
+        return Counts(**summed, devices=devices)
 
     @property
     def steps(self) -> int:
@@ -401,7 +409,8 @@ def _counts(engine: Engine, wall_s: float, new_tokens: int) -> Counts:
                   issued=c.issued,
                   admissions=c.admissions, swaps=c.swaps, disk_loads=c.disk_loads,
                   disk_stall_s=c.disk_stall_s, resumed_layers=c.resumed_layers,
-                  decode=dataclasses.replace(c.decode))
+                  decode=dataclasses.replace(c.decode),
+                  devices=tuple(dataclasses.replace(d) for d in c.devices))
 
 
 def link_name(ceilings: dict[str, Any]) -> str:
@@ -411,11 +420,14 @@ def link_name(ceilings: dict[str, Any]) -> str:
 def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
           disk_gbps: float | None) -> dict[str, Any]:
     """The run's bound from its counted bytes and FLOPs and the measured ceilings (module
-    docstring); a disk term only where disk loads happened and a disk rate was measured."""
+    docstring); a disk term only where disk loads happened and a disk rate was measured. Over
+    several devices the links copy side by side: the link term is the busiest device's."""
     link = min(ceilings["pinned_h2d_gbps"], ceilings["host_read_gbps"]) * 1e9
+    h2d = max((d.h2d_bytes(sizes.bytes_per_expert) for d in c.devices),
+              default=sizes.h2d_bytes(c))
     seconds = {"hbm": sizes.hbm_bytes(c) / (ceilings["hbm_read_gbps"] * 1e9),
                "compute": sizes.flops(c) / (ceilings["matmul_tflops"] * 1e12),
-               link_name(ceilings): sizes.h2d_bytes(c) / link}
+               link_name(ceilings): h2d / link}
     disk = sizes.disk_bytes(c)
     if disk and disk_gbps:
         seconds["disk"] = disk / (disk_gbps * 1e9)
@@ -489,6 +501,23 @@ def prediction_error(s: dict[str, Any]) -> float | None:
     return None if not measured else p["tok_s"] / measured - 1
 
 
+def device_figures(c: Counts, sizes: Sizes) -> list[dict[str, Any]]:
+    """Each device's link bytes (demand copies, prefetches, admissions to its own slots), its
+    rate over the engine's time (decode steps and prefill chunks) and the share of its
+    measured link that is."""
+    engine_s = c.decode_s + c.prefill_s
+    out = []
+    for d in c.devices:
+        h2d = d.h2d_bytes(sizes.bytes_per_expert)
+        gbps = h2d / engine_s / 1e9 if engine_s > 0 else None
+        out.append({"device": d.device, "h2d_bytes": h2d, "h2d_GB_per_step":
+                    h2d / max(c.steps, 1) / 1e9, "h2d_gbps": gbps, "link_gbps": d.link_gbps,
+                    "link_busy": gbps / d.link_gbps if gbps is not None and d.link_gbps
+                    else None, "fetched": d.fetched, "issued": d.issued,
+                    "admissions": d.admissions, "disk_loads": d.disk_loads})
+    return out
+
+
 def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
     """The per-run figures a row reports (step percentiles over `steps_s`)."""
     t = np.asarray(steps_s) if steps_s else None
@@ -514,6 +543,7 @@ def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
         "flops": sizes.flops(c),
         "disk_loads": c.disk_loads,
         "disk_stall_s": c.disk_stall_s,
+        "devices": device_figures(c, sizes),
         "counts": dataclasses.asdict(c),
     }
 
@@ -619,7 +649,8 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "settings": dataclasses.asdict(settings), "config": config_doc(config),
         "tok_s": per_repeat["tok_s"], "decode_tok_s": per_repeat.get("decode_tok_s"),
         **{k: figures[k] for k in ("step_ms_p50", "step_ms_p99", "tier0_hit_rate",
-                                   "prefetch_hit_rate", "bytes", "per_step", "flops")},
+                                   "prefetch_hit_rate", "bytes", "per_step", "flops",
+                                   "devices")},
         "disk_loads": float(np.median([c.disk_loads for c in counts])),
         "disk_stall_s": float(np.median([c.disk_stall_s for c in counts])),
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
@@ -698,6 +729,12 @@ def render_summary(s: dict[str, Any]) -> str:
         f"{_f(b['ratio'], '.3f')} of it, binds: {b['binds']}"
         + (" (disk reads not bounded: no disk rate)" if b["disk_unbounded"] else ""),
     ]
+    if len(s["devices"]) > 1:
+        lines += [f"device {d['device']}: host->device {d['h2d_GB_per_step']:.4g} GB per "
+                  f"call, {_f(d['h2d_gbps'])} GB/s over the engine's time (link "
+                  f"{_f(d['link_gbps'], '.3g')} GB/s, busy {_f(d['link_busy'], '.3f')}); "
+                  f"{d['fetched']} copied, {d['issued']} prefetched, {d['admissions']} "
+                  f"admitted, {d['disk_loads']} disk loads" for d in s["devices"]]
     if p is not None:
         err = prediction_error(s)
         lines.append(f"cost model (profile {p['profile']}): {p['tok_s']:.4g} decode tok/s, "

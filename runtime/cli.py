@@ -16,7 +16,7 @@ import strata_jax
 from strata_jax.sampling import SamplingParams
 from strata_runtime.compile_cache import ENV as CACHE_ENV
 from strata_runtime.compile_cache import enable_compile_cache
-from strata_runtime.engine_flags import add_engine_flags, engine_config, resident_shape
+from strata_runtime.engine_flags import add_engine_flags, engine_config, resident_config
 from strata_runtime.serve_flags import add_serve_parser
 
 __all__ = ["add_engine_flags", "build_parser", "engine_config", "main"]
@@ -146,14 +146,15 @@ class Run:
 
 
 def _run_resident(args, prompts, sampling: SamplingParams) -> Run:
-    capacity, max_len = resident_shape(args)
+    shape = resident_config(args)
     t0 = time.perf_counter()
-    model = strata_jax.load(args.ckpt, expert_devices=args.expert_devices)
+    model = strata_jax.load(args.ckpt, expert_devices=shape.expert_devices)
     load_s = time.perf_counter() - t0
 
     def run(n: int) -> list[list[int]]:
         return strata_jax.generate(model, prompts, n, sampling=sampling,
-                                   batch_capacity=capacity, max_len=max_len)
+                                   batch_capacity=shape.batch_capacity,
+                                   max_len=shape.max_len)
 
     return _timed(args, run, load_s, None)
 
@@ -254,9 +255,6 @@ def _generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
     if config is None:
         _needs_hbm(args)
-    elif args.expert_devices != 1:
-        raise ValueError("--expert-devices: the offload engine keeps its experts on one device "
-                         "so far; drop --hbm for the resident run over several devices")
     given = args.prompts or []
     if not given:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat for a "
@@ -337,9 +335,6 @@ def _add_generate_parser(sub: argparse._SubParsersAction, common) -> None:
                      help="each --prompt is one user message of the model's chat template")
     gen.add_argument("--max-new-tokens", type=int, default=16, metavar="N",
                      help="most tokens to generate per request")
-    gen.add_argument("--expert-devices", type=int, default=1, metavar="N",
-                     help="spread the experts over the first N devices (resident only: "
-                          "strata_jax.expert_parallel; default: 1)")
     gen.add_argument("--no-warmup", action="store_true",
                      help="no warm-up run: the reported tok/s then includes compilation")
     gen.add_argument("--json", default=None, metavar="OUT",

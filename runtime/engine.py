@@ -6,7 +6,9 @@ retires it. Each call dispatches one compiled program (`strata_jax.step`), whate
 budget: the misses are copied inside it. Between steps the host reads the step's record (the
 previous step's, after the next one is dispatched, unless tier 2 is in play) and applies the
 cache policy, the heat rebalancing and the disk tier by donated in-place updates
-(`residency.py`). Every budget, policy and predictor gives the resident bits.
+(`residency.py`). Every budget, policy and predictor gives the resident bits. Over several
+devices (`EngineConfig.expert_devices`) each device holds the experts it owns in a residency
+of its own and every move goes to the owner (docs/design.md, "The engine over a mesh").
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from strata_jax import api, step
+from strata_jax import api, expert_parallel, step
 from strata_jax.checkpoint import CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
@@ -37,12 +41,13 @@ from strata_runtime.ledger import (
     Ledger,
     ModelBytes,
     default_staging_slots,
+    even_share,
     parse_bytes,
     plan_ledger,
 )
 from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
-from strata_runtime.residency import Key, Residency, as_held
-from strata_runtime.stats import EngineStats
+from strata_runtime.residency import Key, Residencies, Residency, as_held
+from strata_runtime.stats import DeviceCounts, EngineStats
 from strata_runtime.timeline import Timeline
 from strata_runtime.trace import TraceReplay, TraceWriter, load_trace
 from strata_runtime.workspace import compiled_workspace, held_expert_shapes
@@ -56,10 +61,20 @@ class EngineConfig:
     """Engine knobs; every one is an ablation axis."""
 
     hbm_budget: int | str | None = None
-    """HBM for the whole model ("24GB", bytes; None: every expert gets a slot). The ledger
-    splits it among dense weights, KV cache, staging, workspace and expert slots."""
+    """HBM for the whole model ("24GB", bytes; None: every expert gets a slot), of each device
+    over several (`expert_devices`). The ledger splits it among dense weights, KV cache,
+    staging, workspace and expert slots."""
     host_budget: int | str | None = None
-    """Pinned host memory for tier 1 (None: every expert); the rest is read from disk."""
+    """Pinned host memory for tier 1 (None: every expert), all devices' shares together; the
+    rest is read from disk."""
+    expert_devices: int = 1
+    """Devices the experts are spread over, the first that many of `jax.devices()`
+    (`strata_jax.expert_parallel`): each owns the same share of every layer's experts, holds
+    them in its own slots, staging halves and share of tier 1, and copies its own misses over
+    its own link; the dense weights and the KV cache are on every device. Per device:
+    `hbm_budget`, `workspace`, `staging_slots`, `resident_experts` and the cache slots (the
+    policy runs on each device's own); the whole engine's: `host_budget` and `host_experts`,
+    split evenly into the devices' shares. Misses are fetched (`miss` "fetch")."""
     batch_capacity: int = 16
     """Rows of the compiled step (requests decoded together)."""
     max_len: int = 256
@@ -98,9 +113,9 @@ class EngineConfig:
     fetch_threads: int = 4
     """Threads reading tier 2 (disk) and filling tier 1, bound to the GPU's NUMA node."""
     resident_experts: int | None = None
-    """Override the ledger's count of experts with HBM slots (ablations)."""
+    """Override the ledger's count of experts with HBM slots, each device's (ablations)."""
     host_experts: int | None = None
-    """Override the count of experts in tier 1 (ablations)."""
+    """Override the count of experts in tier 1, all devices' together (ablations)."""
     heat_file: str | None = None
     """Routing statistics (`Engine.save_heat`) that rank the tiers at start-up."""
     staging_slots: int | None = None
@@ -138,9 +153,19 @@ class EngineConfig:
             raise ValueError(f"miss must be one of {MISS_MODES}, got {self.miss!r}")
         if self.miss_rates is not None:
             MissRates.parse(self.miss_rates)
+        if self.expert_devices < 1:
+            raise ValueError(f"expert_devices must be >= 1, got {self.expert_devices}")
         if self.batch_capacity < 1 or self.max_len < 8:
             raise ValueError(f"need batch_capacity >= 1 and max_len >= 8, got "
                              f"{self.batch_capacity}, {self.max_len}")
+
+
+def check_expert_devices(config: EngineConfig) -> None:
+    """What experts over several devices do not do (yet): compute misses on the host."""
+    if config.expert_devices > 1 and config.miss != "fetch":
+        raise ValueError(f"miss={config.miss!r} (--miss) computes misses on the host, which is "
+                         f"not built for expert_devices={config.expert_devices} "
+                         "(--expert-devices): use miss='fetch'")
 
 
 def check_int4_tiles(tiles: Int4Tiles | None, cfg: ModelConfig) -> None:
@@ -150,11 +175,12 @@ def check_int4_tiles(tiles: Int4Tiles | None, cfg: ModelConfig) -> None:
                          f"(hidden {d}, intermediate {f}): see int4_kernel.fits")
 
 
-def placement(cfg: ModelConfig, pinned: int, host: int,
-              heat: np.ndarray | None = None) -> tuple[list[Key], list[Key]]:
+def placement(cfg: ModelConfig, pinned: int, host: int, heat: np.ndarray | None = None,
+              mine: np.ndarray | None = None) -> tuple[list[Key], list[Key]]:
     """The `pinned` hottest experts, and the `host` experts of tier 1 (the others first, then
-    the pinned ones, which rebalancing may demote)."""
-    order = ranked(cfg, heat)
+    the pinned ones, which rebalancing may demote); of those `mine` (bool [L, E]) marks, if
+    given."""
+    order = [k for k in ranked(cfg, heat) if mine is None or mine[k]]
     return order[:pinned], (order[pinned:] + order[:pinned])[:host]
 
 
@@ -188,7 +214,10 @@ def slot_bytes(reader: CheckpointReader, config: EngineConfig) -> ModelBytes:
 def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
     """The ledger of `config` (which needs an `hbm_budget`) on `reader`'s checkpoint. Without
     a fixed `workspace`, the step programs of the proposed layout are compiled (abstractly) and
-    their scratch becomes the workspace line; a layout that this changes is measured again."""
+    their scratch becomes the workspace line; a layout that this changes is measured again.
+    Over several devices each device's workspace is measured on the one-device programs of its
+    layout (the same per-device shapes; the mesh need not be present to plan for it)."""
+    check_expert_devices(config)
     if config.workspace is not None:
         return _ledger(reader, config, parse_bytes(config.workspace))
     shapes = held_expert_shapes(reader, host_dequantizes(config, reader),
@@ -212,7 +241,7 @@ def _ledger(reader: CheckpointReader, config: EngineConfig, workspace: int,
             slot_bytes(reader, config), config.hbm_budget, config.host_budget,
             batch_capacity=config.batch_capacity, max_len=config.max_len,
             staging_slots=config.staging_slots, workspace_fraction=0.0,
-            workspace_floor=workspace, min_pool_slots=1)
+            workspace_floor=workspace, min_pool_slots=1, devices=config.expert_devices)
     except BudgetError as err:
         if check:
             raise
@@ -229,43 +258,55 @@ class StepResult:
     logits: jax.Array  # [rows, vocab] float32 on the device: read only if needed
 
 
+@dataclass
+class Share:
+    """What one device of the expert axis holds and decides for the experts it owns: its
+    residency (its slots, staging and share of tier 1, in its own slot numbers), its pinned
+    set and its cache slots' policy."""
+
+    device: int
+    """Its index on the expert axis (`Engine.owner`'s value for its experts)."""
+    residency: Residency
+    pinned: set[Key]
+    cache: ExpertCache
+
+
 class Engine:
     """Rows of requests decoded by the one compiled step over a budget smaller than the model."""
 
     def __init__(self, reader: CheckpointReader, config: EngineConfig) -> None:
         cfg = reader.config
         check_int4_tiles(config.int4_tiles, cfg)
+        check_expert_devices(config)
         self.cfg, self.config, self.reader = cfg, config, reader
         self.capacity, self.max_len = config.batch_capacity, config.max_len
-        self.device = jax.devices()[0]
+        self.devices = _expert_devices(config.expert_devices, cfg)
+        self.device = self.devices[0]
+        self.mesh = None if len(self.devices) == 1 else expert_parallel.mesh_of(self.devices)
+        self._everyone = self.device if self.mesh is None else NamedSharding(self.mesh, P())
+        heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
+        self.owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(self.devices),
+                                            heat)
         self.tile = slot_tile(reader, config)
         self.numa = plan_binding(gpu_pci_bus_id(self.device))
         self._threads = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="strata-io",
                                            initializer=bind_current_thread,
                                            initargs=(self.numa,))
         self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
-        resident, host, staging = self._tier_sizes()
-        total = cfg.num_layers * cfg.num_experts
-        self.resident = resident >= total
-        cache = 0 if self.resident or config.policy == "static" else int(
-            config.cache_fraction * resident)
-        heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
-        pinned, host_keys = placement(cfg, min(resident, total) - cache, host, heat)
-        self.staging = 0 if self.resident else staging
-        self._disk_possible = not self.resident and host < total
-        self.residency = Residency(
-            cfg.num_layers, cfg.num_experts, self.device, self._load, pinned,
-            len(pinned) + cache, self.staging, None if self.resident else host_keys,
-            self._host_slots(len(pinned), cache, host),
-            read=lambda fn, keys: list(self._threads.map(fn, keys)))
-        self.pinned = set(pinned)
-        self.cache = ExpertCache(config.policy, cache)
+        self.shares = self._shares(heat)
+        self.residency = Residencies([s.residency for s in self.shares], self.mesh,
+                                     None if self.mesh is None else self.owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
-        self.params = api.read_dense_params(reader)
-        link = None if self.resident else _link_rate(self.device)
+        if self.mesh is None:
+            self.params = api.read_dense_params(reader)
+        else:  # read on the host: each device receives its copy, the first no second one
+            with jax.default_device(_CPU):
+                self.params = expert_parallel.place(api.read_dense_params(reader),
+                                                    self._everyone)
+        links = [None if self.resident else _link_rate(d) for d in self.devices]
         self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
-            self.device, self.residency.host, None if config.miss_rates is None
-            else MissRates.parse(config.miss_rates), link, config.host_threads)
+            self.device, self.shares[0].residency.host, None if config.miss_rates is None
+            else MissRates.parse(config.miss_rates), links[0], config.host_threads)
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
                                   resume=self._disk_possible,
@@ -278,11 +319,15 @@ class Engine:
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
         self._live = [False] * self.capacity  # the host's copy of state.live
-        self._decode = step.decode_staged if self.staging else step.decode
-        self._prefill = step.prefill_staged if self.staging else step.prefill
-        self.state = step.init_state(cfg, self.capacity, self.max_len, self.device)
+        programs = step if self.mesh is None else expert_parallel.programs(self.mesh)
+        self._decode = programs.decode_staged if self.staging else programs.decode
+        self._prefill = programs.prefill_staged if self.staging else programs.prefill
+        self.state = step.init_state(cfg, self.capacity, self.max_len, self._everyone)
         self.timeline = Timeline(config.timeline)
-        self.counters = EngineStats(slot_bytes(reader, config).bytes_per_expert, link_gbps=link)
+        self.counters = EngineStats(
+            slot_bytes(reader, config).bytes_per_expert, link_gbps=links[0],
+            devices=[DeviceCounts(str(d), link) for d, link in zip(self.devices, links,
+                                                                   strict=True)])
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
         self._request: list[int | None] = [None] * self.capacity  # each row's request id
         self._pending_rows: tuple[np.ndarray, list[int | None]] | None = None  # at dispatch
@@ -295,33 +340,66 @@ class Engine:
 
     # --- set-up --------------------------------------------------------------------------------
 
-    def _tier_sizes(self) -> tuple[int, int, int]:
-        """(tier-0, tier-1, staging) expert counts: from the ledger, unless overridden."""
+    def _shares(self, heat: np.ndarray | None) -> list[Share]:
+        """Each device's residency, pinned set and cache: its hottest experts (by `heat`, else
+        spread over the layers) pinned, the next in its cache slots as they are routed, the
+        rest in its share of tier 1 as far as it goes. Sets `resident`, `staging` and whether
+        a step can stall on disk."""
         cfg, config = self.cfg, self.config
-        total = cfg.num_layers * cfg.num_experts
-        resident, host = total, total
-        staging = config.staging_slots or default_staging_slots(
-            slot_bytes(self.reader, config), config.batch_capacity)
-        if self.ledger is not None:
-            resident, staging = self.ledger.tier0, self.ledger.staging_slots or staging
-            host = self.ledger.host_slots  # tier 1 holds experts as the slots do
-        if config.resident_experts is not None:
-            resident = config.resident_experts
-        if config.host_experts is not None:
-            host = config.host_experts
-        return resident, min(host, total), min(staging, cfg.num_experts)
+        mine = [self.owner == d for d in range(len(self.devices))]
+        owned = [int(m.sum()) for m in mine]
+        slots, host, staging = self._tier_sizes(max(owned))
+        self.resident = all(slots >= n for n in owned)
+        cache = 0 if self.resident or config.policy == "static" else int(
+            config.cache_fraction * slots)
+        placed = [placement(cfg, slots - cache, host, heat, m) for m in mine]
+        self.staging = 0 if self.resident else staging
+        self._disk_possible = not self.resident and any(host < n for n in owned)
+        host_slots = max(self._host_slots(len(pinned), cache, host, m)
+                         for (pinned, _), m in zip(placed, mine, strict=True))
+        return [Share(d, Residency(cfg.num_layers, cfg.num_experts, device, self._load, pinned,
+                                   slots, self.staging, None if self.resident else host_keys,
+                                   host_slots, read=self._read),
+                      set(pinned), ExpertCache(config.policy, cache))
+                for d, (device, (pinned, host_keys)) in enumerate(zip(self.devices, placed,
+                                                                      strict=True))]
 
-    def _host_slots(self, pinned: int, cache: int, host: int) -> int:
-        """Tier-1 slots: `host`, but at least what one layer's disk misses can need besides
-        the tier-1 experts that also hold a device slot (cached ones, and pinned ones once
-        rebalancing has swapped them in), since a stalled step resumes at that layer once
-        they are all in tier 1 (docs/design.md, "Disk stalls"; the extra slots start
-        empty)."""
+    def _tier_sizes(self, most: int) -> tuple[int, int, int]:
+        """Each device's (tier-0 slots, tier-1 experts, staging) when a device owns at most
+        `most` experts: from the ledger, unless overridden."""
+        cfg, config = self.cfg, self.config
+        n = len(self.devices)
+        slots, host = most, most
+        staging = config.staging_slots or default_staging_slots(
+            slot_bytes(self.reader, config), config.batch_capacity, n)
+        if self.ledger is not None:
+            slots, staging = self.ledger.pool_slots, self.ledger.staging_slots or staging
+            host = self.ledger.host_share  # tier 1 holds experts as the slots do
+        if config.resident_experts is not None:
+            slots = config.resident_experts
+        if config.host_experts is not None:
+            host = even_share(config.host_experts, cfg.num_layers * cfg.num_experts, n, most)
+        per_layer = int(max((self.owner == d).sum(axis=1).max() for d in range(n)))
+        return min(slots, most), min(host, most), min(staging, per_layer)
+
+    def _host_slots(self, pinned: int, cache: int, host: int, mine: np.ndarray) -> int:
+        """A device's tier-1 slots: `host`, but at least what one layer's disk misses of its
+        experts (`mine`) can need besides the tier-1 experts that also hold a device slot
+        (cached ones, and pinned ones once rebalancing has swapped them in), since a stalled
+        step resumes at that layer once they are all in tier 1 (docs/design.md, "Disk
+        stalls"; the extra slots start empty)."""
         cfg = self.cfg
-        per_layer = min(cfg.num_experts, cfg.top_k * max(self.capacity, step.PREFILL_CHUNK))
+        layer = int(mine.sum(axis=1).max())
+        per_layer = min(layer, cfg.top_k * max(self.capacity, step.PREFILL_CHUNK))
         held = cache + (pinned if self.config.rebalance_every else 0)
-        total = cfg.num_layers * cfg.num_experts
-        return max(host, min(total - pinned, per_layer + held))
+        return max(host, min(int(mine.sum()) - pinned, per_layer + held))
+
+    def _read(self, fn, keys: list[Key]) -> list:
+        return list(self._threads.map(fn, keys))
+
+    def _share(self, key: Key) -> Share:
+        """The share of the device that owns `key`."""
+        return self.shares[int(self.owner[key])]
 
     def _load(self, key: Key) -> dict[str, np.ndarray]:
         """One expert from disk (verified) as the pools hold it."""
@@ -424,7 +502,7 @@ class Engine:
         forced = None
         if self.replay is not None:  # one trace step per step, re-runs included
             kind, rows = ("prefill", len(args[1])) if args else ("decode", self.capacity)
-            forced = jax.device_put(self.replay.picks(kind, rows), self.device)
+            forced = jax.device_put(self.replay.picks(kind, rows), self._everyone)
         done = None  # the record of the layers before the resume layer
         while True:
             before = (self.state.tokens, self.state.positions, self.state.sampler) if sync else None
@@ -464,7 +542,7 @@ class Engine:
         tiers = self.residency.tiers()
         if self.host_misses is None:
             return tiers
-        return tiers.replace(host_work=self.host_misses.work(self.residency.host))
+        return tiers.replace(host_work=self.host_misses.work(self.shares[0].residency.host))
 
     def _from_start(self, args: tuple) -> step.Resume:
         """The resume argument of a run from the first layer, kept per shape (a decode step
@@ -472,18 +550,20 @@ class Engine:
         shape = (1, len(args[1])) if args else (self.capacity, 1)
         if shape not in self._starts:
             self._starts[shape] = jax.device_put(step.from_start(self.cfg, *shape),
-                                                 self.device)
+                                                 self._everyone)
         return self._starts[shape]
 
     def _from_disk(self, keys: list[Key], record, args, phase: str) -> dict[int, str]:
-        """Load `keys` (one layer's) into tier 1 (coldest host experts outside the layer's
-        routed ones make room); rows routed to an expert whose chunk fails verification fail,
-        and leave the batch. The loads and the stall count in `phase`."""
+        """Load `keys` (one layer's) into their owners' tier-1 shares (the coldest host experts
+        of each outside the layer's routed ones make room); rows routed to an expert whose
+        chunk fails verification fail, and leave the batch. The loads and the stall count in
+        `phase`."""
         t0 = time.perf_counter()
         failed: dict[int, str] = {}
         layer = keys[0][0]
         routed = {(layer, int(e)) for e in np.nonzero(np.asarray(record.counts)[layer] > 0)[0]}
-        victims = self._host_victims(len(keys), routed)
+        victims = {s.device: self._host_victims(s, sum(self._share(k) is s for k in keys),
+                                                routed) for s in self.shares}
         for key, arrays in zip(keys, self._threads.map(self._try_load, keys), strict=True):
             if isinstance(arrays, str):
                 rows = self._rows_routed(record, key, args)
@@ -492,9 +572,11 @@ class Engine:
                     self.free(r)
                 self.counters.failed_requests += len(rows)
                 continue
-            full = None not in self.residency.host_key
-            self.residency.admit_host(key, arrays, victims.pop(0) if full else None)
-            self.counters.phase(phase).disk_loads += 1
+            share = self._share(key)
+            full = None not in share.residency.host_key
+            share.residency.admit_host(key, arrays,
+                                       victims[share.device].pop(0) if full else None)
+            self.counters.moved(phase, "disk_loads", share.device)
         self.counters.phase(phase).disk_stall_s += time.perf_counter() - t0
         return failed
 
@@ -512,11 +594,12 @@ class Engine:
             return [int(args[0])] if picked.any() else []
         return [int(r) for r in np.nonzero(picked & np.array(self._live))[0]]
 
-    def _host_victims(self, count: int, keep: set[Key]) -> list[Key]:
-        """Host-tier experts to overwrite, coldest first, none with a device slot."""
-        held = [k for k in self.residency.host_key if k is not None]
-        free = sum(k is None for k in self.residency.host_key)
-        candidates = [k for k in held if k not in keep and self.residency.slot_of(k) is None]
+    def _host_victims(self, share: Share, count: int, keep: set[Key]) -> list[Key]:
+        """Experts of `share`'s tier 1 to overwrite, coldest first, none with a device slot."""
+        residency = share.residency
+        held = [k for k in residency.host_key if k is not None]
+        free = sum(k is None for k in residency.host_key)
+        candidates = [k for k in held if k not in keep and residency.slot_of(k) is None]
         candidates.sort(key=lambda k: self.heat.heat[k])
         return candidates[: max(0, count - free)]
 
@@ -538,54 +621,67 @@ class Engine:
         counts = np.asarray(record.counts)
         for layer in range(self.cfg.num_layers):
             self.heat.observe(layer, counts[layer])
-        if self.cache.capacity == 0:
+        if not any(s.cache.capacity for s in self.shares):
             return
         used = np.argwhere(counts > 0)
         for layer, e in map(tuple, used):
             key = (int(layer), int(e))
-            if key in self.cache:
-                self.cache.touch(key)
-            elif (self.residency.slot_of(key) is None and self.residency.on_host(key)):
-                self._cache_insert(key, phase)
+            share = self._share(key)
+            if share.cache.capacity == 0:
+                continue
+            if key in share.cache:
+                share.cache.touch(key)
+            elif share.residency.slot_of(key) is None and share.residency.on_host(key):
+                self._cache_insert(share, key, phase)
 
-    def _cache_insert(self, key: Key, phase: str) -> None:
-        slots = range(len(self.pinned), len(self.pinned) + self.cache.capacity)
-        free = [s for s in slots if self.residency.slot_key[s] is None]
+    def _cache_insert(self, share: Share, key: Key, phase: str) -> None:
+        residency, cache = share.residency, share.cache
+        slots = range(len(share.pinned), len(share.pinned) + cache.capacity)
+        free = [s for s in slots if residency.slot_key[s] is None]
         if free:
             slot = free[0]
         else:
-            victim = self.cache.victim()
-            slot = self.residency.slot_of(victim)
-            self.cache.remove(victim)
-        self.residency.promote(key, slot)
-        self.cache.add(key)
-        self.counters.phase(phase).admissions += 1
+            victim = cache.victim()
+            slot = residency.slot_of(victim)
+            cache.remove(victim)
+        residency.promote(key, slot)
+        cache.add(key)
+        self.counters.moved(phase, "admissions", share.device)
 
     def _end_step(self) -> None:
         self.heat.end_step()
         every = self.config.rebalance_every
         if not every or self.counters.decode_steps % every or not self.counters.decode_steps:
             return
-        for out, new in rebalance(self.heat.heat, self.pinned, self.config.hysteresis):
-            if not self.residency.on_host(new):
+        for share in self.shares:
+            self._rebalance(share)
+
+    def _rebalance(self, share: Share) -> None:
+        """Swap hotter experts of `share`'s device into its pinned slots."""
+        residency, cache = share.residency, share.cache
+        heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)  # its own only
+        for out, new in rebalance(heat, share.pinned, self.config.hysteresis):
+            if not residency.on_host(new):
                 continue  # only on disk: it comes up through the host tier first
-            slot = self.residency.slot_of(out)
-            if new in self.cache:
-                self.cache.remove(new)
-                self.residency.demote(self.residency.slot_of(new))
-            self.residency.promote(new, slot)
-            self.pinned.discard(out)
-            self.pinned.add(new)
+            slot = residency.slot_of(out)
+            if new in cache:
+                cache.remove(new)
+                residency.demote(residency.slot_of(new))
+            residency.promote(new, slot)
+            share.pinned.discard(out)
+            share.pinned.add(new)
             self.counters.swaps += 1
 
     # --- results -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
         self._observe_pending()
-        r = self.residency
-        return {"tier0_experts": int((r.page >= 0).sum()),
-                "tier1_experts": int((r.host_page >= 0).sum()) if r.host is not None else 0,
-                "staging_slots": self.staging, **self.counters.summary(),
+        parts = self.residency.parts
+        return {"tier0_experts": sum(int((r.page >= 0).sum()) for r in parts),
+                "tier1_experts": sum(int((r.host_page >= 0).sum()) for r in parts
+                                     if r.host is not None),
+                "staging_slots": self.staging, "expert_devices": len(self.devices),
+                **self.counters.summary(),
                 **({} if self.host_misses is None
                    else self.host_misses.summary(self.counters.bytes_per_expert)),
                 **({} if self.replay is None else {"replay_wraps": self.replay.wraps}),
@@ -594,8 +690,7 @@ class Engine:
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); placement, cache and heat are kept."""
         self._observe_pending()
-        old = self.counters
-        self.counters = EngineStats(old.bytes_per_expert, link_gbps=old.link_gbps)
+        self.counters = self.counters.fresh()
         if self.host_misses is not None:
             self.host_misses.reset()
         self.timeline.clear()
@@ -647,6 +742,18 @@ class RequestFailed(RuntimeError):
         lines = "; ".join(f"request {i}: {msg}" for i, msg in sorted(failed.items()))
         super().__init__(f"{len(failed)} of {len(results)} requests failed: {lines}")
         self.results = results
+
+
+def _expert_devices(count: int, cfg: ModelConfig) -> list[jax.Device]:
+    """The first `count` devices (`EngineConfig.expert_devices`)."""
+    present = jax.devices()
+    if count > len(present):
+        raise ValueError(f"expert_devices={count} (--expert-devices): this process sees "
+                         f"{len(present)} {jax.default_backend()} device(s)")
+    if count > cfg.num_experts:
+        raise ValueError(f"expert_devices={count} (--expert-devices) is more than the "
+                         f"{cfg.num_experts} experts of a layer: a device would own none")
+    return present[:count]
 
 
 def _link_rate(device: jax.Device, nbytes: int = 64 << 20) -> float:

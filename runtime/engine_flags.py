@@ -26,7 +26,7 @@ FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host", "heat_file": "--he
 """Fields whose flag is not `--field-name`."""
 CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "dequant": DEQUANT,
            "weight_layout": LAYOUTS, "miss": MISS_MODES}
-WITHOUT_HBM = ("batch_capacity", "max_len")
+WITHOUT_HBM = ("batch_capacity", "max_len", "expert_devices")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
 METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",
             "heat_file": "FILE", "record_trace": "FILE", "int4_tiles": "K=V,...",
@@ -115,8 +115,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     """The EngineConfig of the parsed engine flags, or None when --hbm was not given (then a
-    flag that needs it is a ValueError naming the flag; --batch-capacity and --max-len are
-    read by `resident_shape`)."""
+    flag that needs it is a ValueError naming the flag; the `WITHOUT_HBM` ones are read by
+    `resident_config`)."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
              if hasattr(args, f.name)}
     if "hbm_budget" not in given:
@@ -132,9 +132,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     return EngineConfig(**given)
 
 
-def resident_shape(args: argparse.Namespace) -> tuple[int, int]:
-    """(batch_capacity, max_len) of the flags, else EngineConfig's defaults."""
-    defaults = EngineConfig()
-    return (getattr(args, "batch_capacity", defaults.batch_capacity),
-            getattr(args, "max_len", defaults.max_len))
+def resident_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the `WITHOUT_HBM` flags given (the rest its defaults): the shape
+    and the devices of a resident run."""
+    return EngineConfig(**{k: getattr(args, k) for k in WITHOUT_HBM if hasattr(args, k)})
 

@@ -9,6 +9,11 @@ memory (tier 1) as far as the host budget goes, and on disk (tier 2) after that.
 
 If every expert fits next to the dense weights, KV cache and workspace, the model runs fully
 resident: every expert gets a slot and no staging buffers are reserved (nothing is ever fetched).
+
+Over several devices (`devices`, `strata_jax.expert_parallel`) the HBM budget is each device's:
+each holds the dense weights, the KV cache, its workspace and staging and the slots of its own
+share of the experts. The host budget is the whole tier 1, split evenly into the devices'
+shares.
 """
 
 from __future__ import annotations
@@ -156,24 +161,58 @@ class ModelBytes:
         return cls.from_specs(reader.config, reader.expert_specs, reader.dense_specs)
 
 
+def device_experts(model: ModelBytes, devices: int) -> tuple[int, ...]:
+    """The experts each of `devices` devices owns: an equal count of every layer, the first
+    devices one more where the layer's experts do not divide evenly."""
+    if not 1 <= devices <= model.experts_per_layer:
+        raise ValueError(f"expert_devices must be in [1, {model.experts_per_layer}] (the "
+                         f"experts of a layer), got {devices}")
+    per_layer, extra = divmod(model.experts_per_layer, devices)
+    return tuple(model.num_layers * (per_layer + (d < extra)) for d in range(devices))
+
+
+def even_share(count: int, total: int, devices: int, most: int) -> int:
+    """Each device's share of `count` of the `total` experts held over `devices` devices that
+    own at most `most` each: all its own when `count` covers every expert, else an even share
+    (rounded up)."""
+    return most if count >= total else -(-count // devices)
+
+
 @dataclass(frozen=True)
 class Ledger:
-    """Where every byte of the HBM budget goes, and which tier each expert lives in."""
+    """Where every byte of the HBM budget goes, and which tier each expert lives in. Over
+    several devices the HBM lines are each device's (`hbm_budget` is per device) and the
+    expert counts are totals."""
 
     hbm_budget: int
     dense: int
     kv_cache: int
     staging: int  # two buffers of `staging_slots` experts each
     workspace: int
-    pool_slots: int
+    pool_slots: int  # per device
     bytes_per_expert: int
     staging_slots: int
     num_experts: int
-    host_budget: int | None  # None: unlimited
-    host_slots: int
+    host_budget: int | None  # None: unlimited; over several devices all their shares
+    host_slots: int  # all devices' tier 1 together
     batch_capacity: int
     max_len: int
-    resident_budget: int  # the smallest HBM budget that holds every expert
+    resident_budget: int  # the smallest HBM budget (per device) that holds every expert
+    owned: tuple[int, ...]  # the experts each device owns (`device_experts`)
+
+    @property
+    def devices(self) -> int:
+        return len(self.owned)
+
+    @property
+    def most_owned(self) -> int:
+        """The experts of the device that owns most."""
+        return max(self.owned)
+
+    @property
+    def host_share(self) -> int:
+        """Tier-1 experts of each device (`even_share` of `host_slots`)."""
+        return even_share(self.host_slots, self.num_experts, self.devices, self.most_owned)
 
     @property
     def pool(self) -> int:
@@ -190,13 +229,22 @@ class Ledger:
 
     @property
     def tier0(self) -> int:
-        """Experts in HBM slots."""
-        return min(self.pool_slots, self.num_experts)
+        """Experts in HBM slots (on every device)."""
+        return sum(min(self.pool_slots, n) for n in self.owned)
+
+    def device_tiers(self) -> list[tuple[int, int, int]]:
+        """Each device's (tier 0, tier 1, tier 2) expert counts, of the experts it owns."""
+        tiers = []
+        for owned in self.owned:
+            hbm = min(self.pool_slots, owned)
+            host = min(owned - hbm, self.host_share)
+            tiers.append((hbm, host, owned - hbm - host))
+        return tiers
 
     @property
     def tier1(self) -> int:
-        """Experts in pinned host memory."""
-        return min(self.num_experts - self.tier0, self.host_slots)
+        """Experts in pinned host memory (on every device's share)."""
+        return sum(host for _, host, _ in self.device_tiers())
 
     @property
     def tier2(self) -> int:
@@ -208,7 +256,8 @@ class Ledger:
         return self.tier0 == self.num_experts
 
     def render(self) -> str:
-        """A table of components (bytes, GiB, MB, share of budget) and the tier split."""
+        """A table of components (bytes, GiB, MB, share of budget; over several devices each
+        device's, and all devices' together) and the tier split (per device too)."""
         return "\n".join([*self._component_lines(), "", *self._tier_lines()])
 
     def _component_lines(self) -> list[str]:
@@ -221,40 +270,55 @@ class Ledger:
             (f"expert pool ({self.pool_slots} slots)", self.pool),
             ("free" if self.free >= 0 else "OVER BUDGET", self.free),
         ]
-        lines = [
-            f"HBM budget {fmt_bytes(self.hbm_budget)} ({self.hbm_budget / GB:.2f} GB)",
-            f"  {'component':<42}{'bytes':>16}{'GiB':>10}{'MB':>12}{'share':>8}",
-        ]
-        for name, n in [*rows, ("total", self.hbm_budget)]:
-            share = n / self.hbm_budget if self.hbm_budget else 0.0
-            lines.append(f"  {name:<42}{n:>16,}{n / GiB:>10.3f}{n / MB:>12.2f}{share:>8.1%}")
+        n = self.devices
+        budget = f"HBM budget {fmt_bytes(self.hbm_budget)} ({self.hbm_budget / GB:.2f} GB)"
+        every = f"{f'x {n} GiB':>10}" if n > 1 else ""
+        if n > 1:
+            budget += f" per device; {n} devices: {fmt_bytes(n * self.hbm_budget)} in all"
+        lines = [budget, f"  {'component':<42}{'bytes':>16}{'GiB':>10}{'MB':>12}{'share':>8}"
+                         + every]
+        for name, b in [*rows, ("total", self.hbm_budget)]:
+            share = b / self.hbm_budget if self.hbm_budget else 0.0
+            lines.append(f"  {name:<42}{b:>16,}{b / GiB:>10.3f}{b / MB:>12.2f}{share:>8.1%}"
+                         + (f"{n * b / GiB:>10.3f}" if n > 1 else ""))
         return lines
 
     def _tier_lines(self) -> list[str]:
         host = "unlimited" if self.host_budget is None else fmt_bytes(self.host_budget)
-        n = self.num_experts
-        lines = [f"experts: {n} of {fmt_bytes(self.bytes_per_expert)} each"]
-        for label, count in (
+        n, total = self.devices, self.num_experts
+        lines = [f"experts: {total} of {fmt_bytes(self.bytes_per_expert)} each"]
+        if n > 1:
+            share = "" if self.host_budget is None else (
+                f", the host budget in {n} shares of {fmt_bytes(self.host_budget // n)}")
+            lines[0] += (f", over {n} devices owning {', '.join(map(str, self.owned))}{share} "
+                         "(last column: per device)")
+        per_device = self.device_tiers()
+        for i, (label, count) in enumerate((
             ("tier 0  HBM slots", self.tier0),
             (f"tier 1  pinned host (budget {host})", self.tier1),
             ("tier 2  disk", self.tier2),
-        ):
-            lines.append(f"  {label:<42}{count:>8}{count / n:>8.1%}")
+        )):
+            line = f"  {label:<42}{count:>8}{count / total:>8.1%}"
+            if n > 1:
+                line += "    " + " / ".join(str(t[i]) for t in per_device)
+            lines.append(line)
         if self.resident:
             lines.append("fully resident: every expert has an HBM slot, no staging buffers")
         else:
             lines.append(
-                f"{self.tier0 / n:.1%} of experts in HBM; fully resident needs an HBM budget "
-                f"of {fmt_bytes(self.resident_budget)}"
+                f"{self.tier0 / total:.1%} of experts in HBM; fully resident needs an HBM "
+                f"budget of {fmt_bytes(self.resident_budget)}"
+                + (" per device" if n > 1 else "")
             )
         return lines
 
 
-def default_staging_slots(model: ModelBytes, batch_capacity: int) -> int:
+def default_staging_slots(model: ModelBytes, batch_capacity: int, devices: int = 1) -> int:
     """Experts per staging buffer: what one layer can need in a decode step,
     min(experts per layer, batch_capacity * top_k), but no more than two halves of
-    `STAGING_HALF_BYTES` each (at least 2, so passes can alternate)."""
-    step = min(model.experts_per_layer, batch_capacity * model.top_k)
+    `STAGING_HALF_BYTES` each (at least 2, so passes can alternate). Over `devices` devices,
+    what one device's share of a layer can need."""
+    step = min(-(-model.experts_per_layer // devices), batch_capacity * model.top_k)
     halves = 2 * max(1, math.ceil(STAGING_HALF_BYTES / model.bytes_per_expert))
     return min(step, halves)
 
@@ -306,21 +370,25 @@ def plan_ledger(
     min_pool_slots: int | None = None,
     workspace_fraction: float = WORKSPACE_FRACTION,
     workspace_floor: int | str = WORKSPACE_FLOOR,
+    devices: int = 1,
 ) -> Ledger:
     """Split `hbm_budget` among dense, KV cache, staging, workspace and the expert pool.
 
     `staging_slots` defaults to `default_staging_slots`, halved (down to 1) while that does not
     fit the budget; `min_pool_slots` defaults to the staging slots. `host_budget` None means
-    unlimited pinned host memory. Raises `BudgetError` (with the rendered ledger and the
-    shortfall: how much larger the budget must be, its workspace share included) when the
-    minimum pool does not fit.
+    unlimited pinned host memory. Over `devices` devices the HBM budget and every HBM line
+    are each device's, the pool that of its own experts (`device_experts`), and the host
+    budget is all their shares together (module docstring). Raises `BudgetError` (with the
+    rendered ledger and the shortfall: how much larger the budget must be, its workspace share
+    included) when the minimum pool does not fit.
     """
     _check_args(batch_capacity, max_len, workspace_fraction, staging_slots, min_pool_slots)
     kw = dict(batch_capacity=batch_capacity, max_len=max_len, min_pool_slots=min_pool_slots,
-              workspace_fraction=workspace_fraction, workspace_floor=workspace_floor)
+              workspace_fraction=workspace_fraction, workspace_floor=workspace_floor,
+              owned=device_experts(model, devices))
     if staging_slots is not None:
         return _plan(model, hbm_budget, host_budget, staging_slots=staging_slots, **kw)
-    slots = default_staging_slots(model, batch_capacity)
+    slots = default_staging_slots(model, batch_capacity, devices)
     while True:
         try:
             return _plan(model, hbm_budget, host_budget, staging_slots=slots, **kw)
@@ -341,19 +409,22 @@ def _plan(
     min_pool_slots: int | None,
     workspace_fraction: float,
     workspace_floor: int | str,
+    owned: tuple[int, ...],
 ) -> Ledger:
     hbm, floor = parse_bytes(hbm_budget), parse_bytes(workspace_floor)
     host = None if host_budget is None else parse_bytes(host_budget)
-    bpe, total = model.bytes_per_expert, model.num_experts
+    bpe, total, most, devices = model.bytes_per_expert, model.num_experts, max(owned), len(owned)
     kv = batch_capacity * max_len * model.kv_bytes_per_token
     workspace = workspace_bytes(hbm, workspace_fraction, floor)
     fixed = model.dense + kv + workspace
-    everything = resident_budget(model.dense + kv + model.expert_bytes, workspace_fraction, floor)
-    if fixed + model.expert_bytes <= hbm:
-        slots, pool = 0, total
+    everything = resident_budget(model.dense + kv + most * bpe, workspace_fraction, floor)
+    if fixed + most * bpe <= hbm:
+        slots, pool = 0, most
     else:
         slots = staging_slots
-        pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), total)
+        pool = min(max((hbm - fixed - 2 * slots * bpe) // bpe, 0), most)
+    # each device's share of tier 1 is whole experts: the host budget's even split
+    host_slots = total if host is None else min(devices * (host // devices // bpe), total)
     ledger = Ledger(
         hbm_budget=hbm,
         dense=model.dense,
@@ -365,12 +436,13 @@ def _plan(
         staging_slots=slots,
         num_experts=total,
         host_budget=host,
-        host_slots=total if host is None else min(host // bpe, total),
+        host_slots=host_slots,
         batch_capacity=batch_capacity,
         max_len=max_len,
         resident_budget=everything,
+        owned=owned,
     )
-    need_slots = min(slots if min_pool_slots is None else min_pool_slots, total)
+    need_slots = min(slots if min_pool_slots is None else min_pool_slots, most)
     if ledger.pool_slots < need_slots or ledger.free < 0:
         without_ws = ledger.dense + kv + ledger.staging + need_slots * bpe
         offloaded = resident_budget(without_ws, workspace_fraction, floor)
@@ -382,7 +454,8 @@ def _over_budget(ledger: Ledger, need_slots: int, minimum: int) -> None:
     """Raise BudgetError; `minimum` is the smallest budget that plans (offloaded or resident)."""
     shortfall = minimum - ledger.hbm_budget
     raise BudgetError(
-        f"HBM budget {fmt_bytes(ledger.hbm_budget)} is too small: dense + KV cache + staging + "
+        f"HBM budget {fmt_bytes(ledger.hbm_budget)}"
+        f"{' per device' if ledger.devices > 1 else ''} is too small: dense + KV cache + staging + "
         f"workspace + {need_slots} expert slots (or every expert, without staging) need "
         f"{fmt_bytes(minimum)}, short by "
         f"{fmt_bytes(shortfall)} ({shortfall:,} bytes). Raise the budget, or lower "

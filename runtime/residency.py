@@ -16,8 +16,11 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from strata_jax.checkpoint import EXPERT_KINDS
+from strata_jax.expert_parallel import AXIS
 from strata_jax.pool import ExpertPool, tile_major
 from strata_jax.step import Tiers
 
@@ -68,6 +71,7 @@ class Residency:
         self.slot_key: list[Key | None] = [None] * device_slots
         self.host_key: list[Key | None] = [None] * host_slots
         self.broken: dict[Key, str] = {}  # experts whose chunk failed to read
+        self.version = 0  # counts the changes of the page tables (and of the host pool)
         dev = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self.pool = self._stack(read, load, list(device_keys), device_slots + 2 * staging, dev)
         for s, key in enumerate(device_keys):
@@ -82,7 +86,7 @@ class Residency:
         self._put = jax.jit(_put_host, donate_argnums=0,
                             out_shardings=None if self.host is None
                             else jax.tree.map(lambda a: a.sharding, self.host))
-        self._tiers: Tiers | None = None
+        self._tiers: tuple[int, Tiers] | None = None  # the tables uploaded, at a version
 
     def _stack(self, read, load, keys: list[Key], slots: int, sharding) -> ExpertPool:
         """`slots` slots of which the first hold `keys` (a corrupt chunk: zeros, recorded)."""
@@ -117,13 +121,14 @@ class Residency:
 
     def tiers(self) -> Tiers:
         """The page tables as the step reads them (uploaded again only after a change)."""
-        if self._tiers is None:  # copies: the CPU backend may alias a numpy argument, and
-            # the tables change in place while a dispatched step may still read them
-            self._tiers = jax.device_put(
+        if self._tiers is None or self._tiers[0] != self.version:
+            # copies: the CPU backend may alias a numpy argument, and the tables change in
+            # place while a dispatched step may still read them
+            tiers = jax.device_put(
                 Tiers(page=self.page.copy(), host=None, host_page=self.host_page.copy()),
                 self.device)
-            self._tiers = self._tiers.replace(host=self.host)
-        return self._tiers
+            self._tiers = (self.version, tiers.replace(host=self.host))
+        return self._tiers[1]
 
     def _set_slot(self, slot: int, key: Key | None) -> None:
         old = self.slot_key[slot]
@@ -132,7 +137,7 @@ class Residency:
         self.slot_key[slot] = key
         if key is not None:
             self.page[key] = slot
-        self._tiers = None
+        self.version += 1
 
     def slot_of(self, key: Key) -> int | None:
         s = int(self.page[key])
@@ -173,7 +178,95 @@ class Residency:
                             for n, a in arrays.items()})
         self.host = self._put(self.host, jnp.int32(slot), new)
         self.host_key[slot], self.host_page[key] = key, slot
-        self._tiers = None
+        self.version += 1
+
+
+class Residencies:
+    """The residency of every device of the expert axis, and the arrays the step reads.
+
+    `parts[d]` holds the experts device d owns (`owner` [L, E] == d), in its own slot
+    numbers (its tables mark the others -1). On one device the step reads that part's pool
+    and tiers as they are; over a mesh (`expert_parallel.programs`), global arrays sharded
+    over the axis whose pieces are the parts' own buffers (no copy), the page tables stacked
+    [n, L, E], the owner table on every device. A pool the step returns (donated) goes back
+    to the parts piece by piece."""
+
+    def __init__(self, parts: Sequence[Residency], mesh: Mesh | None = None,
+                 owner: np.ndarray | None = None) -> None:
+        if (mesh is None) != (len(parts) == 1) or (mesh is None) != (owner is None):
+            raise ValueError(f"{len(parts)} residencies need a mesh of as many devices and "
+                             "the owner table")
+        self.parts = list(parts)
+        self.mesh = mesh
+        self._owner = None if mesh is None else jax.device_put(
+            np.asarray(owner, np.int32), NamedSharding(mesh, P()))
+        self._tiers: tuple[tuple[int, ...], Tiers] | None = None  # at the parts' versions
+
+    @property
+    def pool(self) -> ExpertPool:
+        if self.mesh is None:
+            return self.parts[0].pool
+        return _global([p.pool for p in self.parts], NamedSharding(self.mesh, P(AXIS)))
+
+    @pool.setter
+    def pool(self, pool: ExpertPool) -> None:
+        if self.mesh is None:
+            self.parts[0].pool = pool
+            return
+        for part, piece in zip(self.parts, _pieces(pool, [p.device for p in self.parts]),
+                               strict=True):
+            part.pool = piece
+
+    def tiers(self) -> Tiers:
+        """The page tables and tier 1 as the step reads them (uploaded after a change)."""
+        if self.mesh is None:
+            return self.parts[0].tiers()
+        versions = tuple(p.version for p in self.parts)
+        if self._tiers is None or self._tiers[0] != versions:
+            sharded = NamedSharding(self.mesh, P(AXIS))
+            page, host_page = jax.device_put(
+                (np.stack([p.page for p in self.parts]),
+                 np.stack([p.host_page for p in self.parts])), sharded)
+            host = None
+            if self.parts[0].host is not None:
+                host = _global([p.host for p in self.parts],
+                               NamedSharding(self.mesh, P(AXIS), memory_kind="pinned_host"))
+            self._tiers = (versions, Tiers(page=page, host=host, host_page=host_page,
+                                           owner=self._owner))
+        return self._tiers[1]
+
+    @property
+    def slot_key(self) -> list[Key | None]:
+        """Every device's slots in turn."""
+        return [k for p in self.parts for k in p.slot_key]
+
+    @property
+    def host_key(self) -> list[Key | None]:
+        """Every device's tier-1 slots in turn."""
+        return [k for p in self.parts for k in p.host_key]
+
+
+def _global(pieces: list[ExpertPool], sharding: NamedSharding) -> ExpertPool:
+    """The pool sharded by `sharding` whose pieces are `pieces` (one per device, in order)."""
+    def one(*arrays):
+        if arrays[0] is None:
+            return None
+        shape = (sum(a.shape[0] for a in arrays), *arrays[0].shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(arrays))
+
+    return ExpertPool(*(one(*arrays) for arrays in zip(*pieces, strict=True)))
+
+
+def _pieces(pool: ExpertPool, devices: list[jax.Device]) -> list[ExpertPool]:
+    """`pool`'s piece on each of `devices` (the inverse of `_global`)."""
+    def one(a):
+        if a is None:
+            return [None] * len(devices)
+        by_device = {s.device: s.data for s in a.addressable_shards}
+        return [by_device[d] for d in devices]
+
+    columns = [one(a) for a in pool]
+    return [ExpertPool(*(c[i] for c in columns)) for i in range(len(devices))]
 
 
 def as_held(arrays: Arrays, tile: tuple[int, int] | None) -> Arrays:

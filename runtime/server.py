@@ -358,18 +358,15 @@ def serve(args: argparse.Namespace) -> int:
 
     from strata_jax.tokenizer import load_tokenizer
     from strata_runtime.compile_cache import enable_compile_cache
-    from strata_runtime.engine import Engine, EngineConfig
-    from strata_runtime.engine_flags import engine_config, resident_shape
+    from strata_runtime.engine import Engine
+    from strata_runtime.engine_flags import engine_config, resident_config
 
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     check_bind(args.bind, api_key)
     enable_compile_cache(not args.no_compile_cache)  # a restarted server does not recompile
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    config = engine_config(args)
-    if config is None:
-        capacity, max_len = resident_shape(args)
-        config = EngineConfig(batch_capacity=capacity, max_len=max_len)
+    config = engine_config(args) or resident_config(args)
     tokenizer = load_tokenizer(args.ckpt)
     _log_to_stderr(args.log_level)
     engine = Engine.from_checkpoint(args.ckpt, config)

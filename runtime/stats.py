@@ -9,12 +9,13 @@ program is counted as compile time.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from strata_jax.step import StepRecord
+from strata_jax.step import PER_DEVICE, StepRecord
 
 STEP_WINDOW = 4096  # the latest steps that the p50 / p99 are taken over (a server runs for days)
 PHASES = ("decode", "prefill")
@@ -61,6 +62,40 @@ class PhaseCounts:
                              for n in names}}
 
 
+@dataclass
+class DeviceCounts:
+    """What one device of the expert axis did in both phases: the record's counters of its own
+    experts (`step.PER_DEVICE`) and the host's moves into its tiers."""
+
+    device: str
+    link_gbps: float | None = None
+    """Its pinned host -> device rate, measured at start-up."""
+    hits: int = 0
+    prefetched: int = 0
+    fetched: int = 0
+    issued: int = 0
+    admissions: int = 0
+    disk_loads: int = 0
+
+    def __add__(self, other: DeviceCounts) -> DeviceCounts:
+        """The counts of both runs of the same device."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+            if f.name not in ("device", "link_gbps")})
+
+    def h2d_bytes(self, bytes_per_expert: int) -> int:
+        """Expert bytes over its link: demand copies, prefetches issued, cache admissions."""
+        return (self.fetched + self.issued + self.admissions) * bytes_per_expert
+
+    def summary(self, bytes_per_expert: int, busy: float) -> dict[str, object]:
+        """Its counters, link bytes and link busy share over `busy` decode seconds."""
+        h2d = self.h2d_bytes(bytes_per_expert)
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "h2d_bytes": h2d,
+                "disk_bytes": self.disk_loads * bytes_per_expert,
+                "link_busy": h2d / (self.link_gbps * 1e9) / busy
+                if busy and self.link_gbps else None}
+
+
 def _both(name: str) -> property:
     """A counter of both phases summed (what the engine did, decode and prefill alike)."""
     return property(lambda self: getattr(self.decode, name) + getattr(self.prefill, name),
@@ -71,10 +106,12 @@ def _both(name: str) -> property:
 class EngineStats:
     """Counters since the last reset. Bytes are expert bytes as the slots hold them. The work
     of the program calls is counted per phase (`decode`, `prefill`: written through
-    `phase(name)`); `routed`, `disk_loads` and the like are both phases summed."""
+    `phase(name)`); `routed`, `disk_loads` and the like are both phases summed. Over an
+    expert axis each device's share is also counted apart (`devices`)."""
 
     bytes_per_expert: int
-    link_gbps: float | None = None  # pinned host -> device, measured at start-up
+    link_gbps: float | None = None  # pinned host -> the first device, measured at start-up
+    devices: list[DeviceCounts] = field(default_factory=list)  # one per device
     decode_steps: int = 0  # timed decode steps (the compiling call of each plan left out)
     decode_tokens: int = 0
     decode_s: float = 0.0  # wall time of the timed decode steps
@@ -99,6 +136,19 @@ class EngineStats:
     resumed_layers = _both("resumed_layers")
     admissions = _both("admissions")
 
+    def fresh(self) -> EngineStats:
+        """Zeroed counters of the same engine (its sizes, devices and link rates)."""
+        return EngineStats(self.bytes_per_expert, link_gbps=self.link_gbps,
+                           devices=[DeviceCounts(d.device, d.link_gbps) for d in self.devices])
+
+    def moved(self, phase: str, name: str, device: int) -> None:
+        """One more host-side move `name` ("admissions", "disk_loads") in `phase`, into the
+        tiers of device `device`."""
+        counts = self.phase(phase)
+        setattr(counts, name, getattr(counts, name) + 1)
+        if self.devices:
+            setattr(self.devices[device], name, getattr(self.devices[device], name) + 1)
+
     def phase(self, name: str) -> PhaseCounts:
         """The counts of phase `name`: "decode" or "prefill"."""
         if name not in PHASES:
@@ -119,10 +169,14 @@ class EngineStats:
         routed = (np.asarray(record.counts) > 0).sum(axis=1)
         parts = {"routed": routed, "hits": record.hits, "prefetched": record.prefetched,
                  "fetched": record.fetched, "hosted": record.hosted, "issued": record.issued}
-        for name, per_layer in parts.items():
-            per_layer = np.asarray(per_layer, np.int64)
+        for name, value in parts.items():
+            by_device = np.asarray(value, np.int64).reshape(len(routed), -1)  # [L, n] or [L, 1]
+            per_layer = by_device.sum(axis=1)
             setattr(counts, name, getattr(counts, name) + int(per_layer.sum()))
             self.per_layer[name] = self.per_layer.get(name, 0) + per_layer
+            if name in PER_DEVICE and self.devices:
+                for device, n in zip(self.devices, by_device.sum(axis=0), strict=True):
+                    setattr(device, name, getattr(device, name) + int(n))
 
     def summary(self) -> dict[str, object]:
         """The figures a user reads: rates, latencies, hit rates, bytes per tier, prediction."""
@@ -155,9 +209,11 @@ class EngineStats:
             "link_busy": None,
             "prediction": self.prediction(),
             "by_phase": {p: self.phase(p).summary() for p in PHASES},
+            "devices": [d.summary(bpe, busy if t is not None else 0.0) for d in self.devices],
         }
-        if t is not None and self.link_gbps:
-            out["link_busy"] = h2d / (self.link_gbps * 1e9) / busy
+        busy_links = [d["link_busy"] for d in out["devices"] if d["link_busy"] is not None]
+        if busy_links:  # the busiest link: the one a step waits for
+            out["link_busy"] = max(busy_links)
         if self.hosted and self.decode_steps:  # the split per layer, experts per step
             out["host_split"] = ", ".join(
                 f"L{i} {h / self.decode_steps:.2g}/{(h + f) / self.decode_steps:.2g}"
@@ -179,6 +235,10 @@ def render(summary: dict[str, object], indent: int = 2) -> str:
     for name, value in summary.items():
         if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
             lines += [f"{pad}{name}:", render(value, indent + 2)]
+            continue
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            lines += [f"{pad}{name}:", render({str(i): v for i, v in enumerate(value)},
+                                              indent + 2)]
             continue
         if isinstance(value, dict):
             value = ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())

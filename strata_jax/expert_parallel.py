@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import jax
@@ -38,19 +38,45 @@ AXIS = "expert"
 """The mesh axis the expert slots are sharded over."""
 
 
+def owners(num_layers: int, num_experts: int, devices: int,
+           heat: np.ndarray | None = None) -> np.ndarray:
+    """int32 [L, E]: the device that owns each expert. Every device owns an equal count of
+    each layer's experts (the first ones dealt one more where they do not divide evenly):
+    without `heat`, expert e is device e mod n's; with routing heat [L, E], each layer's
+    experts are dealt hottest first in snake order (0, 1, .., n-1, n-1, .., 0, 0, ..; a short
+    last round from device 0), so every device's share of the routing, and so of its misses,
+    is alike: no two apart by more than the layer's hottest expert."""
+    if heat is None:
+        row = np.arange(num_experts, dtype=np.int32) % devices
+        return np.broadcast_to(row, (num_layers, num_experts)).copy()
+    rounds = np.arange(num_experts) // devices
+    turn = np.arange(num_experts) % devices
+    forward = (rounds % 2 == 0) | (rounds == num_experts // devices)  # a short last round too
+    snake = np.where(forward, turn, devices - 1 - turn).astype(np.int32)
+    owner = np.empty((num_layers, num_experts), np.int32)
+    for layer in range(num_layers):
+        owner[layer, np.argsort(-np.asarray(heat[layer]), kind="stable")] = snake
+    return owner
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Where each (layer, expert) lies over `devices` devices: on its owner, device e mod n,
-    the j-th expert of a layer that a device owns (by id) takes one of its device slots if j <
-    `resident` (slot l * resident + j), else one of its pinned-host slots (slot l * (per_layer
-    - resident) + j - resident). `resident` None: every expert in a device slot."""
+    """Where each (layer, expert) lies over `devices` devices: on its owner (`owner` [L, E],
+    default `owners`: device e mod n), the j-th expert of a layer that a device owns (by id)
+    takes one of its device slots if j < `resident` (slot l * resident + j), else one of its
+    pinned-host slots (slot l * (per_layer - resident) + j - resident). `resident` None:
+    every expert in a device slot."""
 
     num_layers: int
     num_experts: int
     devices: int
     resident: int | None = None
+    owner: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.owner is None:
+            object.__setattr__(self, "owner", owners(self.num_layers, self.num_experts,
+                                                     self.devices))
         if self.resident is not None and not 0 <= self.resident <= self.per_layer:
             raise ValueError(f"resident experts per layer and device must be in [0, "
                              f"{self.per_layer}], got {self.resident}")
@@ -76,13 +102,13 @@ class Layout:
         shape = (self.devices, self.num_layers, self.num_experts)
         page, host = np.full(shape, -1, np.int32), np.full(shape, -1, np.int32)
         r = self.per_layer if self.resident is None else self.resident
-        layers = np.arange(self.num_layers)
         for d in range(self.devices):
-            for j, e in enumerate(range(d, self.num_experts, self.devices)):
-                if j < r:
-                    page[d, :, e] = layers * r + j
-                else:
-                    host[d, :, e] = layers * (self.per_layer - r) + j - r
+            for layer in range(self.num_layers):
+                for j, e in enumerate(np.nonzero(self.owner[layer] == d)[0]):
+                    if j < r:
+                        page[d, layer, e] = layer * r + j
+                    else:
+                        host[d, layer, e] = layer * (self.per_layer - r) + j - r
         return page, host
 
 
@@ -144,8 +170,8 @@ def from_host(config, params, experts: dict[str, np.ndarray], devices, tokenizer
 def _devices(devices: Sequence[jax.Device] | int) -> Sequence[jax.Device]:
     if isinstance(devices, int):
         if not 1 <= devices <= len(jax.devices()):
-            raise ValueError(f"{devices} devices asked for; this process sees "
-                             f"{len(jax.devices())} ({jax.default_backend()})")
+            raise ValueError(f"expert_devices={devices} (--expert-devices): this process "
+                             f"sees {len(jax.devices())} {jax.default_backend()} device(s)")
         return jax.devices()[:devices]
     return devices
 
@@ -188,21 +214,32 @@ def offload(model: Model, devices: Sequence[jax.Device] | int, resident: int,
     host = _stack(model, mesh, sources(host_page, max(layout.host_slots, 1)), "pinned_host")
     sharded = NamedSharding(mesh, P(AXIS))
     tiers_ = step.Tiers(page=place(page, sharded), host=host,
-                        host_page=place(host_page, sharded))
+                        host_page=place(host_page, sharded),
+                        owner=place(layout.owner, NamedSharding(mesh, P())))
     model = replace(model, params=place(model.params, NamedSharding(mesh, P())), experts=pool,
                     slot_table=tiers_.page, mesh=mesh)
     return model, tiers_
 
 
 def tiers(page: jax.Array) -> step.Tiers:
-    """The resident tiers of sharded page tables [n, L, E]."""
+    """The resident tiers of sharded page tables [n, L, E] (experts owned as `owners`)."""
+    n, num_layers, num_experts = page.shape
+    everyone = NamedSharding(page.sharding.mesh, P())
     return step.Tiers(page=page, host=None,
-                      host_page=place(np.full(page.shape, -1, np.int32), page.sharding))
+                      host_page=place(np.full(page.shape, -1, np.int32), page.sharding),
+                      owner=place(owners(num_layers, num_experts, n), everyone))
 
 
 def _local(tiers_: step.Tiers) -> step.Tiers:
-    """A device's own tables inside `shard_map` ([1, L, E] -> [L, E])."""
+    """A device's own tables inside `shard_map` ([1, L, E] -> [L, E]; the owner table is
+    every device's)."""
     return tiers_.replace(page=tiers_.page[0], host_page=tiers_.host_page[0])
+
+
+def _tier_specs(experts: P, everyone: P) -> step.Tiers:
+    """How `shard_map` splits the tiers: the page tables and tier 1 over the axis, the
+    owner table whole on every device."""
+    return step.Tiers(page=experts, host=experts, host_page=experts, owner=everyone)
 
 
 def _sharded(plan: step.StepPlan) -> step.StepPlan:
@@ -222,37 +259,62 @@ class Programs:
     forward: object
 
 
+def _own_counters(record: step.StepRecord) -> dict[str, jax.Array]:
+    """Inside `shard_map`: this device's `step.PER_DEVICE` counters, [L] -> [L, 1]."""
+    return {k: getattr(record, k)[:, None] for k in step.PER_DEVICE}
+
+
+def _with_counters(out, counters: dict[str, jax.Array]):
+    """`out` (a StepOutput, or a StepRecord) with the counters of every device, [L, n]."""
+    if isinstance(out, step.StepRecord):
+        return out.replace(**counters)
+    return out.replace(record=out.record.replace(**counters))
+
+
 @functools.cache
 def programs(mesh: Mesh) -> Programs:
-    """The step programs of `mesh`, compiled once per (mesh, shapes)."""
+    """The step programs of `mesh`, compiled once per (mesh, shapes). Their records carry
+    the `step.PER_DEVICE` counters of each device, [L, n]; the rest is replicated."""
     shard_map = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
-    experts, everyone = P(AXIS), P()
+    experts, everyone, per_device = P(AXIS), P(), P(None, AXIS)
+    tiers_spec = _tier_specs(experts, everyone)
 
     def decode(cfg, plan, params, pool, tiers_, state, resume=None, forced=None):
-        body = shard_map(
-            lambda params, pool, tiers_, state, resume, forced: step.decode_step(
-                cfg, _sharded(plan), params, pool, _local(tiers_), state, resume, forced),
-            in_specs=(everyone, experts, experts, everyone, everyone, everyone),
-            out_specs=(everyone, everyone, experts))
-        return body(params, pool, tiers_, state, resume, forced)
+        def local(params, pool, tiers_, state, resume, forced):
+            state, out, pool = step.decode_step(cfg, _sharded(plan), params, pool,
+                                                _local(tiers_), state, resume, forced)
+            return state, out, pool, _own_counters(out.record)
+
+        state, out, pool, counters = shard_map(
+            local, in_specs=(everyone, experts, tiers_spec, everyone, everyone, everyone),
+            out_specs=(everyone, everyone, experts, per_device),
+        )(params, pool, tiers_, state, resume, forced)
+        return state, _with_counters(out, counters), pool
 
     def prefill(cfg, plan, params, pool, tiers_, state, row, tokens, start, count,
                 sampling=None, resume=None, forced=None):
-        body = shard_map(
-            lambda params, pool, tiers_, state, args, resume, forced: step.prefill_step(
-                cfg, _sharded(plan), params, pool, _local(tiers_), state, *args,
-                resume=resume, forced=forced),
-            in_specs=(everyone, experts, experts, everyone, everyone, everyone, everyone),
-            out_specs=(everyone, everyone, experts))
-        return body(params, pool, tiers_, state, (row, tokens, start, count, sampling),
-                    resume, forced)
+        def local(params, pool, tiers_, state, args, resume, forced):
+            state, out, pool = step.prefill_step(cfg, _sharded(plan), params, pool,
+                                                 _local(tiers_), state, *args, resume=resume,
+                                                 forced=forced)
+            return state, out, pool, _own_counters(out.record)
+
+        state, out, pool, counters = shard_map(
+            local, in_specs=(everyone, experts, tiers_spec, everyone, everyone, everyone, everyone),
+            out_specs=(everyone, everyone, experts, per_device),
+        )(params, pool, tiers_, state, (row, tokens, start, count, sampling), resume, forced)
+        return state, _with_counters(out, counters), pool
 
     def forward(cfg, plan, params, pool, tiers_, tokens):
-        body = shard_map(
-            lambda params, pool, tiers_, tokens: step.forward_pass(
-                cfg, _sharded(plan), params, pool, _local(tiers_), tokens),
-            in_specs=(everyone, experts, experts, everyone), out_specs=everyone)
-        return body(params, pool, tiers_, tokens)
+        def local(params, pool, tiers_, tokens):
+            logits, record = step.forward_pass(cfg, _sharded(plan), params, pool,
+                                               _local(tiers_), tokens)
+            return logits, record, _own_counters(record)
+
+        logits, record, counters = shard_map(
+            local, in_specs=(everyone, experts, tiers_spec, everyone),
+            out_specs=(everyone, everyone, per_device))(params, pool, tiers_, tokens)
+        return logits, _with_counters(record, counters)
 
     jit = functools.partial(jax.jit, static_argnames=("cfg", "plan"),
                             compiler_options=step.COMPILER_OPTIONS)

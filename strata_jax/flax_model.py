@@ -108,6 +108,8 @@ class LayerRows(NamedTuple):
     """The next layer's `host_page`."""
     forced: jax.Array | None = None
     """[N, k] int32 replayed picks of the layer (-1: the router's); None: no replay."""
+    owner: jax.Array | None = None
+    """[E] int32 the device that owns each expert, over an expert axis; None: one device."""
 
 
 class ChunkInputs(NamedTuple):
@@ -154,7 +156,7 @@ class DecoderLayer(nn.Module):
         half = rows.layer % 2  # staging half this layer's demand copies use
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
-                                     (rows.page, rows.host_page), token_live,
+                                     (rows.page, rows.host_page, rows.owner), token_live,
                                      carry.prefetched, half, inputs.host_work, rows.forced)
         if rows.next_router is None:
             pre_ids = jnp.full((max(plan.staging, 1),), -1, jnp.int32)
@@ -249,7 +251,8 @@ class MoEModel(nn.Module):
         n = self.cfg.num_layers
         rows = LayerRows(layer=jnp.arange(n), page=tiers.page, host_page=tiers.host_page,
                          next_router=self._next_router(), next_page=_next_rows(tiers.page),
-                         next_host_page=_next_rows(tiers.host_page), forced=forced)
+                         next_host_page=_next_rows(tiers.host_page), forced=forced,
+                         owner=tiers.owner)
         pre0 = jnp.full((max(self.plan.staging, 1),), -1, jnp.int32)
         carry = LayerCarry(x, k_all, v_all, pool, pre0)
         if resume is not None:

@@ -202,13 +202,14 @@ def _slot_row(ids: jax.Array, real: jax.Array, first_slot, num_experts: int) -> 
     return jnp.full((num_experts,), -1, jnp.int32).at[target].set(slots, mode="drop")
 
 
-def _own(plan: StepPlan, num_experts: int) -> jax.Array | bool:
-    """[E] bool: the experts this device serves, e mod n == its index on the expert axis
-    (`expert_parallel.Layout`); True on one device."""
+def _own(plan: StepPlan, owner_row: jax.Array | None) -> jax.Array | bool:
+    """[E] bool: the experts this device serves, those whose owner (`owner_row`, the layer's
+    row of `Tiers.owner`) is its index on the expert axis; True on one device."""
     if plan.expert_axis is None:
         return True
-    n, me = jax.lax.axis_size(plan.expert_axis), jax.lax.axis_index(plan.expert_axis)
-    return jnp.arange(num_experts) % n == me
+    if owner_row is None:
+        raise ValueError("experts over an expert axis need Tiers.owner (expert_parallel.owners)")
+    return owner_row == jax.lax.axis_index(plan.expert_axis)
 
 
 def _resident_experts(plan: StepPlan, h, routing, pool, page_row):
@@ -277,19 +278,18 @@ def prefetch(cfg: ModelConfig, plan: StepPlan, pool, host, x_attn, next_lp, next
 def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows, token_live,
                pre_ids, half, host_work=None, forced=None):
     """Route the layer and compute its experts from wherever they lie. rows = (page,
-    host_page) of this layer; `pre_ids`: the experts prefetched into the other half;
+    host_page, owner) of this layer (owner None on one device); `pre_ids`: the experts
+    prefetched into the other half;
     `host_work`: the host kernel's tier and rates (`misses`; plans whose `miss` is not
     "fetch"); `forced` [N, k]: replayed picks (`force_routing`; None: the router's).
     Returns (x, pool, the layer's `step.StepRecord` fields)."""
-    page_row, host_row = rows
+    page_row, host_row, owner_row = rows
     h, routing = route_layer(cfg, lp, x)
     if forced is not None:
         routing = force_routing(cfg, routing, forced)
     counts = _present(routing.experts, token_live, cfg.num_experts)
     present = counts > 0
-    hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)
-    if plan.expert_axis is not None:  # each device counts its own experts
-        hits = jax.lax.psum(hits, plan.expert_axis)
+    hits = jnp.sum(present & (page_row >= 0), dtype=jnp.int32)  # over an axis: its own
     zero = jnp.zeros((), jnp.int32)
     fields = {"counts": counts, "experts": routing.experts, "hits": hits}
     if plan.staging == 0:
@@ -300,7 +300,7 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     pre_slot = _slot_row(pre_ids, pre_ids >= 0, pool.num_slots - 2 * plan.staging
                          + (1 - half) * plan.staging, cfg.num_experts)
     slot_of = jnp.where(page_row >= 0, page_row, pre_slot)
-    mine = present & _own(plan, cfg.num_experts)
+    mine = present & _own(plan, owner_row)
     missing = mine & (slot_of < 0)
     disk = missing & (host_row < 0)
     prefetched = jnp.sum(mine & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
@@ -317,9 +317,9 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     if ticket is not None:
         picks = misses.host_collect(ticket, hosted, routing.experts, picks)
     issued = jnp.sum(pre_ids >= 0, dtype=jnp.int32)
-    if plan.expert_axis is not None:  # each device served its own experts' picks
-        picks, prefetched, fetched, issued, disk = jax.lax.psum(
-            (picks, prefetched, fetched, issued, disk.astype(jnp.int32)), plan.expert_axis)
+    if plan.expert_axis is not None:  # each device served its own experts' picks; the
+        # counters stay its own (`expert_parallel.programs` gives them per device)
+        picks, disk = jax.lax.psum((picks, disk.astype(jnp.int32)), plan.expert_axis)
         disk = disk > 0
     out = combine_routed(routing, picks).astype(h.dtype)
     fields.update(prefetched=prefetched, fetched=fetched,

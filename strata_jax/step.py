@@ -113,12 +113,15 @@ class Tiers:
     halves can be donated). `page` int32 [L, E]: an expert's pool slot, or -1; `host`: the
     pinned-host tier 1, slots on axis 0 (None when every expert has a device slot);
     `host_page` int32 [L, E]: an expert's host slot, or -1 when it lies only on disk;
-    `host_work`: the host kernel's tier and rates, for plans whose `miss` is not "fetch"."""
+    `host_work`: the host kernel's tier and rates, for plans whose `miss` is not "fetch";
+    `owner` int32 [L, E]: over an expert axis, the device that owns each expert (whose slots,
+    tier-1 share and link serve it; `expert_parallel.owners`), None on one device."""
 
     page: jax.Array
     host: ExpertPool | None
     host_page: jax.Array
     host_work: HostWork | None = None
+    owner: jax.Array | None = None
 
 
 @chex.dataclass(frozen=True)
@@ -152,7 +155,9 @@ class StepRecord:
     `hosted` [L] int32 misses computed on the host instead (`StepPlan.miss`);
     `issued` [L] int32 experts prefetched for this layer; `disk` [L, E] bool: routed experts
     found on no faster tier (the step's output is not valid for their rows; docs/design.md,
-    "Disk stalls")."""
+    "Disk stalls"). Over an expert axis (`expert_parallel.programs`) `hits`, `prefetched`,
+    `fetched` and `issued` are [L, n]: what each of the n devices served of its own experts
+    and copied over its own link (`PER_DEVICE`)."""
 
     counts: jax.Array
     experts: jax.Array
@@ -162,6 +167,10 @@ class StepRecord:
     hosted: jax.Array
     issued: jax.Array
     disk: jax.Array
+
+
+PER_DEVICE = ("hits", "prefetched", "fetched", "issued")
+"""The `StepRecord` counters that an expert axis keeps per device."""
 
 
 @chex.dataclass(frozen=True)
@@ -194,9 +203,10 @@ def from_start(cfg: ModelConfig, rows: int, tokens: int) -> Resume:
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int,
-               device: jax.Device | None = None) -> DecodeState:
-    """An empty state of `batch` rows, committed to `device` (default: the first), as the
-    step's outputs are: a step then never meets an argument placed otherwise (a recompile)."""
+               device: jax.Device | jax.sharding.Sharding | None = None) -> DecodeState:
+    """An empty state of `batch` rows, committed to `device` (default: the first; a sharding:
+    e.g. replicated over a mesh), as the step's outputs are: a step then never meets an
+    argument placed otherwise (a recompile)."""
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     dtype = jnp.dtype(cfg.dtype)
     state = DecodeState(tokens=jnp.zeros((batch,), jnp.int32),

@@ -1,21 +1,47 @@
-"""Runs in a subprocess of tests/test_expert_parallel.py: JAX's device count and distributed
-runtime are fixed when it starts, so each setting needs a process of its own.
+"""Runs in a subprocess of tests/test_expert_parallel.py and tests/runtime/
+test_engine_devices.py (`launch`): JAX's device count and distributed runtime are fixed when
+it starts, so each setting needs a process of its own.
 
     python -m tests.ep_worker CKPT devices N,N,...   -> JSON: per N, tokens and logits equal?
     python -m tests.ep_worker CKPT offload N:R:S:P ...  -> JSON: per setting (N devices, R
         experts per layer and device in HBM, S per staging half, predictor P), tokens equal,
         and whether every routed expert was served once (hit, prefetched or copied)
     python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
+    python -m tests.ep_worker CKPT engine N:CASE ...  -> JSON: per setting (the offload engine
+        over N devices with the knobs of ENGINE_CASES[CASE]), tokens and every decode step's
+        logits equal to the one-device resident engine's, whether every device's tables hold
+        only its own experts, whether its per-device counters sum to the totals, and the
+        counters that say each mechanism ran; N:bench: `strata bench`'s per-device figures
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4, 90, 3, 17]]
 NEW = 8
+
+
+def launch(*args: str) -> subprocess.Popen:
+    """This worker in a subprocess of its own (the repository first on its path)."""
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, "-m", "tests.ep_worker", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(proc: subprocess.Popen, timeout: int = 300) -> dict:
+    """The JSON a worker launched by `launch` printed (its stderr's tail if it failed)."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def _generate(model, sampled: bool):
@@ -115,6 +141,108 @@ def offload(ckpt: str, settings: list[str]) -> dict:
     return out
 
 
+ENGINE_SHAPE = {"batch_capacity": 4, "max_len": 32}
+HEAT = "the reference run's heat"  # a case's heat_file: the one-device engine's routing
+ENGINE_CASES = {
+    "resident": {},  # every expert in its owner's slots
+    # staging passes, cache admissions, the next-gate prefetch and rebalancing swaps
+    "tight": {"resident_experts": 3, "staging_slots": 1, "cache_fraction": 0.34,
+              "policy": "lfru", "predictor": "next-gate", "rebalance_every": 2},
+    # experts dealt to the devices by heat, one tier-1 expert per device: stalls and resumes
+    "disk": {"resident_experts": 2, "host_experts": 4, "cache_fraction": 0.5,
+             "heat_file": HEAT},
+    "bench": {},  # `strata bench --expert-devices N --resident-experts 1`: per-device figures
+}
+ENGINE_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+ENGINE_NEW = 6
+COUNTED = ("hits", "fetched", "issued", "admissions", "disk_loads")  # per device and in all
+
+
+def _owners_only(engine) -> bool:
+    """Every device's page tables and slots hold only experts it owns."""
+    for share in engine.shares:
+        r, mine = share.residency, engine.owner == share.device
+        held = [k for k in r.slot_key + r.host_key if k is not None]
+        if (r.page[~mine] >= 0).any() or (r.host_page[~mine] >= 0).any():
+            return False
+        if not all(mine[k] for k in held) or not all(mine[k] for k in share.pinned):
+            return False
+    return True
+
+
+def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
+    import numpy as np
+
+    from strata_jax.expert_parallel import owners
+    from strata_runtime.engine import Engine, EngineConfig
+    from tests.runtime.contract import run_rows
+
+    if case == "bench":
+        return _bench(ckpt, n)
+    knobs = {k: reference[2] if v == HEAT else v for k, v in ENGINE_CASES[case].items()}
+    config = EngineConfig(**ENGINE_SHAPE, expert_devices=n, **knobs)
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        tokens, logits = run_rows(engine, ENGINE_PROMPTS, ENGINE_NEW)
+        stats = engine.stats()
+        own = _owners_only(engine)
+    cfg = engine.cfg
+    devices = stats["devices"]
+    return {"tokens": bool(np.array_equal(tokens, reference[0])),
+            "logits": bool(np.array_equal(logits, reference[1])),
+            "owners": own, "devices": len(devices),
+            "by_heat": not np.array_equal(engine.owner, owners(cfg.num_layers,
+                                                               cfg.num_experts, n)),
+            "sums": all(sum(d[k] for d in devices) == getattr(engine.counters, k)
+                        for k in COUNTED)
+            and sum(d["h2d_bytes"] for d in devices) == stats["h2d_bytes"],
+            **{k: stats[k] for k in ("tier0_experts", "admissions", "disk_loads",
+                                     "resumed_layers", "rebalance_swaps", "misses_per_step")}}
+
+
+def _bench(ckpt: str, n: int) -> dict:
+    """`strata bench` over n devices: its summary's per-device link figures."""
+    import contextlib
+    import io
+    import tempfile
+
+    from strata_runtime.cli import main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.jsonl")
+        with contextlib.redirect_stdout(io.StringIO()) as text:
+            assert main(["bench", ckpt, "--expert-devices", str(n), "--resident-experts", "1",
+                         "--batch-capacity", "4", "--max-len", "32", "--prompts", "3",
+                         "--prompt-len", "5", "--new", "4", "--repeats", "1",
+                         "--warmup-new", "2", "--json-out", out]) == 0
+        with open(out) as f:
+            summary = json.loads(f.read().splitlines()[-1])
+    devices = summary["devices"]
+    return {"devices": len(devices), "lines": text.getvalue().count("\ndevice "),
+            "h2d_sum": sum(d["h2d_bytes"] for d in devices) == summary["bytes"]["h2d"],
+            "rates": all(d["h2d_gbps"] > 0 and d["link_gbps"] > 0 and d["link_busy"] > 0
+                         for d in devices)}
+
+
+def engine(ckpt: str, settings: list[str]) -> dict:
+    """The offload engine over several devices against the one-device resident engine."""
+    import tempfile
+
+    from strata_runtime.engine import Engine, EngineConfig
+    from tests.runtime.contract import run_rows
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        heat = os.path.join(tmp, "heat.json")
+        with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
+            assert one.resident
+            tokens, logits = run_rows(one, ENGINE_PROMPTS, ENGINE_NEW)
+            one.save_heat(heat)
+        for setting in settings:
+            n, case = setting.split(":")
+            out[setting] = _engine_case(ckpt, int(n), case, (tokens, logits, heat))
+    return out
+
+
 def process(ckpt: str, pid: int, port: str) -> dict:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
@@ -140,6 +268,8 @@ if __name__ == "__main__":
         result = devices(ckpt, [int(n) for n in rest[0].split(",")])
     elif mode == "offload":
         result = offload(ckpt, rest)
+    elif mode == "engine":
+        result = engine(ckpt, rest)
     else:
         result = process(ckpt, int(rest[0]), rest[1])
     print("RESULT " + json.dumps(result), flush=True)

@@ -5,21 +5,15 @@ in subprocesses (tests/ep_worker.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax.expert_parallel import Layout, sources
+from strata_jax.expert_parallel import Layout, owners, sources
+from tests.ep_worker import launch, result
 from tests.helpers import tiny_config, write_checkpoint, write_quantized_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(("layers", "experts", "devices", "resident"),
@@ -48,25 +42,31 @@ def test_layout_puts_every_expert_in_one_slot_of_its_owner(layers, experts, devi
         Layout(layers, experts, devices, layout.per_layer + 1)
 
 
+@pytest.mark.parametrize(("experts", "devices"), [(16, 4), (10, 4), (6, 4), (6, 3)])
+def test_experts_dealt_by_heat_give_every_device_a_like_share(experts, devices):
+    """Snake order over each layer's experts, hottest first: the counts of e mod n (the first
+    devices one more), and no two devices' heat apart by more than the layer's hottest
+    expert."""
+    heat = np.random.default_rng(experts).gamma(0.5, size=(3, experts))
+    owner = owners(3, experts, devices, heat)
+    default = owners(3, experts, devices)
+    assert (default == np.arange(experts) % devices).all() and not (owner == default).all()
+    for layer in range(3):
+        counts = np.bincount(owner[layer], minlength=devices)
+        np.testing.assert_array_equal(counts, np.bincount(default[layer], minlength=devices))
+        shares = np.bincount(owner[layer], weights=heat[layer], minlength=devices)
+        assert shares.max() - shares.min() <= heat[layer].max()
+    layout = Layout(3, experts, devices, 1, owner=owner)
+    page, host = layout.pages()
+    for d in range(devices):  # each device's tables hold exactly its own experts
+        np.testing.assert_array_equal((page[d] >= 0) | (host[d] >= 0), owner == d)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("ep") / "ck"
     write_checkpoint(tiny_config(), path, seed=3)
     return path
-
-
-def _worker(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    return subprocess.Popen([sys.executable, "-m", "tests.ep_worker", *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _result(proc: subprocess.Popen, timeout: int = 300) -> dict:
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-3000:]
-    line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +76,19 @@ def quantized(tmp_path_factory):
 
 
 def test_int4_experts_on_4_devices_are_one_devices(quantized):
-    resident = _worker(str(quantized), "devices", "4")
-    offloaded = _worker(str(quantized), "offload", "2:1:2:next-gate")
-    assert _result(resident)["4"] == {"greedy": True, "sampled": True, "logits": True,
+    resident = launch(str(quantized), "devices", "4")
+    offloaded = launch(str(quantized), "offload", "2:1:2:next-gate")
+    assert result(resident)["4"] == {"greedy": True, "sampled": True, "logits": True,
                                       "pool_shards": 4, "cli": True}
-    assert _result(offloaded)["2:1:2:next-gate"] == {"tokens": True, "served_once": True}
+    assert result(offloaded)["2:1:2:next-gate"] == {"tokens": True, "served_once": True}
 
 
 def test_tokens_and_logits_on_3_devices_are_one_devices(ckpt):
     """16 experts over 3 devices leave one slot per layer empty on the last device."""
-    result = _result(_worker(str(ckpt), "devices", "3"))
-    assert result["devices"] == 4
-    assert result["3"] == {"greedy": True, "sampled": True, "logits": True, "pool_shards": 3,
-                           "cli": True}
+    got = result(launch(str(ckpt), "devices", "3"))
+    assert got["devices"] == 4
+    assert got["3"] == {"greedy": True, "sampled": True, "logits": True, "pool_shards": 3,
+                        "cli": True}
 
 
 OFFLOADED = ["4:0:4:next-gate", "3:1:3:none"]
@@ -98,17 +98,9 @@ def test_offloaded_experts_on_3_and_4_devices_give_one_devices_tokens(ckpt):
     """Each device copies its own misses from its pinned-host share into its own staging
     halves (and prefetches its own experts): resident one-device tokens, every routed expert
     served once."""
-    result = _result(_worker(str(ckpt), "offload", *OFFLOADED))
+    got = result(launch(str(ckpt), "offload", *OFFLOADED))
     for setting in OFFLOADED:
-        assert result[setting] == {"tokens": True, "served_once": True}, setting
-
-
-def test_the_offload_engine_refuses_expert_devices_by_name(ckpt, capsys):
-    from strata_runtime.cli import main
-
-    assert main(["generate", str(ckpt), "--prompt-ids", "5,6", "--hbm", "1GB",
-                 "--expert-devices", "2"]) == 2
-    assert "--expert-devices: the offload engine" in capsys.readouterr().err
+        assert got[setting] == {"tokens": True, "served_once": True}, setting
 
 
 def _free_port() -> int:
@@ -119,8 +111,8 @@ def _free_port() -> int:
 
 def test_two_distributed_processes_give_one_devices_tokens(ckpt):
     port = str(_free_port())
-    procs = [_worker(str(ckpt), "process", str(pid), port) for pid in (0, 1)]
-    results = [_result(p) for p in procs]
+    procs = [launch(str(ckpt), "process", str(pid), port) for pid in (0, 1)]
+    results = [result(p) for p in procs]
     from tests.ep_worker import NEW, PROMPTS
 
     reference = strata_jax.generate(strata_jax.load(ckpt), PROMPTS, max_new_tokens=NEW,

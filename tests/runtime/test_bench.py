@@ -12,6 +12,7 @@ from strata_runtime.bench import (
     Counts,
     Sizes,
     bound,
+    device_figures,
     hardware_fingerprint,
     median_interval,
     prediction,
@@ -20,7 +21,7 @@ from strata_runtime.bench import (
 )
 from strata_runtime.cli import main
 from strata_runtime.cost_model import HardwareProfile
-from strata_runtime.stats import PhaseCounts
+from strata_runtime.stats import DeviceCounts, PhaseCounts
 from tests.helpers import tiny_config, write_checkpoint
 
 FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes",
@@ -151,6 +152,28 @@ def test_the_bound_by_hand():
     # 30 of them (15 ms) outlast the copies
     hosted = bound(dataclasses.replace(c, hosted=30), sizes, ceilings, disk_gbps=0.5)
     assert hosted["bound_s"] == pytest.approx(serial + 3e-3)
+
+
+def test_over_devices_the_link_term_is_the_busiest_devices_by_hand():
+    """12 copies over two links, 9 (4 + 3 + 2) on one: the bound waits for that one's 9 ms;
+    each device's bytes and rate over the engine's 0.5 s."""
+    devices = (DeviceCounts("a", 2.0, fetched=4, issued=3, admissions=2),
+               DeviceCounts("b", 4.0, issued=3))
+    c = Counts(wall_s=2.0, new_tokens=100, decode_steps=10, decode_tokens=90, decode_s=0.4,
+               prefill_chunks=2, prefill_tokens=10, prefill_s=0.1, routed=50, fetched=4,
+               issued=6, admissions=2, devices=devices)
+    sizes = Sizes(bytes_per_expert=10**6, dense_bytes=10**7, kv_bytes=4 * 10**6, rows=4,
+                  flops_per_token=10**6)
+    ceilings = {"pinned_h2d_gbps": 1.0, "host_read_gbps": 2.0, "hbm_read_gbps": 100.0,
+                "matmul_tflops": 0.1}
+    assert bound(c, sizes, ceilings, disk_gbps=None)["seconds"]["pcie"] == pytest.approx(9e-3)
+    a, b = device_figures(c, sizes)
+    assert (a["h2d_bytes"], b["h2d_bytes"]) == (9 * 10**6, 3 * 10**6)
+    assert a["h2d_GB_per_step"] == pytest.approx(9e-3 / 12)
+    assert (a["h2d_gbps"], b["h2d_gbps"]) == pytest.approx((18e-3, 6e-3))  # GB/s over 0.5 s
+    assert (a["link_busy"], b["link_busy"]) == pytest.approx((9e-3, 1.5e-3))
+    summed = c + c
+    assert summed.devices[0].fetched == 8 and summed.devices[1].device == "b"
 
 
 def test_the_prediction_reads_the_decode_steps_by_hand():

@@ -18,7 +18,7 @@ from strata_jax.tokenizer import byte_level_files, load_tokenizer
 from strata_runtime.cli import build_parser, engine_config, main
 from strata_runtime.compile_cache import ENV as CACHE_ENV
 from strata_runtime.engine import EngineConfig
-from strata_runtime.engine_flags import resident_shape
+from strata_runtime.engine_flags import resident_config
 from tests.helpers import tiny_config, write_checkpoint
 
 
@@ -51,6 +51,7 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "host_budget": (["--host", "1.5GiB"], "1.5GiB"),
     "batch_capacity": (["--batch-capacity", "3"], 3),
     "max_len": (["--max-len", "96"], 96),
+    "expert_devices": (["--expert-devices", "2"], 2),
     "workspace": (["--workspace", "64MiB"], "64MiB"),
     "predictor": (["--predictor", "none"], "none"),
     "policy": (["--policy", "lru"], "lru"),
@@ -109,7 +110,11 @@ def test_plan_and_generate_share_the_engine_defaults():
         assert engine_config(build_parser().parse_args(argv)) == EngineConfig(hbm_budget="1GB")
     args = build_parser().parse_args(["generate", "CKPT"])
     assert engine_config(args) is None
-    assert resident_shape(args) == (EngineConfig.batch_capacity, EngineConfig.max_len)
+    assert resident_config(args) == EngineConfig()
+    args = build_parser().parse_args(["generate", "CKPT", "--expert-devices", "2",
+                                      "--max-len", "64"])
+    assert engine_config(args) is None
+    assert resident_config(args) == EngineConfig(expert_devices=2, max_len=64)
 
 
 @pytest.mark.parametrize(("flags", "named"), [

@@ -96,6 +96,35 @@ def test_partial_pool_by_hand():
     assert led.used + led.free == hbm and not led.resident
 
 
+def test_over_devices_the_hbm_budget_is_each_devices_and_the_host_budget_all_of_theirs():
+    """16 experts (8 a layer) over 3 devices: they own 6, 6 and 4; every HBM line is per
+    device, tier 1 is the host budget's even split in whole experts."""
+    mb = ModelBytes.from_config(tiny())
+    bpe, fixed = mb.bytes_per_expert, mb.dense + 10 * mb.kv_bytes_per_token + 1000
+    led = _plan(mb, fixed + (2 * 1 + 3) * bpe + 17, 3 * 2 * bpe + 2, devices=3,
+                staging_slots=1)
+    assert led.owned == (6, 6, 4) and led.devices == 3
+    assert (led.staging_slots, led.pool_slots, led.free) == (1, 3, 17)
+    assert (led.dense, led.workspace) == (mb.dense, 1000)  # each device's, whole
+    assert led.host_share == 2 and led.host_slots == 6  # 2 experts (+ 2 bytes) per share
+    assert led.device_tiers() == [(3, 2, 1), (3, 2, 1), (3, 1, 0)]
+    assert (led.tier0, led.tier1, led.tier2) == (9, 5, 2)
+    assert led.used + led.free == led.hbm_budget and not led.resident
+    text = led.render()
+    assert "per device; 3 devices:" in text and "owning 6, 6, 4" in text
+    assert "3 / 3 / 3" in text and "2 / 2 / 1" in text and "1 / 1 / 0" in text
+    # a device's layer needs at most ceil(8 / 3) = 3 experts
+    assert [default_staging_slots(mb, b, 3) for b in (1, 16)] == [2, 3]
+    # each device holds all its own experts in a budget one device could not hold them in
+    resident = _plan(mb, fixed + 6 * bpe, "0B", devices=3)
+    assert resident.resident and resident.staging_slots == 0 and resident.pool_slots == 6
+    assert not _plan(mb, fixed + 6 * bpe + 4 * bpe, "0B").resident
+    with pytest.raises(BudgetError, match="per device is too small"):
+        _plan(mb, fixed, devices=3)
+    with pytest.raises(ValueError, match="expert_devices must be in"):
+        _plan(mb, "1GB", devices=9)
+
+
 def test_staging_slots_default_is_capped_by_experts_per_layer():
     mb = ModelBytes.from_config(tiny(num_layers=4))
     bpe, fixed = mb.bytes_per_expert, mb.dense + 16 * 10 * mb.kv_bytes_per_token + 1000

@@ -62,6 +62,10 @@ def test_each_phase_is_counted_and_the_totals_are_their_sum(run):
     assert stats["h2d_bytes"] == (summed["fetched"] + summed["issued"]
                                   + summed["admissions"]) * bpe
     assert stats["tier0_hit_rate"] == pytest.approx(summed["hits"] / summed["routed"])
+    (device,) = stats["devices"]  # one device: its share is everything
+    for name in ("hits", "fetched", "issued", "admissions", "disk_loads", "h2d_bytes"):
+        assert device[name] == (stats if name == "h2d_bytes" else summed)[name], name
+    assert device["link_busy"] == stats["link_busy"]
     for name in names:  # the bench's all-phase counts too
         assert getattr(counts, name) == pytest.approx(summed[name]), name
         assert getattr(counts.decode, name) == decode["totals"][name], name
