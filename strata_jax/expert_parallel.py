@@ -11,9 +11,8 @@ the tokens and logits are those of one device.
 
 `shard(model, devices)` gives a `Model` whose pool is laid out and placed so; the generate,
 logits and routing functions of `strata_jax.api` then run the programs of `programs(mesh)`.
-`offload(model, devices, resident, staging)` keeps only some experts of each device in its
-slots and the rest in its share of a pinned-host tier, for the staged programs: each device
-copies its own misses over its own link.
+Budgets over a mesh (each device's slots, staging halves and share of a pinned-host tier,
+its own misses over its own link) are the offload engine's: `EngineConfig.expert_devices`.
 """
 
 from __future__ import annotations
@@ -176,16 +175,6 @@ def _devices(devices: Sequence[jax.Device] | int) -> Sequence[jax.Device]:
     return devices
 
 
-def _stack(model: Model, mesh: Mesh, src: np.ndarray, memory_kind: str | None) -> ExpertPool:
-    """The pool whose slot i holds the resident model's slot `src[i]` (-1: zeros), sharded
-    over the expert axis in `memory_kind`."""
-    resident = np.asarray(model.slot_table).reshape(-1)
-    take = np.where(src >= 0, resident[np.maximum(src, 0)], 0)
-    sharding = NamedSharding(mesh, P(AXIS), memory_kind=memory_kind)
-    return ExpertPool(*(None if a is None else _pieces(np.asarray(a), take, src < 0, sharding)
-                        for a in model.experts))
-
-
 def _pieces(flat: np.ndarray, take: np.ndarray, empty: np.ndarray,
             sharding: NamedSharding) -> jax.Array:
     """The global array whose slot i is `flat[take[i]]` (zeros where `empty`): each device
@@ -197,28 +186,6 @@ def _pieces(flat: np.ndarray, take: np.ndarray, empty: np.ndarray,
         return out
 
     return jax.make_array_from_callback((len(take), *flat.shape[1:]), sharding, piece)
-
-
-def offload(model: Model, devices: Sequence[jax.Device] | int, resident: int,
-            staging: int) -> tuple[Model, step.Tiers]:
-    """`model` (resident, one device) over `devices` with `resident` experts of each layer
-    in each device's slots and the rest of its experts in its pinned-host share (tier 1),
-    `staging` experts per staging half after its slots: the model (its `experts` the device
-    pool) and the tiers the staged programs of `programs` read."""
-    devices = _devices(devices)
-    cfg = model.config
-    layout = Layout(cfg.num_layers, cfg.num_experts, len(devices), resident)
-    mesh = mesh_of(devices)
-    page, host_page = layout.pages()
-    pool = _stack(model, mesh, sources(page, layout.device_slots + 2 * staging), None)
-    host = _stack(model, mesh, sources(host_page, max(layout.host_slots, 1)), "pinned_host")
-    sharded = NamedSharding(mesh, P(AXIS))
-    tiers_ = step.Tiers(page=place(page, sharded), host=host,
-                        host_page=place(host_page, sharded),
-                        owner=place(layout.owner, NamedSharding(mesh, P())))
-    model = replace(model, params=place(model.params, NamedSharding(mesh, P())), experts=pool,
-                    slot_table=tiers_.page, mesh=mesh)
-    return model, tiers_
 
 
 def tiers(page: jax.Array) -> step.Tiers:

@@ -90,57 +90,6 @@ def devices(ckpt: str, counts: list[int]) -> dict:
     return out
 
 
-def _staged(model, tiers, plan, prompts, new: int, capacity: int, max_len: int):
-    """Tokens of `prompts` (at most `capacity`) through the staged programs of the mesh, and
-    per step whether the record served every routed expert exactly once."""
-    import numpy as np
-
-    from strata_jax import expert_parallel, step
-
-    progs = expert_parallel.programs(model.mesh)
-    pool, state = model.experts, model.init_state(capacity, max_len)
-    once = []
-
-    def served(out) -> None:
-        r = out.record
-        routed = (np.asarray(r.counts) > 0).sum()
-        total = int(np.sum(r.hits) + np.sum(r.prefetched) + np.sum(r.fetched))
-        once.append(bool(routed == total and not np.asarray(r.disk).any()))
-
-    for row, prompt in enumerate(prompts):
-        prompt = np.asarray(prompt, np.int32)
-        for start, size, count in step.prefill_chunks(len(prompt)):
-            chunk = np.zeros(size, np.int32)
-            chunk[:count] = prompt[start:start + count]
-            state, out, pool = progs.prefill_staged(model.config, plan, model.params, pool,
-                                                    tiers, state, row, chunk, start, count)
-            served(out)
-    tokens = [np.asarray(state.tokens)]
-    for _ in range(new - 1):
-        state, out, pool = progs.decode_staged(model.config, plan, model.params, pool, tiers,
-                                               state)
-        tokens.append(np.asarray(out.tokens))
-        served(out)
-    return np.stack(tokens, axis=1)[: len(prompts)].tolist(), all(once)
-
-
-def offload(ckpt: str, settings: list[str]) -> dict:
-    from strata_jax import expert_parallel, step
-
-    model = strata_jax.load(ckpt)
-    prompts = PROMPTS[:2]
-    ref = strata_jax.generate(model, prompts, max_new_tokens=NEW, batch_capacity=2,
-                              max_len=32)
-    out = {"devices": len(jax.devices())}
-    for setting in settings:
-        n, resident, staging, predictor = setting.split(":")
-        sharded, tiers = expert_parallel.offload(model, int(n), int(resident), int(staging))
-        plan = step.StepPlan(staging=int(staging), predictor=predictor)
-        tokens, once = _staged(sharded, tiers, plan, prompts, NEW, 2, 32)
-        out[setting] = {"tokens": tokens == ref, "served_once": once}
-    return out
-
-
 ENGINE_SHAPE = {"batch_capacity": 4, "max_len": 32}
 HEAT = "the reference run's heat"  # a case's heat_file: the one-device engine's routing
 ENGINE_CASES = {
@@ -266,8 +215,6 @@ if __name__ == "__main__":
 
     if mode == "devices":
         result = devices(ckpt, [int(n) for n in rest[0].split(",")])
-    elif mode == "offload":
-        result = offload(ckpt, rest)
     elif mode == "engine":
         result = engine(ckpt, rest)
     else:

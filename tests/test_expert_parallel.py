@@ -1,7 +1,8 @@
 """Experts over several devices (strata_jax/expert_parallel.py): the layout, then tokens and
-logits on 3 and 4 CPU devices (resident and offloaded, float and int4 experts) and over two
-`jax.distributed` processes, each against one device, bit for bit. The device settings run
-in subprocesses (tests/ep_worker.py)."""
+logits on 3 and 4 CPU devices (float and int4 experts) and over two `jax.distributed`
+processes, each against one device, bit for bit (offloaded budgets over a mesh:
+tests/runtime/test_engine_devices.py). The device settings run in subprocesses
+(tests/ep_worker.py)."""
 
 from __future__ import annotations
 
@@ -76,11 +77,8 @@ def quantized(tmp_path_factory):
 
 
 def test_int4_experts_on_4_devices_are_one_devices(quantized):
-    resident = launch(str(quantized), "devices", "4")
-    offloaded = launch(str(quantized), "offload", "2:1:2:next-gate")
-    assert result(resident)["4"] == {"greedy": True, "sampled": True, "logits": True,
-                                      "pool_shards": 4, "cli": True}
-    assert result(offloaded)["2:1:2:next-gate"] == {"tokens": True, "served_once": True}
+    assert result(launch(str(quantized), "devices", "4"))["4"] == {
+        "greedy": True, "sampled": True, "logits": True, "pool_shards": 4, "cli": True}
 
 
 def test_tokens_and_logits_on_3_devices_are_one_devices(ckpt):
@@ -89,18 +87,6 @@ def test_tokens_and_logits_on_3_devices_are_one_devices(ckpt):
     assert got["devices"] == 4
     assert got["3"] == {"greedy": True, "sampled": True, "logits": True, "pool_shards": 3,
                         "cli": True}
-
-
-OFFLOADED = ["4:0:4:next-gate", "3:1:3:none"]
-
-
-def test_offloaded_experts_on_3_and_4_devices_give_one_devices_tokens(ckpt):
-    """Each device copies its own misses from its pinned-host share into its own staging
-    halves (and prefetches its own experts): resident one-device tokens, every routed expert
-    served once."""
-    got = result(launch(str(ckpt), "offload", *OFFLOADED))
-    for setting in OFFLOADED:
-        assert got[setting] == {"tokens": True, "served_once": True}, setting
 
 
 def _free_port() -> int:

@@ -115,6 +115,6 @@ def test_host_compute_takes_packed_and_host_dequantized_experts(quantized, host_
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=0.02 * np.abs(ref_logits).max())
     (dev_tokens, dev_logits), _ = _generate(quantized)
     (tokens, logits), engine = _generate(quantized, miss="host")
-    assert engine.counters.hosted > 0 and engine.residency.host.quantized
+    assert engine.counters.hosted > 0 and engine.shares[0].residency.host.quantized
     np.testing.assert_array_equal(tokens, dev_tokens)
     np.testing.assert_allclose(logits, dev_logits, rtol=0, atol=0.02 * np.abs(dev_logits).max())

@@ -1,10 +1,10 @@
-"""Every predictor x policy x dequant setting, at budgets holding 10 %, 35 % (float models),
-70 % and 100 % of the experts, gives greedy tokens and every step's logits bit-identical to
-an unlimited budget, on a tiny synthetic and a tiny HF-converted model, float and int8-dense
-+ int4-expert quantized, and the same tokens as the resident API. With batch_capacity=2 a
-staging half holds 4 of 8 experts, so prefill runs in several passes. Host dequantization
-runs on the synthetic int4 model only: where int4 experts are unpacked does not depend on
-the family.
+"""Every predictor x policy x dequant setting, at budgets holding 10 %, 35 % (the synthetic
+float model), 70 % and 100 % of the experts, gives greedy tokens and every step's logits
+bit-identical to an unlimited budget, on a tiny synthetic and a tiny HF-converted model,
+float and int8-dense + int4-expert quantized, and the same tokens as the resident API. With
+batch_capacity=2 a staging half holds 4 of 8 experts, so prefill runs in several passes.
+Host dequantization runs on the synthetic int4 model only: where int4 experts are unpacked
+does not depend on the family.
 """
 
 import itertools
@@ -25,7 +25,7 @@ from tests.runtime.contract import run_rows
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [7, 7, 1]]
 NEW_TOKENS = 4
 FRACTIONS = (0.1, 0.35, 0.7)  # and 1.0: resident_experts=None, the reference itself
-INT4_FRACTIONS = (0.1, 0.7)  # the tightest and a loose one: each budget is a compile
+SHORT_FRACTIONS = (0.1, 0.7)  # the tightest and a loose one: each budget is a compile
 
 
 def _hf_mixtral(path):
@@ -69,7 +69,7 @@ def test_every_setting_is_bit_identical_to_unlimited(checkpoints, model):
         if dequant == "device":
             assert ref_tokens.tolist() == resident_api
         for predictor, policy in itertools.product(PREDICTORS, POLICIES):
-            for fraction in INT4_FRACTIONS if model.endswith("int4") else FRACTIONS:
+            for fraction in FRACTIONS if model == "synthetic" else SHORT_FRACTIONS:
                 tokens, logits, engine = _generate(
                     reader, dequant=dequant, predictor=predictor, policy=policy,
                     resident_experts=int(fraction * total))
