@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", help="comma-separated names (default: all)")
     ap.add_argument("--logits", action="store_true",
                     help="every prompt in its own row at once (--prompts <= --batch): compare "
@@ -108,11 +109,11 @@ def main() -> None:
         logits = []
         with Engine(reader, config) as engine:
             if args.logits:
-                runs = [run_rows(engine, prompts, args.new) for _ in range(3)]
+                runs = [run_rows(engine, prompts, args.new) for _ in range(args.repeats)]
                 outs = [t.tolist() for t, _ in runs]
                 logits = [np.asarray(lg, np.float32) for _, lg in runs]
             else:
-                outs = [engine.generate(prompts, args.new) for _ in range(3)]
+                outs = [engine.generate(prompts, args.new) for _ in range(args.repeats)]
             stats = engine.stats()
         if reference is None:
             reference, reference_logits = outs[0], logits[:1]

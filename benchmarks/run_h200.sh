@@ -32,7 +32,8 @@
 #   "repeat" in PARTS  benchmarks/repeat_check.py: same tokens on every repeat of one engine?
 #                     (as is, then with --xla_gpu_deterministic_ops)
 #   "exact" in PARTS   the offloaded prefill against resident on the ladder's checkpoint, every
-#                     step's logits: as is, without GEMM autotuning, without row chunks
+#                     step's logits, once per XLA_FLAGS in EXACT_FLAGS ('|'-separated; "none":
+#                     as is; DUMP: also dump the prefill programs' optimized HLO)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -139,14 +140,21 @@ if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Dis
   ckpt=/tmp/strata_seed6_bf16
   [[ -f $ckpt/config.json ]] || python3 -c "from strata_jax import synth; synth.synthesize(
     'seed-125b', '$ckpt', layers=6, skew=0.7, seed=0, dtype='bfloat16', progress=False)"
-  A="--checkpoint $ckpt --prompts 2 --prompt-len 32 --new 6 --batch 2 --logits"
-  A="$A --engines resident,ladder-no-disk"
-  for v in "" "XLA_FLAGS=--xla_gpu_autotune_level=0" "--row-chunks off"; do
-    echo "== t=${SECONDS}s: exactness of the offloaded prefill ($v)"
-    if [[ $v == XLA_FLAGS=* ]]; then env "$v" timeout -k 5 200 python3 -m benchmarks.repeat_check \
-      --out "$OUT" $A; else timeout -k 5 200 python3 -m benchmarks.repeat_check --out "$OUT" \
-      $A $v; fi 2>&1 | grep -v "^[WI]0" | cut -c1-900
+  A="--checkpoint $ckpt --prompts 2 --prompt-len 32 --new 4 --batch 2 --logits --repeats 1"
+  A="$A --engines ${EXACT_ENGINES:-resident,ladder-no-disk}"
+  EXACT_FLAGS=${EXACT_FLAGS:-"none|--xla_gpu_autotune_level=0"}
+  IFS='|' read -ra variants <<< "$EXACT_FLAGS"
+  for v in "${variants[@]}"; do  # XLA_FLAGS of each run ("none": as is; DUMP in it: HLO dump)
+    flags=${v//none/}
+    if [[ $flags == *DUMP* ]]; then mkdir -p /tmp/hlo && flags="${flags//DUMP/} --xla_dump_to=/tmp/hlo \
+--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*prefill.*"; fi
+    echo "== t=${SECONDS}s: exactness of the offloaded prefill (XLA_FLAGS=$flags)"
+    XLA_FLAGS="$flags" timeout -k 5 240 python3 -m benchmarks.repeat_check --out "$OUT" $A \
+      2>&1 | grep -v "^[WI]0" | cut -c1-900
   done
+  if [[ -d /tmp/hlo ]]; then
+    tar czf "$OUT/hlo_prefill.tgz" -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt)
+  fi
 fi
 if [[ $PARTS == *disk* ]]; then
   left=$((BUDGET_S - SECONDS - 10))

@@ -151,6 +151,11 @@ class DecoderLayer(nn.Module):
         lp = {k: self.param(k, _initializer(k, s.dtype), s.shape, s.dtype)
               for k, s in layer_specs(cfg, self.dense).items()}
         x_in, positions, token_live, skip = _resumed(carry, rows, inputs)
+        # The layer's math sits between two barriers in every program, so what the resume
+        # (or its absence) puts around it cannot change how it is fused, nor its bits
+        # (docs/design.md, "Measured").
+        x_in, positions, token_live = jax.lax.optimization_barrier(
+            (x_in, positions, token_live))
         x, k_all, v_all = cached_attention(cfg, lp, x_in, positions, carry.k, carry.v,
                                            rows.layer, inputs.row)
         half = rows.layer % 2  # staging half this layer's demand copies use
@@ -165,6 +170,7 @@ class DecoderLayer(nn.Module):
             pool, pre_ids = prefetch(cfg, plan, pool, inputs.host, x_attn, rows.next_router,
                                      rows.next_page, rows.next_host_page, token_live,
                                      half, last)
+        x = jax.lax.optimization_barrier(x)
         if skip is None:
             return LayerCarry(x, k_all, v_all, pool, pre_ids), record
         stall = jnp.any(record["disk"])

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from strata_jax.layers import ordered_sum
 from strata_jax.pool import ExpertPool
 from strata_jax.quant import GROUP
 
@@ -583,7 +584,8 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     else:
         parts = int4_matmul_t(xp, order, n_valid, slots, gate_up, tiles, out_dtype=jnp.float32,
                               splits=tiles.up_splits, name="int4_gate_up",
-                              x_scale=x_scale).sum(0)
+                              x_scale=x_scale)
+        parts = ordered_sum(parts, 0)
         h_t = (jax.nn.silu(parts[:, 0]) * parts[:, 1]).astype(x.dtype)
     # [C, n, F]: a few MB, fused into one XLA transpose
     h, h_scale = _operand(jnp.swapaxes(h_t, 1, 2), tiles.f16, valid)
@@ -591,5 +593,5 @@ def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles
     y_t = int4_matmul_t(h, order, n_valid, slots, ((as_int4(pool.w2), pool.w2_scale),), down,
                         out_dtype=jnp.float32, splits=down.down_splits, name="int4_down",
                         x_scale=h_scale)
-    y = jnp.where(valid[:, None, None], jnp.sum(y_t[:, :, 0], axis=0), 0.0)  # invalid: unwritten
+    y = jnp.where(valid[:, None, None], ordered_sum(y_t[:, :, 0], 0), 0.0)  # invalid: unwritten
     return jnp.swapaxes(y, 1, 2)[:, None, :n0]

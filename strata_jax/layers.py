@@ -8,6 +8,20 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
+def ordered_sum(a: jax.Array, axis: int, keepdims: bool = False) -> jax.Array:
+    """Sum over a short `axis` as a chain of adds in index order.
+
+    A reduce's order is the emitter's choice, which on GPUs follows how the reduce was fused,
+    so two programs (resident and offloaded: docs/design.md, "Measured") could round the same
+    sum differently; adds of floats are never reassociated, so this order is fixed.
+    """
+    parts = jnp.moveaxis(a, axis, 0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return jnp.expand_dims(total, axis) if keepdims else total
+
+
 def einsum_f32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """einsum accumulated and returned in float32.
 

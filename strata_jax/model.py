@@ -19,7 +19,7 @@ import numpy as np
 from strata_jax import misses
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles
-from strata_jax.layers import apply_rope, attend, einsum_f32, rms_norm, rope_tables
+from strata_jax.layers import apply_rope, attend, einsum_f32, ordered_sum, rms_norm, rope_tables
 from strata_jax.moe import ExpertPool, Routing, apply_experts, combine_routed, route, routed_outputs
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def force_routing(cfg: ModelConfig, routing: Routing, forced: jax.Array) -> Rout
     experts = jnp.where(forced >= 0, forced, routing.experts)
     weights = jnp.take_along_axis(jax.nn.softmax(routing.logits, axis=-1), experts, axis=-1)
     if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / ordered_sum(weights, -1, keepdims=True)
     return Routing(experts, weights.astype(routing.weights.dtype), routing.logits)
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from strata_jax import expert_kernels
 from strata_jax.int4_kernel import Int4Tiles
+from strata_jax.layers import ordered_sum
 from strata_jax.pool import ExpertPool
 
 
@@ -43,7 +44,7 @@ def route(
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / ordered_sum(weights, -1, keepdims=True)
     return Routing(experts.astype(jnp.int32), weights.astype(h.dtype), logits)
 
 
@@ -119,7 +120,7 @@ def _dense_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
     capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
     ids, valid = active_experts(routing.experts, num_experts, capacity, take)
     outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid, int4_tiles)
-    per_expert = jnp.sum(outputs, axis=1)
+    per_expert = ordered_sum(outputs, 1)
     position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
     return per_expert[position, jnp.arange(n)[:, None]]
 
@@ -130,8 +131,8 @@ def _chunked_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
                         expert_kernels.ROW_TILE)
     rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[chunks.rows]
     slots = slot_of_expert[jnp.minimum(chunks.expert, slot_of_expert.shape[0] - 1)]
-    outputs = jnp.sum(expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid, int4_tiles),
-                      axis=1)
+    outputs = ordered_sum(
+        expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid, int4_tiles), 1)
     return outputs[chunks.pick_chunk, chunks.pick_row]
 
 
@@ -182,4 +183,4 @@ def chunk_picks(experts: jax.Array, take: jax.Array, num_experts: int, rows: int
 def combine_routed(routing: Routing, outputs: jax.Array) -> jax.Array:
     """The routing-weighted sum over picks of `routed_outputs` [N, K, D] -> [N, D] float32."""
     weights = routing.weights.astype(jnp.float32)[..., None]
-    return jnp.sum(outputs * weights, axis=1)
+    return ordered_sum(outputs * weights, 1)
