@@ -314,31 +314,21 @@ def measured_profile(ceilings: dict[str, Any], fingerprint: dict[str, Any]) -> H
 
 @dataclasses.dataclass(kw_only=True)
 class Counts:
-    """What one timed run did, from the engine's counters (additive over repeats): `routed`
-    to `resumed_layers` over every program call, `decode` the decode steps' share of them."""
+    """What one timed run did, from the engine's counters (additive over repeats): the
+    decode steps' and the prefill chunks' work apart (`decode`, `prefill`; `total` both)."""
 
     wall_s: float = 0.0
     new_tokens: int = 0
     decode_steps: int = 0
+    """Timed decode steps (`decode.calls` also counts the compiling one)."""
     decode_tokens: int = 0
     decode_s: float = 0.0
-    prefill_chunks: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0
-    routed: int = 0
-    hits: int = 0
-    prefetched: int = 0
-    fetched: int = 0
-    hosted: int = 0
-    issued: int = 0
-    admissions: int = 0
     swaps: int = 0
-    disk_loads: int = 0
-    disk_stall_s: float = 0.0
-    resumed_layers: int = 0
     decode: PhaseCounts = dataclasses.field(default_factory=PhaseCounts)
-    """The decode steps' counters alone (`decode.calls`: decode steps observed, the compiling
-    one included), which the cost model's prediction reads."""
+    """The decode steps' counters, which the cost model's prediction reads."""
+    prefill: PhaseCounts = dataclasses.field(default_factory=PhaseCounts)
     devices: tuple[DeviceCounts, ...] = ()
     """Each device's share (`EngineStats.devices`)."""
 
@@ -350,9 +340,23 @@ class Counts:
         return Counts(**summed, devices=devices)
 
     @property
+    def total(self) -> PhaseCounts:
+        """Both phases' counters summed."""
+        return self.decode + self.prefill
+
+    @property
+    def prefill_chunks(self) -> int:
+        return self.prefill.calls
+
+    @property
     def steps(self) -> int:
         """Program calls: decode steps and prefill chunks."""
         return self.decode_steps + self.prefill_chunks
+
+    def doc(self) -> dict[str, Any]:
+        """The JSON form: the fields, and both phases' totals at the top level."""
+        totals = {k: v for k, v in dataclasses.asdict(self.total).items() if k != "calls"}
+        return {**dataclasses.asdict(self), **totals, "prefill_chunks": self.prefill_chunks}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -369,15 +373,16 @@ class Sizes:
 
     def hbm_bytes(self, c: Counts) -> float:
         return (c.steps * self.dense_bytes + c.decode_steps * self.kv_bytes
-                + c.prefill_chunks * self.kv_bytes / self.rows + c.routed * self.bytes_per_expert)
+                + c.prefill_chunks * self.kv_bytes / self.rows
+                + c.total.routed * self.bytes_per_expert)
 
-    def h2d_bytes(self, c: Counts) -> int:
+    def h2d_bytes(self, c: PhaseCounts) -> int:
         return (c.fetched + c.issued + c.admissions) * self.bytes_per_expert
 
-    def disk_bytes(self, c: Counts | PhaseCounts) -> int:
+    def disk_bytes(self, c: PhaseCounts) -> int:
         return c.disk_loads * self.bytes_per_expert
 
-    def hosted_bytes(self, c: Counts) -> int:
+    def hosted_bytes(self, c: PhaseCounts) -> int:
         """Expert bytes the host kernel read (misses computed on the host)."""
         return c.hosted * self.bytes_per_expert
 
@@ -403,13 +408,8 @@ def _counts(engine: Engine, wall_s: float, new_tokens: int) -> Counts:
     c = engine.counters
     return Counts(wall_s=wall_s, new_tokens=new_tokens, decode_steps=c.decode_steps,
                   decode_tokens=c.decode_tokens, decode_s=c.decode_s,
-                  prefill_chunks=c.prefill.calls, prefill_tokens=c.prefill_tokens,
-                  prefill_s=c.prefill_s, routed=c.routed, hits=c.hits,
-                  prefetched=c.prefetched, fetched=c.fetched, hosted=c.hosted,
-                  issued=c.issued,
-                  admissions=c.admissions, swaps=c.swaps, disk_loads=c.disk_loads,
-                  disk_stall_s=c.disk_stall_s, resumed_layers=c.resumed_layers,
-                  decode=dataclasses.replace(c.decode),
+                  prefill_tokens=c.prefill_tokens, prefill_s=c.prefill_s, swaps=c.swaps,
+                  decode=dataclasses.replace(c.decode), prefill=dataclasses.replace(c.prefill),
                   devices=tuple(dataclasses.replace(d) for d in c.devices))
 
 
@@ -423,17 +423,18 @@ def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
     docstring); a disk term only where disk loads happened and a disk rate was measured. Over
     several devices the links copy side by side: the link term is the busiest device's."""
     link = min(ceilings["pinned_h2d_gbps"], ceilings["host_read_gbps"]) * 1e9
+    t = c.total
     h2d = max((d.h2d_bytes(sizes.bytes_per_expert) for d in c.devices),
-              default=sizes.h2d_bytes(c))
+              default=sizes.h2d_bytes(t))
     seconds = {"hbm": sizes.hbm_bytes(c) / (ceilings["hbm_read_gbps"] * 1e9),
                "compute": sizes.flops(c) / (ceilings["matmul_tflops"] * 1e12),
                link_name(ceilings): h2d / link}
-    disk = sizes.disk_bytes(c)
+    disk = sizes.disk_bytes(t)
     if disk and disk_gbps:
         seconds["disk"] = disk / (disk_gbps * 1e9)
     beside = 0.0  # the host's misses run beside the link's copies
-    if c.hosted:
-        seconds["host-compute"] = sizes.hosted_bytes(c) / (ceilings["host_read_gbps"] * 1e9)
+    if t.hosted:
+        seconds["host-compute"] = sizes.hosted_bytes(t) / (ceilings["host_read_gbps"] * 1e9)
         beside = min(seconds["host-compute"], seconds[link_name(ceilings)])
     serial = max(seconds["hbm"], seconds["compute"]) + sum(
         t for k, t in seconds.items() if k not in ("hbm", "compute")) - beside
@@ -464,9 +465,10 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
     if not c.decode_steps or not d.calls:
         return None
     if d.disk_loads and hw.disk_gbps <= 0:
-        loads, stall = (d, d.disk_stall_s) if d.disk_stall_s > 0 else (c, c.disk_stall_s)
-        if stall > 0:
-            hw = dataclasses.replace(hw, disk_gbps=sizes.disk_bytes(loads) / stall / 1e9)
+        loads = d if d.disk_stall_s > 0 else c.total
+        if loads.disk_stall_s > 0:
+            hw = dataclasses.replace(hw, disk_gbps=sizes.disk_bytes(loads)
+                                     / loads.disk_stall_s / 1e9)
     disk = d.disk_loads if hw.disk_gbps > 0 else 0
     need = d.fetched + d.prefetched
     steps = d.calls
@@ -520,31 +522,32 @@ def device_figures(c: Counts, sizes: Sizes) -> list[dict[str, Any]]:
 
 def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
     """The per-run figures a row reports (step percentiles over `steps_s`)."""
-    t = np.asarray(steps_s) if steps_s else None
+    times = np.asarray(steps_s) if steps_s else None
     per = max(c.steps, 1)
     decode = max(c.decode.calls, 1)
+    t = c.total
     return {
         "tok_s": c.new_tokens / c.wall_s if c.wall_s > 0 else None,
         "decode_tok_s": c.decode_tokens / c.decode_s if c.decode_s > 0 else None,
-        "step_ms_p50": float(np.percentile(t, 50) * 1e3) if t is not None else None,
-        "step_ms_p99": float(np.percentile(t, 99) * 1e3) if t is not None else None,
-        "tier0_hit_rate": c.hits / c.routed if c.routed else None,
-        "prefetch_hit_rate": c.prefetched / c.routed if c.routed else None,
-        "bytes": {"hbm": sizes.hbm_bytes(c), "h2d": sizes.h2d_bytes(c),
-                  "h2d_wasted": (c.issued - c.prefetched) * sizes.bytes_per_expert,
-                  "disk": sizes.disk_bytes(c)},
+        "step_ms_p50": float(np.percentile(times, 50) * 1e3) if times is not None else None,
+        "step_ms_p99": float(np.percentile(times, 99) * 1e3) if times is not None else None,
+        "tier0_hit_rate": t.hits / t.routed if t.routed else None,
+        "prefetch_hit_rate": t.prefetched / t.routed if t.routed else None,
+        "bytes": {"hbm": sizes.hbm_bytes(c), "h2d": sizes.h2d_bytes(t),
+                  "h2d_wasted": (t.issued - t.prefetched) * sizes.bytes_per_expert,
+                  "disk": sizes.disk_bytes(t)},
         "per_step": {"hbm_GB": sizes.hbm_bytes(c) / per / 1e9,
-                     "h2d_GB": sizes.h2d_bytes(c) / per / 1e9,
-                     "disk_GB": sizes.disk_bytes(c) / per / 1e9,
+                     "h2d_GB": sizes.h2d_bytes(t) / per / 1e9,
+                     "disk_GB": sizes.disk_bytes(t) / per / 1e9,
                      "ms_engine": 1e3 * (c.decode_s + c.prefill_s) / per,
-                     "ms_disk_stall": 1e3 * c.disk_stall_s / per,
+                     "ms_disk_stall": 1e3 * t.disk_stall_s / per,
                      "decode_disk_GB": sizes.disk_bytes(c.decode) / decode / 1e9,
                      "decode_ms_disk_stall": 1e3 * c.decode.disk_stall_s / decode},
         "flops": sizes.flops(c),
-        "disk_loads": c.disk_loads,
-        "disk_stall_s": c.disk_stall_s,
+        "disk_loads": t.disk_loads,
+        "disk_stall_s": t.disk_stall_s,
         "devices": device_figures(c, sizes),
-        "counts": dataclasses.asdict(c),
+        "counts": c.doc(),
     }
 
 
@@ -624,7 +627,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
             c = _counts(engine, wall, sum(len(t) for t in out))
             run_steps = list(engine.counters.recent_steps)
             engine.reset_stats()
-            disk = _disk_rate(ceilings, reader, config) if c.disk_loads else None
+            disk = _disk_rate(ceilings, reader, config) if c.total.disk_loads else None
             row = {"kind": "repeat", **head, "repeat": r, **_figures(c, sizes, run_steps),
                    "bound": bound(c, sizes, ceilings, disk),
                    "predicted": prediction(c, sizes, hw, layers),
@@ -637,7 +640,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
             if on_row is not None:
                 on_row(row)
     total = sum(counts, Counts())
-    disk = _disk_rate(ceilings, reader, config) if total.disk_loads else None
+    disk = _disk_rate(ceilings, reader, config) if total.total.disk_loads else None
     figures = _figures(total, sizes, steps_s)
     per_repeat = {k: median_interval([r[k] for r in rows], settings.seed)
                   for k in ("tok_s", "decode_tok_s") if all(r[k] is not None for r in rows)}
@@ -651,8 +654,8 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         **{k: figures[k] for k in ("step_ms_p50", "step_ms_p99", "tier0_hit_rate",
                                    "prefetch_hit_rate", "bytes", "per_step", "flops",
                                    "devices")},
-        "disk_loads": float(np.median([c.disk_loads for c in counts])),
-        "disk_stall_s": float(np.median([c.disk_stall_s for c in counts])),
+        "disk_loads": float(np.median([c.total.disk_loads for c in counts])),
+        "disk_stall_s": float(np.median([c.total.disk_stall_s for c in counts])),
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
                                 if total.decode_s > 0 else None),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),

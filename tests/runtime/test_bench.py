@@ -127,8 +127,9 @@ def test_same_seed_same_tokens_another_seed_other_prompts(ckpt, rows, tmp_path, 
 
 def test_the_bound_by_hand():
     c = Counts(wall_s=2.0, new_tokens=100, decode_steps=10, decode_tokens=90,
-               prefill_chunks=2, prefill_tokens=10, routed=50, fetched=4, issued=6,
-               prefetched=5, admissions=2, disk_loads=3)
+               prefill_tokens=10, prefill=PhaseCounts(calls=2, routed=8, fetched=1),
+               decode=PhaseCounts(calls=10, routed=42, fetched=3, issued=6, prefetched=5,
+                                  admissions=2, disk_loads=3))
     sizes = Sizes(bytes_per_expert=10**6, dense_bytes=10**7, kv_bytes=4 * 10**6, rows=4,
                   flops_per_token=10**6)
     ceilings = {"pinned_h2d_gbps": 1.0, "host_read_gbps": 2.0, "hbm_read_gbps": 100.0,
@@ -146,11 +147,13 @@ def test_the_bound_by_hand():
     assert b["binds"] == "pcie"
     assert bound(c, sizes, ceilings, disk_gbps=None)["disk_unbounded"]
     # 8 misses computed on the host (4 ms at 2 GB/s) beside the 12 ms of copies: hidden
-    hosted = bound(dataclasses.replace(c, hosted=8), sizes, ceilings, disk_gbps=0.5)
+    hosted = bound(dataclasses.replace(c, decode=dataclasses.replace(c.decode, hosted=8)),
+                   sizes, ceilings, disk_gbps=0.5)
     assert hosted["seconds"]["host-compute"] == pytest.approx(4e-3)
     assert hosted["bound_s"] == pytest.approx(serial)
     # 30 of them (15 ms) outlast the copies
-    hosted = bound(dataclasses.replace(c, hosted=30), sizes, ceilings, disk_gbps=0.5)
+    hosted = bound(dataclasses.replace(c, prefill=dataclasses.replace(c.prefill, hosted=30)),
+                   sizes, ceilings, disk_gbps=0.5)
     assert hosted["bound_s"] == pytest.approx(serial + 3e-3)
 
 
@@ -160,8 +163,9 @@ def test_over_devices_the_link_term_is_the_busiest_devices_by_hand():
     devices = (DeviceCounts("a", 2.0, fetched=4, issued=3, admissions=2),
                DeviceCounts("b", 4.0, issued=3))
     c = Counts(wall_s=2.0, new_tokens=100, decode_steps=10, decode_tokens=90, decode_s=0.4,
-               prefill_chunks=2, prefill_tokens=10, prefill_s=0.1, routed=50, fetched=4,
-               issued=6, admissions=2, devices=devices)
+               prefill_tokens=10, prefill_s=0.1, prefill=PhaseCounts(calls=2, routed=10),
+               decode=PhaseCounts(calls=10, routed=40, fetched=4, issued=6, admissions=2),
+               devices=devices)
     sizes = Sizes(bytes_per_expert=10**6, dense_bytes=10**7, kv_bytes=4 * 10**6, rows=4,
                   flops_per_token=10**6)
     ceilings = {"pinned_h2d_gbps": 1.0, "host_read_gbps": 2.0, "hbm_read_gbps": 100.0,
@@ -183,10 +187,10 @@ def test_the_prediction_reads_the_decode_steps_by_hand():
     decode = PhaseCounts(calls=10, routed=40, hits=10, prefetched=6, fetched=24, issued=8,
                          admissions=5, disk_loads=4, disk_stall_s=0.02, resumed_layers=6)
     c = Counts(wall_s=3.0, new_tokens=40, decode_steps=10, decode_tokens=30, decode_s=1.0,
-               prefill_chunks=2, prefill_tokens=64, prefill_s=2.0, routed=40 + 2 * 12,
-               hits=10 + 2, prefetched=6, fetched=24 + 2 * 10, issued=8, admissions=5 + 6,
-               disk_loads=4 + 20, disk_stall_s=0.02 + 1.0, resumed_layers=6 + 8,
-               decode=decode)
+               prefill_tokens=64, prefill_s=2.0, decode=decode,
+               prefill=PhaseCounts(calls=2, routed=2 * 12, hits=2, fetched=2 * 10,
+                                   admissions=6, disk_loads=20, disk_stall_s=1.0,
+                                   resumed_layers=8))
     sizes = Sizes(bytes_per_expert=10**6, dense_bytes=10**7, kv_bytes=4 * 10**6, rows=4,
                   flops_per_token=10**6)
     hw = HardwareProfile(name="hand", pcie_gbps=10.0, host_read_gbps=20.0, hbm_gbps=100.0,
@@ -205,7 +209,7 @@ def test_the_prediction_reads_the_decode_steps_by_hand():
     # decode loads without measurable stall time: the rate of every call's loads
     still = dataclasses.replace(c, decode=dataclasses.replace(decode, disk_stall_s=0.0))
     assert prediction(still, sizes, hw, layers)["inputs"]["disk_gbps"] == pytest.approx(
-        24e6 / 1.02 / 1e9)
+        24e6 / 1.0 / 1e9)  # 24 loads in the prefill's 1.0 s
     # only the prefill chunks read the disk: no disk term in a decode step
     calm = dataclasses.replace(c, decode=dataclasses.replace(
         decode, disk_loads=0, disk_stall_s=0.0, resumed_layers=0))
@@ -213,7 +217,8 @@ def test_the_prediction_reads_the_decode_steps_by_hand():
     assert inputs["disk_loads"] == 0 and inputs["rerun"] == 0 and inputs["disk_gbps"] is None
     assert (c + c).decode == PhaseCounts(**{k: 2 * v for k, v in
                                             dataclasses.asdict(decode).items()})
-    assert json.loads(json.dumps(dataclasses.asdict(c)))["decode"]["routed"] == 40
+    doc = json.loads(json.dumps(c.doc()))
+    assert (doc["decode"]["routed"], doc["routed"], doc["prefill_chunks"]) == (40, 64, 2)
     assert prediction(dataclasses.replace(c, decode=PhaseCounts()), sizes, hw, layers) is None
 
 
