@@ -7,6 +7,9 @@ it starts, so each setting needs a process of its own.
         experts per layer and device in HBM, S per staging half, predictor P), tokens equal,
         and whether every routed expert was served once (hit, prefetched or copied)
     python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
+    python -m tests.ep_worker CKPT engine-process ID PORT  -> JSON: the offload engine over
+        the 4 devices of two processes (PROCESS_CASE): this process's view of its tokens,
+        a digest of every decode step's logits, its stats and what its shares hold
     python -m tests.ep_worker CKPT engine N:CASE ...  -> JSON: per setting (the offload engine
         over N devices with the knobs of ENGINE_CASES[CASE]), tokens and every decode step's
         logits equal to the one-device resident engine's, whether every device's tables hold
@@ -201,9 +204,48 @@ def process(ckpt: str, pid: int, port: str) -> dict:
             "tokens": _generate(model, False)}
 
 
+# per device: 2 HBM slots (one a cache slot), 2 tier-1 experts; half the experts on disk only
+PROCESS_CASE = {"hbm_budget": "200KiB", "host_budget": "100KiB", "workspace": "64KiB",
+                "cache_fraction": 0.5, "rebalance_every": 2}
+PROCESS_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [42]]  # one prefill bucket: one compile
+PROCESS_STATS = ("processes", "expert_devices", "tier0_experts", "tier1_experts", "disk_loads",
+                 "resumed_layers", "admissions", "rebalance_swaps", "failed_requests")
+
+
+def digest(logits) -> str:
+    """A digest of float arrays' bits (equal digests: bit-identical logits)."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(logits, np.float32).tobytes()).hexdigest()
+
+
+def engine_process(ckpt: str, pid: int, port: str) -> dict:
+    """One of two processes running the same offload engine calls over all 4 devices."""
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid)
+    from strata_runtime.engine import Engine, EngineConfig
+    from tests.runtime.contract import run_rows
+
+    config = EngineConfig(**ENGINE_SHAPE, expert_devices=len(jax.devices()), **PROCESS_CASE)
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        tokens, logits = run_rows(engine, PROCESS_PROMPTS, ENGINE_NEW)
+        more = engine.generate(PROCESS_PROMPTS, ENGINE_NEW)  # through the scheduler
+        stats = engine.stats()
+        shares = [s.device for s in engine.shares]
+        own = _owners_only(engine)
+    devices = stats["devices"]
+    return {"process": pid, "local": len(jax.local_devices()), "shares": shares,
+            "owners": own, "tokens": tokens.tolist(), "logits": digest(logits),
+            "generate": more, **{k: stats[k] for k in PROCESS_STATS},
+            "fetched": sum(d["fetched"] for d in devices),
+            "devices": [{k: d[k] for k in COUNTED} for d in devices]}
+
+
 if __name__ == "__main__":
     ckpt, mode, *rest = sys.argv[1:]
-    count = 2 if mode == "process" else 4
+    count = 2 if mode in ("process", "engine-process") else 4
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={count}")
     import jax
@@ -217,6 +259,8 @@ if __name__ == "__main__":
         result = devices(ckpt, [int(n) for n in rest[0].split(",")])
     elif mode == "engine":
         result = engine(ckpt, rest)
+    elif mode == "engine-process":
+        result = engine_process(ckpt, int(rest[0]), rest[1])
     else:
         result = process(ckpt, int(rest[0]), rest[1])
     print("RESULT " + json.dumps(result), flush=True)
