@@ -19,6 +19,7 @@ it starts, so each setting needs a process of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -222,9 +223,13 @@ def digest(logits) -> str:
 
 
 def engine_process(ckpt: str, pid: int, port: str) -> dict:
-    """One of two processes running the same offload engine calls over all 4 devices."""
+    """One of two processes running the same offload engine calls over all 4 devices: the
+    tokens, a request sampled without a seed, then the same engine on a copy of the
+    checkpoint with a chunk of the last device's (process 1's) corrupt; and the refusal of
+    devices that leave out a process."""
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
+    from strata_jax.sampling import SamplingParams
     from strata_runtime.engine import Engine, EngineConfig
     from tests.runtime.contract import run_rows
 
@@ -232,15 +237,53 @@ def engine_process(ckpt: str, pid: int, port: str) -> dict:
     with Engine.from_checkpoint(ckpt, config) as engine:
         tokens, logits = run_rows(engine, PROCESS_PROMPTS, ENGINE_NEW)
         more = engine.generate(PROCESS_PROMPTS, ENGINE_NEW)  # through the scheduler
+        bad = _corrupt_copy(ckpt, engine, pid)  # by these prompts' routing
+        # each process's scheduler draws its own seed: the engine takes the first's
+        sampled = engine.generate(PROCESS_PROMPTS[:1], ENGINE_NEW,
+                                  SamplingParams(temperature=0.8, top_k=20))
         stats = engine.stats()
         shares = [s.device for s in engine.shares]
         own = _owners_only(engine)
+    with Engine.from_checkpoint(bad[0], config) as engine:  # the same programs: no compile
+        failing = [[r.tokens, r.error] for r in engine.generate_results(PROCESS_PROMPTS,
+                                                                        ENGINE_NEW)]
+    try:
+        Engine.from_checkpoint(ckpt, dataclasses.replace(config, expert_devices=2))
+        refused = None
+    except ValueError as err:
+        refused = str(err)
     devices = stats["devices"]
     return {"process": pid, "local": len(jax.local_devices()), "shares": shares,
             "owners": own, "tokens": tokens.tolist(), "logits": digest(logits),
-            "generate": more, **{k: stats[k] for k in PROCESS_STATS},
+            "generate": more, "sampled": sampled, **{k: stats[k] for k in PROCESS_STATS},
             "fetched": sum(d["fetched"] for d in devices),
-            "devices": [{k: d[k] for k in COUNTED} for d in devices]}
+            "devices": [{k: d[k] for k in COUNTED} for d in devices],
+            "corrupt": bad[1], "failing": failing, "refused": refused}
+
+
+def _corrupt_copy(ckpt: str, engine, pid: int) -> tuple[str, list[int]]:
+    """A copy of `ckpt` with one chunk broken: the least routed expert of the last device
+    that it does not pin (it is read into tier 1 or from disk, by process 1 alone); the
+    first process writes it, both wait for it. Returns (its path, [layer, expert])."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    from strata_runtime.heat import ranked
+
+    last = len(engine.devices) - 1
+    theirs = [k for k in ranked(engine.cfg, None) if engine.owner[k] == last][2:]
+    layer, expert = min((k for k in theirs if engine.heat.counts[k] > 0),
+                        key=lambda k: engine.heat.counts[k])
+    bad = f"{ckpt}-bad"
+    if pid == 0:
+        shutil.copytree(ckpt, bad)
+        target = Path(bad, "experts", "w1", "c", str(layer), str(expert), "0", "0")
+        data = bytearray(target.read_bytes())
+        data[7] ^= 0x55
+        target.write_bytes(bytes(data))
+    multihost_utils.sync_global_devices("the corrupt copy is written")
+    return bad, [int(layer), int(expert)]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ running the same engine calls on the same prompts (SPMD). Two CPU processes of t
 each (tests/ep_worker.py, mode "engine-process", Gloo collectives) run one engine over the 4
 devices with a budget that leaves half the experts on disk: the tokens and every decode
 step's logits are the one-device resident engine's, every tier moved, each process holds and
-moves only its own devices' experts, and both report the same tokens and stats."""
+moves only its own devices' experts, and both report the same tokens and stats; a request
+sampled without a seed, and a corrupt chunk that only one process reads, give both the same
+outcome; experts over fewer devices than the processes' are refused by name."""
 
 from __future__ import annotations
 
@@ -65,4 +67,27 @@ def test_every_tier_moves_and_each_process_moves_only_its_own(runs):
 
 def test_both_processes_agree(runs):
     first, second = runs[0]
-    assert {**first, "process": 1, "shares": second["shares"]} == second
+    assert {**first, "process": 1, "shares": second["shares"],
+            "failing": second["failing"]} == second
+
+
+def test_a_corrupt_chunk_read_by_one_process_fails_the_same_requests_on_both(runs):
+    """The chunk is the last device's: process 1 fails to read it, process 0 learns so."""
+    results, (_, _, generated) = runs
+    layer, expert = results[0]["corrupt"]
+    failing = results[0]["failing"]
+    assert results[1]["failing"] != failing  # the same requests, but each its own message
+    assert [t for t, _ in results[1]["failing"]] == [t for t, _ in failing]
+    errors = [e for _, e in failing if e]
+    assert errors and all(f"expert {expert} of layer {layer}: its owner's process" in e
+                          for e in errors)
+    assert all(f"expert {expert} of layer {layer}" in e for _, e in results[1]["failing"] if e)
+    assert all(t == g for (t, e), g in zip(failing, generated, strict=True) if e is None)
+
+
+def test_sampling_without_a_seed_agrees_and_too_few_devices_are_refused(runs):
+    results, _ = runs
+    assert results[0]["sampled"] == results[1]["sampled"]
+    for r in results:
+        assert "expert_devices=2 (--expert-devices) spans the devices of 1 of the 2 " \
+               "jax.distributed processes" in r["refused"]
