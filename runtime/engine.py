@@ -8,12 +8,17 @@ previous step's, after the next one is dispatched, unless tier 2 is in play) and
 cache policy, the heat rebalancing and the disk tier by donated in-place updates
 (`residency.py`). Every budget, policy and predictor gives the resident bits. Over several
 devices (`EngineConfig.expert_devices`) each device holds the experts it owns in a residency
-of its own and every move goes to the owner (docs/design.md, "The engine over a mesh").
+of its own and every move goes to the owner (docs/design.md, "The engine over a mesh");
+under `jax.distributed` each process of the same program holds and moves only its own
+devices' experts, and every decision it takes between steps follows from the replicated
+record, so the processes never diverge.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,8 +52,8 @@ from strata_runtime.ledger import (
     plan_ledger,
 )
 from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
-from strata_runtime.residency import Key, Residencies, Residency, as_held
-from strata_runtime.stats import DeviceCounts, EngineStats
+from strata_runtime.residency import Key, Residencies, Residency, as_held, local_devices
+from strata_runtime.stats import PHASES, DeviceCounts, EngineStats
 from strata_runtime.timeline import Timeline
 from strata_runtime.trace import TraceReplay, TraceWriter, load_trace
 from strata_runtime.workspace import compiled_workspace, held_expert_shapes
@@ -74,7 +80,9 @@ class EngineConfig:
     its own link; the dense weights and the KV cache are on every device. Per device:
     `hbm_budget`, `workspace`, `staging_slots`, `resident_experts` and the cache slots (the
     policy runs on each device's own); the whole engine's: `host_budget` and `host_experts`,
-    split evenly into the devices' shares. Misses are fetched (`miss` "fetch")."""
+    split evenly into the devices' shares. Misses are fetched (`miss` "fetch"). Under
+    `jax.distributed` (one process per host, each making the same engine calls) the devices
+    are all processes' and must span every process: each process drives its own."""
     batch_capacity: int = 16
     """Rows of the compiled step (requests decoded together)."""
     max_len: int = 256
@@ -281,8 +289,11 @@ class Engine:
         self.cfg, self.config, self.reader = cfg, config, reader
         self.capacity, self.max_len = config.batch_capacity, config.max_len
         self.devices = _expert_devices(config.expert_devices, cfg)
-        self.device = self.devices[0]
         self.mesh = None if len(self.devices) == 1 else expert_parallel.mesh_of(self.devices)
+        local = self.devices if self.mesh is None else local_devices(self.mesh)
+        self.local = [self.devices.index(d) for d in local]  # axis indices this process drives
+        self.processes = len({d.process_index for d in self.devices})
+        self.device = local[0]
         self._everyone = self.device if self.mesh is None else NamedSharding(self.mesh, P())
         heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
         self.owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(self.devices),
@@ -293,17 +304,17 @@ class Engine:
                                            initializer=bind_current_thread,
                                            initargs=(self.numa,))
         self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
-        self.shares = self._shares(heat)
+        self.shares = self._shares(heat)  # this process's devices' only
         self.residency = Residencies([s.residency for s in self.shares], self.mesh,
                                      None if self.mesh is None else self.owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         if self.mesh is None:
             self.params = api.read_dense_params(reader)
         else:  # read on the host: each device receives its copy, the first no second one
-            with jax.default_device(_CPU):
+            with jax.default_device(_cpu()):
                 self.params = expert_parallel.place(api.read_dense_params(reader),
                                                     self._everyone)
-        links = [None if self.resident else _link_rate(d) for d in self.devices]
+        links = self._links()
         self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
             self.device, self.shares[0].residency.host, None if config.miss_rates is None
             else MissRates.parse(config.miss_rates), links[0], config.host_threads)
@@ -322,8 +333,10 @@ class Engine:
         programs = step if self.mesh is None else expert_parallel.programs(self.mesh)
         self._decode = programs.decode_staged if self.staging else programs.decode
         self._prefill = programs.prefill_staged if self.staging else programs.prefill
-        self.state = step.init_state(cfg, self.capacity, self.max_len, self._everyone)
+        self.state = self._replicated(step.init_state(cfg, self.capacity, self.max_len,
+                                                      self.device))
         self.timeline = Timeline(config.timeline)
+        # the host's moves in it are this process's devices' (stats() sums the processes')
         self.counters = EngineStats(
             slot_bytes(reader, config).bytes_per_expert, link_gbps=links[0],
             devices=[DeviceCounts(str(d), link) for d, link in zip(self.devices, links,
@@ -331,7 +344,8 @@ class Engine:
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
         self._request: list[int | None] = [None] * self.capacity  # each row's request id
         self._pending_rows: tuple[np.ndarray, list[int | None]] | None = None  # at dispatch
-        self.trace = None if config.record_trace is None else TraceWriter(
+        # the routing is the same on every process: the first one writes it
+        self.trace = None if config.record_trace is None or jax.process_index() else TraceWriter(
             config.record_trace, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
             top_k=cfg.top_k, extra={"model_config": dataclasses.asdict(cfg),
                                     "bytes_per_expert": self.counters.bytes_per_expert,
@@ -343,8 +357,9 @@ class Engine:
     def _shares(self, heat: np.ndarray | None) -> list[Share]:
         """Each device's residency, pinned set and cache: its hottest experts (by `heat`, else
         spread over the layers) pinned, the next in its cache slots as they are routed, the
-        rest in its share of tier 1 as far as it goes. Sets `resident`, `staging` and whether
-        a step can stall on disk."""
+        rest in its share of tier 1 as far as it goes; only this process's devices' (every
+        process plans them all alike, so the global pools' shapes agree). Sets `resident`,
+        `staging` and whether a step can stall on disk."""
         cfg, config = self.cfg, self.config
         mine = [self.owner == d for d in range(len(self.devices))]
         owned = [int(m.sum()) for m in mine]
@@ -357,12 +372,12 @@ class Engine:
         self._disk_possible = not self.resident and any(host < n for n in owned)
         host_slots = max(self._host_slots(len(pinned), cache, host, m)
                          for (pinned, _), m in zip(placed, mine, strict=True))
-        return [Share(d, Residency(cfg.num_layers, cfg.num_experts, device, self._load, pinned,
-                                   slots, self.staging, None if self.resident else host_keys,
-                                   host_slots, read=self._read),
+        return [Share(d, Residency(cfg.num_layers, cfg.num_experts, self.devices[d], self._load,
+                                   pinned, slots, self.staging,
+                                   None if self.resident else host_keys, host_slots,
+                                   read=self._read),
                       set(pinned), ExpertCache(config.policy, cache))
-                for d, (device, (pinned, host_keys)) in enumerate(zip(self.devices, placed,
-                                                                      strict=True))]
+                for d, (pinned, host_keys) in ((d, placed[d]) for d in self.local)]
 
     def _tier_sizes(self, most: int) -> tuple[int, int, int]:
         """Each device's (tier-0 slots, tier-1 experts, staging) when a device owns at most
@@ -397,9 +412,26 @@ class Engine:
     def _read(self, fn, keys: list[Key]) -> list:
         return list(self._threads.map(fn, keys))
 
-    def _share(self, key: Key) -> Share:
-        """The share of the device that owns `key`."""
-        return self.shares[int(self.owner[key])]
+    def _share(self, key: Key) -> Share | None:
+        """The share of the device that owns `key`; None if another process drives it."""
+        owner = int(self.owner[key])
+        return next((s for s in self.shares if s.device == owner), None)
+
+    def _links(self) -> list[float | None]:
+        """Each device's link rate (None when resident: nothing crosses it), measured by the
+        process that drives it and shared with the others (the stats agree)."""
+        if self.resident:
+            return [None] * len(self.devices)
+        rates = np.zeros(len(self.devices))
+        for d in self.local:
+            rates[d] = _link_rate(self.devices[d])
+        return [float(r) for r in _process_sum(rates, self.processes)]
+
+    def _replicated(self, tree):
+        """`tree` (the same host values on every process) on every device of the engine."""
+        if self.mesh is None:
+            return jax.device_put(tree, self.device)
+        return expert_parallel.place(tree, self._everyone)
 
     def _load(self, key: Key) -> dict[str, np.ndarray]:
         """One expert from disk (verified) as the pools hold it."""
@@ -444,7 +476,7 @@ class Engine:
         self._observe_pending()
         t0 = time.perf_counter()
         prompt = np.asarray(tokens, np.int32)
-        values = row_values(sampling)
+        values = self._agreed(row_values(sampling))
         self._greedy[row] = sampling.greedy
         self._request[row] = request
         out = None
@@ -484,6 +516,13 @@ class Engine:
         self._end_step()
         return StepResult(tokens, failed, out.logits)
 
+    def _agreed(self, values: tuple) -> tuple:
+        """A row's sampler values, the first process's on all (each process's scheduler draws
+        its own seed where the request fixes none; the program takes them as replicated)."""
+        if self.processes == 1:
+            return values
+        return tuple(np.asarray(v) for v in multihost_utils.broadcast_one_to_all(values))
+
     def free(self, row: int) -> None:
         """Row `row` is no longer live (its KV stays until overwritten)."""
         self.state = _set_live(self.state, row, False)
@@ -502,7 +541,7 @@ class Engine:
         forced = None
         if self.replay is not None:  # one trace step per step, re-runs included
             kind, rows = ("prefill", len(args[1])) if args else ("decode", self.capacity)
-            forced = jax.device_put(self.replay.picks(kind, rows), self._everyone)
+            forced = self._replicated(self.replay.picks(kind, rows))
         done = None  # the record of the layers before the resume layer
         while True:
             before = (self.state.tokens, self.state.positions, self.state.sampler) if sync else None
@@ -549,36 +588,50 @@ class Engine:
         when `args` is empty, else a prefill chunk of `args[1]`'s length)."""
         shape = (1, len(args[1])) if args else (self.capacity, 1)
         if shape not in self._starts:
-            self._starts[shape] = jax.device_put(step.from_start(self.cfg, *shape),
-                                                 self._everyone)
+            self._starts[shape] = self._replicated(step.from_start(self.cfg, *shape))
         return self._starts[shape]
 
     def _from_disk(self, keys: list[Key], record, args, phase: str) -> dict[int, str]:
-        """Load `keys` (one layer's) into their owners' tier-1 shares (the coldest host experts
-        of each outside the layer's routed ones make room); rows routed to an expert whose
-        chunk fails verification fail, and leave the batch. The loads and the stall count in
-        `phase`."""
+        """Load `keys` (one layer's, the record's: the same on every process) into their
+        owners' tier-1 shares, each by the process that drives the owner (the coldest host
+        experts of each outside the layer's routed ones make room); rows routed to an expert
+        whose chunk fails verification, on whichever process, fail and leave the batch. The
+        loads and the stall count in `phase`."""
         t0 = time.perf_counter()
-        failed: dict[int, str] = {}
         layer = keys[0][0]
         routed = {(layer, int(e)) for e in np.nonzero(np.asarray(record.counts)[layer] > 0)[0]}
-        victims = {s.device: self._host_victims(s, sum(self._share(k) is s for k in keys),
+        mine = [k for k in keys if self._share(k) is not None]
+        victims = {s.device: self._host_victims(s, sum(self._share(k) is s for k in mine),
                                                 routed) for s in self.shares}
-        for key, arrays in zip(keys, self._threads.map(self._try_load, keys), strict=True):
+        errors: dict[Key, str] = {}
+        for key, arrays in zip(mine, self._threads.map(self._try_load, mine), strict=True):
             if isinstance(arrays, str):
-                rows = self._rows_routed(record, key, args)
-                for r in rows:
-                    failed[r] = arrays
-                    self.free(r)
-                self.counters.failed_requests += len(rows)
+                errors[key] = arrays
                 continue
             share = self._share(key)
             full = None not in share.residency.host_key
             share.residency.admit_host(key, arrays,
                                        victims[share.device].pop(0) if full else None)
             self.counters.moved(phase, "disk_loads", share.device)
+        failed: dict[int, str] = {}
+        for key, error in self._agreed_errors(keys, errors).items():
+            rows = self._rows_routed(record, key, args)
+            for r in rows:
+                failed[r] = error
+                self.free(r)
+            self.counters.failed_requests += len(rows)
         self.counters.phase(phase).disk_stall_s += time.perf_counter() - t0
         return failed
+
+    def _agreed_errors(self, keys: list[Key], errors: dict[Key, str]) -> dict[Key, str]:
+        """The experts of `keys` that could not be read on any process (each reads only its
+        own: the others learn of a failure by an all-gather, so all fail the same rows)."""
+        if self.processes == 1:
+            return errors
+        bad = _process_sum(np.array([k in errors for k in keys], np.int32), self.processes)
+        return {k: errors.get(k, f"expert {k[1]} of layer {k[0]}: its owner's process could "
+                                 "not read it")
+                for k, b in zip(keys, bad, strict=True) if b}
 
     def _try_load(self, key: Key):
         try:
@@ -627,7 +680,7 @@ class Engine:
         for layer, e in map(tuple, used):
             key = (int(layer), int(e))
             share = self._share(key)
-            if share.cache.capacity == 0:
+            if share is None or share.cache.capacity == 0:  # another process's to admit
                 continue
             if key in share.cache:
                 share.cache.touch(key)
@@ -675,13 +728,17 @@ class Engine:
     # --- results -------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
+        """The engine's figures; over several processes every process must call it (the
+        host's moves, each process's own, are summed over them: all get the same counts)."""
         self._observe_pending()
         parts = self.residency.parts
-        return {"tier0_experts": sum(int((r.page >= 0).sum()) for r in parts),
-                "tier1_experts": sum(int((r.host_page >= 0).sum()) for r in parts
-                                     if r.host is not None),
+        tiers = [sum(int((r.page >= 0).sum()) for r in parts),
+                 sum(int((r.host_page >= 0).sum()) for r in parts if r.host is not None)]
+        counters, tiers = _summed_moves(self.counters, tiers, self.processes)
+        return {"tier0_experts": tiers[0], "tier1_experts": tiers[1],
                 "staging_slots": self.staging, "expert_devices": len(self.devices),
-                **self.counters.summary(),
+                "processes": self.processes,
+                **counters.summary(),
                 **({} if self.host_misses is None
                    else self.host_misses.summary(self.counters.bytes_per_expert)),
                 **({} if self.replay is None else {"replay_wraps": self.replay.wraps}),
@@ -753,7 +810,40 @@ def _expert_devices(count: int, cfg: ModelConfig) -> list[jax.Device]:
     if count > cfg.num_experts:
         raise ValueError(f"expert_devices={count} (--expert-devices) is more than the "
                          f"{cfg.num_experts} experts of a layer: a device would own none")
+    spanned = {d.process_index for d in present[:count]}
+    if len(spanned) < jax.process_count():
+        raise ValueError(f"expert_devices={count} (--expert-devices) spans the devices of "
+                         f"{len(spanned)} of the {jax.process_count()} jax.distributed "
+                         "processes: each process runs the same engine on devices of its "
+                         f"own, so the experts must span them all (e.g. {len(present)})")
     return present[:count]
+
+
+MOVES = ("admissions", "disk_loads")  # the host's moves, counted by the owner's process
+
+
+def _process_sum(local: np.ndarray, processes: int) -> np.ndarray:
+    """`local` summed over the processes (each contributes its own devices' entries)."""
+    if processes == 1:
+        return local
+    return np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
+
+
+def _summed_moves(counters: EngineStats, tiers: list[int], processes: int
+                  ) -> tuple[EngineStats, list[int]]:
+    """`counters` and the tier counts `tiers` with the host's moves (cache admissions, disk
+    loads, rebalancing swaps: each process counts those of its own devices) and the tiers'
+    experts summed over the processes; the record's counts are already every device's."""
+    if processes == 1:
+        return counters, tiers
+    out = copy.deepcopy(counters)
+    cells = [(out.phase(p), m) for p in PHASES for m in MOVES] + [(out, "swaps")]
+    cells += [(d, m) for d in out.devices for m in MOVES]
+    local = [getattr(o, m) for o, m in cells] + tiers
+    total = [int(v) for v in _process_sum(np.array(local, np.int32), processes)]
+    for (o, m), v in zip(cells, total, strict=False):
+        setattr(o, m, v)
+    return out, total[len(cells):]
 
 
 def _link_rate(device: jax.Device, nbytes: int = 64 << 20) -> float:
@@ -773,11 +863,15 @@ def _spliced(done, record, layer: int):
     return jax.tree.map(lambda a, b: np.concatenate([a[:layer], b[layer:]]), done, record)
 
 
-_CPU = jax.devices("cpu")[0]
+@functools.cache
+def _cpu() -> jax.Device:
+    """This process's host device (looked up on first use: importing the engine must not
+    start the backend before `jax.distributed.initialize`)."""
+    return jax.local_devices(backend="cpu")[0]
 
 
 def _dequantize_on_cpu(packed: np.ndarray, scales: np.ndarray) -> jax.Array:
-    with jax.default_device(_CPU):
+    with jax.default_device(_cpu()):
         return _dequant_jit(packed, scales)
 
 

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from strata_jax.checkpoint import EXPERT_KINDS
-from strata_jax.expert_parallel import AXIS
+from strata_jax.expert_parallel import AXIS, place
 from strata_jax.pool import ExpertPool, tile_major
 from strata_jax.step import Tiers
 
@@ -184,22 +184,27 @@ class Residency:
 class Residencies:
     """The residency of every device of the expert axis, and the arrays the step reads.
 
-    `parts[d]` holds the experts device d owns (`owner` [L, E] == d), in its own slot
+    `parts` are the residencies of this process's devices of the mesh, in mesh order: each
+    holds the experts its device owns (`owner` [L, E] == its axis index), in its own slot
     numbers (its tables mark the others -1). On one device the step reads that part's pool
     and tiers as they are; over a mesh (`expert_parallel.programs`), global arrays sharded
-    over the axis whose pieces are the parts' own buffers (no copy), the page tables stacked
-    [n, L, E], the owner table on every device. A pool the step returns (donated) goes back
-    to the parts piece by piece."""
+    over the axis whose pieces are the parts' own buffers (no copy), the page tables
+    [n, L, E], the owner table on every device. Over several processes each gives only its
+    own devices' pieces (`jax.make_array_from_single_device_arrays` takes the addressable
+    ones), so no process holds another's slots, tier 1 or tables. A pool the step returns
+    (donated) goes back to the parts piece by piece."""
 
     def __init__(self, parts: Sequence[Residency], mesh: Mesh | None = None,
                  owner: np.ndarray | None = None) -> None:
-        if (mesh is None) != (len(parts) == 1) or (mesh is None) != (owner is None):
-            raise ValueError(f"{len(parts)} residencies need a mesh of as many devices and "
-                             "the owner table")
+        devices = [p.device for p in parts]
+        if (mesh is None) != (owner is None) or (
+                len(devices) != 1 if mesh is None else devices != local_devices(mesh)):
+            raise ValueError(f"{len(parts)} residencies need one device, or one per device "
+                             "of this process on a mesh, in its order, and the owner table")
         self.parts = list(parts)
         self.mesh = mesh
-        self._owner = None if mesh is None else jax.device_put(
-            np.asarray(owner, np.int32), NamedSharding(mesh, P()))
+        self._owner = None if mesh is None else place(np.asarray(owner, np.int32),
+                                                      NamedSharding(mesh, P()))
         self._tiers: tuple[tuple[int, ...], Tiers] | None = None  # at the parts' versions
 
     @property
@@ -224,9 +229,8 @@ class Residencies:
         versions = tuple(p.version for p in self.parts)
         if self._tiers is None or self._tiers[0] != versions:
             sharded = NamedSharding(self.mesh, P(AXIS))
-            page, host_page = jax.device_put(
-                (np.stack([p.page for p in self.parts]),
-                 np.stack([p.host_page for p in self.parts])), sharded)
+            page, host_page = (_global_table([(p.device, getattr(p, name)) for p in self.parts],
+                                             sharded) for name in ("page", "host_page"))
             host = None
             if self.parts[0].host is not None:
                 host = _global([p.host for p in self.parts],
@@ -237,24 +241,41 @@ class Residencies:
 
     @property
     def slot_key(self) -> list[Key | None]:
-        """Every device's slots in turn."""
+        """Every device's slots in turn (this process's devices)."""
         return [k for p in self.parts for k in p.slot_key]
 
     @property
     def host_key(self) -> list[Key | None]:
-        """Every device's tier-1 slots in turn."""
+        """Every device's tier-1 slots in turn (this process's devices)."""
         return [k for p in self.parts for k in p.host_key]
 
 
+def local_devices(mesh: Mesh) -> list[jax.Device]:
+    """The devices of `mesh` that this process drives, in mesh order."""
+    return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
 def _global(pieces: list[ExpertPool], sharding: NamedSharding) -> ExpertPool:
-    """The pool sharded by `sharding` whose pieces are `pieces` (one per device, in order)."""
+    """The pool sharded by `sharding` whose pieces are `pieces` (one per device of this
+    process, in mesh order; every device's piece has the same slots)."""
+    devices = sharding.mesh.devices.size
+
     def one(*arrays):
         if arrays[0] is None:
             return None
-        shape = (sum(a.shape[0] for a in arrays), *arrays[0].shape[1:])
+        shape = (devices * arrays[0].shape[0], *arrays[0].shape[1:])
         return jax.make_array_from_single_device_arrays(shape, sharding, list(arrays))
 
     return ExpertPool(*(one(*arrays) for arrays in zip(*pieces, strict=True)))
+
+
+def _global_table(tables: list[tuple[jax.Device, np.ndarray]], sharding: NamedSharding
+                  ) -> jax.Array:
+    """The [n, L, E] table sharded by `sharding` from each local device's own [L, E] (a
+    copy: the host tables change in place while a dispatched step may still read them)."""
+    pieces = [jax.device_put(t[None].copy(), d) for d, t in tables]
+    shape = (sharding.mesh.devices.size, *tables[0][1].shape)
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
 def _pieces(pool: ExpertPool, devices: list[jax.Device]) -> list[ExpertPool]:

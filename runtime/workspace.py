@@ -45,11 +45,12 @@ def _pool(shapes, slots: int, device: jax.Device, memory_kind: str) -> ExpertPoo
 def compiled_workspace(reader: CheckpointReader, plan: step.StepPlan, *, batch: int,
                        max_len: int, shapes, device: jax.Device | None = None) -> int:
     """Bytes of scratch of the largest of the decode (greedy, sampled) and prefill programs of
-    `plan` at (batch, max_len), compiled for `device` (default: the first). Remembered per
-    process: engines of one layout compile it once."""
+    `plan` at (batch, max_len), compiled for `device` (default: this process's first).
+    Remembered per process: engines of one layout compile it once."""
     dense = "int8" if reader.quantization["dense"] != "none" else "none"
     key = tuple(sorted((n, tuple(shape), dtype) for n, (shape, dtype) in shapes.items()))
-    return _measure(reader.config, dense, plan, batch, max_len, key, device or jax.devices()[0])
+    return _measure(reader.config, dense, plan, batch, max_len, key,
+                    device or jax.local_devices()[0])
 
 
 @functools.lru_cache(maxsize=64)

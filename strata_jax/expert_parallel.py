@@ -227,8 +227,10 @@ class Programs:
 
 
 def _own_counters(record: step.StepRecord) -> dict[str, jax.Array]:
-    """Inside `shard_map`: this device's `step.PER_DEVICE` counters, [L] -> [L, 1]."""
-    return {k: getattr(record, k)[:, None] for k in step.PER_DEVICE}
+    """Inside `shard_map`: every device's `step.PER_DEVICE` counters, [L] -> [L, n], gathered
+    over the axis so that the whole record is replicated: each process of several reads it
+    from its own devices (a piece per device would leave every process only its own)."""
+    return {k: jax.lax.all_gather(getattr(record, k), AXIS, axis=1) for k in step.PER_DEVICE}
 
 
 def _with_counters(out, counters: dict[str, jax.Array]):
@@ -241,9 +243,9 @@ def _with_counters(out, counters: dict[str, jax.Array]):
 @functools.cache
 def programs(mesh: Mesh) -> Programs:
     """The step programs of `mesh`, compiled once per (mesh, shapes). Their records carry
-    the `step.PER_DEVICE` counters of each device, [L, n]; the rest is replicated."""
+    the `step.PER_DEVICE` counters of each device, [L, n]; the whole record is replicated."""
     shard_map = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
-    experts, everyone, per_device = P(AXIS), P(), P(None, AXIS)
+    experts, everyone = P(AXIS), P()
     tiers_spec = _tier_specs(experts, everyone)
 
     def decode(cfg, plan, params, pool, tiers_, state, resume=None, forced=None):
@@ -254,7 +256,7 @@ def programs(mesh: Mesh) -> Programs:
 
         state, out, pool, counters = shard_map(
             local, in_specs=(everyone, experts, tiers_spec, everyone, everyone, everyone),
-            out_specs=(everyone, everyone, experts, per_device),
+            out_specs=(everyone, everyone, experts, everyone),
         )(params, pool, tiers_, state, resume, forced)
         return state, _with_counters(out, counters), pool
 
@@ -268,7 +270,7 @@ def programs(mesh: Mesh) -> Programs:
 
         state, out, pool, counters = shard_map(
             local, in_specs=(everyone, experts, tiers_spec, everyone, everyone, everyone, everyone),
-            out_specs=(everyone, everyone, experts, per_device),
+            out_specs=(everyone, everyone, experts, everyone),
         )(params, pool, tiers_, state, (row, tokens, start, count, sampling), resume, forced)
         return state, _with_counters(out, counters), pool
 
@@ -280,7 +282,7 @@ def programs(mesh: Mesh) -> Programs:
 
         logits, record, counters = shard_map(
             local, in_specs=(everyone, experts, tiers_spec, everyone),
-            out_specs=(everyone, everyone, per_device))(params, pool, tiers_, tokens)
+            out_specs=(everyone, everyone, everyone))(params, pool, tiers_, tokens)
         return logits, _with_counters(record, counters)
 
     jit = functools.partial(jax.jit, static_argnames=("cfg", "plan"),

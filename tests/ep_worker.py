@@ -7,6 +7,9 @@ it starts, so each setting needs a process of its own.
         experts per layer and device in HBM, S per staging half, predictor P), tokens equal,
         and whether every routed expert was served once (hit, prefetched or copied)
     python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
+    python -m tests.ep_worker CKPT engine-process ID PORT  -> JSON: the offload engine over
+        the 4 devices of two processes (PROCESS_CASE): this process's view of its tokens,
+        a digest of every decode step's logits, its stats and what its shares hold
     python -m tests.ep_worker CKPT engine N:CASE ...  -> JSON: per setting (the offload engine
         over N devices with the knobs of ENGINE_CASES[CASE]), tokens and every decode step's
         logits equal to the one-device resident engine's, whether every device's tables hold
@@ -16,6 +19,7 @@ it starts, so each setting needs a process of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -201,9 +205,90 @@ def process(ckpt: str, pid: int, port: str) -> dict:
             "tokens": _generate(model, False)}
 
 
+# per device: 2 HBM slots (one a cache slot), 2 tier-1 experts; half the experts on disk only
+PROCESS_CASE = {"hbm_budget": "200KiB", "host_budget": "100KiB", "workspace": "64KiB",
+                "cache_fraction": 0.5, "rebalance_every": 2}
+PROCESS_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [42]]  # one prefill bucket: one compile
+PROCESS_STATS = ("processes", "expert_devices", "tier0_experts", "tier1_experts", "disk_loads",
+                 "resumed_layers", "admissions", "rebalance_swaps", "failed_requests")
+
+
+def digest(logits) -> str:
+    """A digest of float arrays' bits (equal digests: bit-identical logits)."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha256(np.ascontiguousarray(logits, np.float32).tobytes()).hexdigest()
+
+
+def engine_process(ckpt: str, pid: int, port: str) -> dict:
+    """One of two processes running the same offload engine calls over all 4 devices: the
+    tokens, a request sampled without a seed, then the same engine on a copy of the
+    checkpoint with a chunk of the last device's (process 1's) corrupt; and the refusal of
+    devices that leave out a process."""
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid)
+    from strata_jax.sampling import SamplingParams
+    from strata_runtime.engine import Engine, EngineConfig
+    from tests.runtime.contract import run_rows
+
+    config = EngineConfig(**ENGINE_SHAPE, expert_devices=len(jax.devices()), **PROCESS_CASE)
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        tokens, logits = run_rows(engine, PROCESS_PROMPTS, ENGINE_NEW)
+        more = engine.generate(PROCESS_PROMPTS, ENGINE_NEW)  # through the scheduler
+        bad = _corrupt_copy(ckpt, engine, pid)  # by these prompts' routing
+        # each process's scheduler draws its own seed: the engine takes the first's
+        sampled = engine.generate(PROCESS_PROMPTS[:1], ENGINE_NEW,
+                                  SamplingParams(temperature=0.8, top_k=20))
+        stats = engine.stats()
+        shares = [s.device for s in engine.shares]
+        own = _owners_only(engine)
+    with Engine.from_checkpoint(bad[0], config) as engine:  # the same programs: no compile
+        failing = [[r.tokens, r.error] for r in engine.generate_results(PROCESS_PROMPTS,
+                                                                        ENGINE_NEW)]
+    try:
+        Engine.from_checkpoint(ckpt, dataclasses.replace(config, expert_devices=2))
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    devices = stats["devices"]
+    return {"process": pid, "local": len(jax.local_devices()), "shares": shares,
+            "owners": own, "tokens": tokens.tolist(), "logits": digest(logits),
+            "generate": more, "sampled": sampled, **{k: stats[k] for k in PROCESS_STATS},
+            "fetched": sum(d["fetched"] for d in devices),
+            "devices": [{k: d[k] for k in COUNTED} for d in devices],
+            "corrupt": bad[1], "failing": failing, "refused": refused}
+
+
+def _corrupt_copy(ckpt: str, engine, pid: int) -> tuple[str, list[int]]:
+    """A copy of `ckpt` with one chunk broken: the least routed expert of the last device
+    that it does not pin (it is read into tier 1 or from disk, by process 1 alone); the
+    first process writes it, both wait for it. Returns (its path, [layer, expert])."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    from strata_runtime.heat import ranked
+
+    last = len(engine.devices) - 1
+    theirs = [k for k in ranked(engine.cfg, None) if engine.owner[k] == last][2:]
+    layer, expert = min((k for k in theirs if engine.heat.counts[k] > 0),
+                        key=lambda k: engine.heat.counts[k])
+    bad = f"{ckpt}-bad"
+    if pid == 0:
+        shutil.copytree(ckpt, bad)
+        target = Path(bad, "experts", "w1", "c", str(layer), str(expert), "0", "0")
+        data = bytearray(target.read_bytes())
+        data[7] ^= 0x55
+        target.write_bytes(bytes(data))
+    multihost_utils.sync_global_devices("the corrupt copy is written")
+    return bad, [int(layer), int(expert)]
+
+
 if __name__ == "__main__":
     ckpt, mode, *rest = sys.argv[1:]
-    count = 2 if mode == "process" else 4
+    count = 2 if mode in ("process", "engine-process") else 4
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={count}")
     import jax
@@ -217,6 +302,8 @@ if __name__ == "__main__":
         result = devices(ckpt, [int(n) for n in rest[0].split(",")])
     elif mode == "engine":
         result = engine(ckpt, rest)
+    elif mode == "engine-process":
+        result = engine_process(ckpt, int(rest[0]), rest[1])
     else:
         result = process(ckpt, int(rest[0]), rest[1])
     print("RESULT " + json.dumps(result), flush=True)
