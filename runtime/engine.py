@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from strata_jax import api, expert_parallel, step
-from strata_jax.checkpoint import CheckpointReader, expert_arrays
+from strata_jax.checkpoint import CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
 from strata_jax.misses import MODES as MISS_MODES
@@ -372,12 +372,29 @@ class Engine:
         self._disk_possible = not self.resident and any(host < n for n in owned)
         host_slots = max(self._host_slots(len(pinned), cache, host, m)
                          for (pinned, _), m in zip(placed, mine, strict=True))
-        return [Share(d, Residency(cfg.num_layers, cfg.num_experts, self.devices[d], self._load,
-                                   pinned, slots, self.staging,
-                                   None if self.resident else host_keys, host_slots,
-                                   read=self._read),
-                      set(pinned), ExpertCache(config.policy, cache))
-                for d, (pinned, host_keys) in ((d, placed[d]) for d in self.local)]
+        shares = []
+        for d in self.local:
+            pinned, host_keys = placed[d]
+            residency = Residency(cfg.num_layers, cfg.num_experts, self.devices[d], self._load,
+                                  pinned, slots, self.staging,
+                                  None if self.resident else host_keys, host_slots,
+                                  read=self._read)
+            self._refuse_broken(residency.broken)
+            shares.append(Share(d, residency, set(pinned) - residency.broken.keys(),
+                                ExpertCache(config.policy, cache)))
+        return shares
+
+    def _refuse_broken(self, broken: dict[Key, str]) -> None:
+        """A resident engine has no miss path to fail the requests that route to an expert
+        whose chunk could not be read (an offloaded one treats it as a miss on disk, which
+        fails those requests alone): it refuses to start, naming the experts."""
+        if broken and self.staging == 0:
+            (layer, expert), error = next(iter(broken.items()))
+            raise CheckpointError(
+                f"{self.reader.path}: {len(broken)} expert(s) could not be read, e.g. expert "
+                f"{expert} of layer {layer}: {error}. Every expert has a device slot in this "
+                "engine, so their requests cannot fail alone: repair the checkpoint, or give "
+                "a budget (hbm_budget, resident_experts) that leaves experts on the host tiers")
 
     def _tier_sizes(self, most: int) -> tuple[int, int, int]:
         """Each device's (tier-0 slots, tier-1 experts, staging) when a device owns at most

@@ -74,8 +74,8 @@ class Residency:
         self.version = 0  # counts the changes of the page tables (and of the host pool)
         dev = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
         self.pool = self._stack(read, load, list(device_keys), device_slots + 2 * staging, dev)
-        for s, key in enumerate(device_keys):
-            self._set_slot(s, key)
+        for s, key in enumerate(device_keys):  # a corrupt one is left out: a miss, not zeros
+            self._set_slot(s, None if key in self.broken else key)
         self.host: ExpertPool | None = None
         if host_keys is not None:
             pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")

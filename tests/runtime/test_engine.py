@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import strata_jax
+from strata_jax.checkpoint import CheckpointError
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.ledger import BudgetError
@@ -146,14 +147,20 @@ def test_corrupt_chunk_fails_only_the_requests_that_need_it(ckpt, reference, tmp
     touched = _touched(ckpt, ref_tokens)
     candidates = sorted(set.union(*touched) - set.intersection(*touched))
     assert candidates, "every request touches every expert; use shorter requests"
-    layer, expert = candidates[0]
+    pinning = dict(resident_experts=11, host_experts=0)
+    with _engine(ckpt, **pinning) as engine:
+        pinned = engine.shares[0].pinned
+    layer, expert = next(c for c in candidates if c in pinned)  # pinned where `pinning`
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     target = bad / "experts" / "w1" / "c" / str(layer) / str(expert) / "0" / "0"
     data = bytearray(target.read_bytes())
     data[7] ^= 0x55
     target.write_bytes(bytes(data))
-    for knobs in (dict(resident_experts=0, host_experts=0), dict(resident_experts=0)):
+    with pytest.raises(CheckpointError, match=f"expert {expert} of layer {layer}"):
+        _engine(bad)  # resident: no miss path to fail its requests alone
+    # on disk, in tier 1, or among the pinned (left out of its slot: a miss on disk)
+    for knobs in (dict(resident_experts=0, host_experts=0), dict(resident_experts=0), pinning):
         with _engine(bad, **knobs) as engine:
             results = engine.generate_results(PROMPTS, 6)
             for i, r in enumerate(results):
