@@ -13,7 +13,7 @@ from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.ledger import BudgetError
 from tests.helpers import tiny_config, write_checkpoint
-from tests.runtime.contract import run_rows
+from tests.runtime.contract import routing, run_rows
 
 # <= 8 tokens: one prefill bucket, so each engine compiles two programs, not three (a longer
 # prompt, offloaded: test_engine_matches_the_resident_api_...)
@@ -124,16 +124,10 @@ def test_budget_goes_through_the_ledger(ckpt):
 
 
 def _touched(ckpt, tokens):
-    """Per request: the (layer, expert) pairs its prompt and generated tokens route to. One
-    causal forward of the requests padded to one length (one program): a token's routing
-    does not depend on the tokens after it."""
+    """Per request: the (layer, expert) pairs its prompt and generated tokens route to."""
     seqs = [prompt + new[:-1] for prompt, new in zip(PROMPTS, tokens, strict=True)]
-    width = max(map(len, seqs))
-    batch = np.array([s + [0] * (width - len(s)) for s in seqs], np.int32)
-    routes = strata_jax.api.routing(strata_jax.load(ckpt), batch)
-    routes = routes.reshape(routes.shape[0], len(seqs), width, -1)
-    return [{(layer, int(e)) for layer in range(routes.shape[0])
-             for e in routes[layer, i, :len(s)].ravel()} for i, s in enumerate(seqs)]
+    return [{(layer, int(e)) for layer in range(r.shape[0]) for e in r[layer].ravel()}
+            for r in routing(strata_jax.load(ckpt), seqs)]
 
 
 def test_experts_only_on_disk_give_the_same_bits(ckpt, reference):
