@@ -1,15 +1,18 @@
 """Runs in a subprocess of tests/test_expert_parallel.py and tests/runtime/
 test_engine_devices.py (`launch`): JAX's device count and distributed runtime are fixed when
-it starts, so each setting needs a process of its own.
+it starts, so the settings need a process of their own. One process runs several jobs
+(`JOB -- JOB ...`, each job's JSON in a list) over its 4 devices, starting JAX once:
 
     python -m tests.ep_worker CKPT devices N,N,...   -> JSON: per N, tokens and logits equal?
     python -m tests.ep_worker CKPT offload N:R:S:P ...  -> JSON: per setting (N devices, R
         experts per layer and device in HBM, S per staging half, predictor P), tokens equal,
         and whether every routed expert was served once (hit, prefetched or copied)
-    python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens
+    python -m tests.ep_worker CKPT process ID PORT   -> JSON: this process's tokens (2 devices,
+        a job alone)
     python -m tests.ep_worker CKPT engine-process ID PORT  -> JSON: the offload engine over
         the 4 devices of two processes (PROCESS_CASE): this process's view of its tokens,
-        a digest of every decode step's logits, its stats and what its shares hold
+        a digest of every decode step's logits, its stats and what its shares hold (a job
+        alone)
     python -m tests.ep_worker CKPT engine N:CASE ...  -> JSON: per setting (the offload engine
         over N devices with the knobs of ENGINE_CASES[CASE]), tokens and every decode step's
         logits equal to the one-device resident engine's, whether every device's tables hold
@@ -27,21 +30,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SEP = "--"  # between two jobs of one worker
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4, 90, 3, 17]]
 NEW = 8
 
 
-def launch(*args: str) -> subprocess.Popen:
-    """This worker in a subprocess of its own (the repository first on its path)."""
+def launch(*jobs: list[str]) -> subprocess.Popen:
+    """This worker in a subprocess of its own (the repository first on its path), running
+    `jobs` (each [CKPT, MODE, ARGS...]) in turn."""
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     env.pop("XLA_FLAGS", None)
+    args = [a for i, job in enumerate(jobs) for a in ([SEP] if i else []) + list(job)]
     return subprocess.Popen([sys.executable, "-m", "tests.ep_worker", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def result(proc: subprocess.Popen, timeout: int = 300) -> dict:
-    """The JSON a worker launched by `launch` printed (its stderr's tail if it failed)."""
+def result(proc: subprocess.Popen, timeout: int = 600) -> list[dict]:
+    """Each job's JSON, as a worker launched by `launch` printed it (its stderr's tail if it
+    failed)."""
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-3000:]
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))
@@ -57,7 +64,8 @@ def _generate(model, sampled: bool):
 
 
 def _cli(ckpt: str, n: int) -> list[int]:
-    """`strata generate --expert-devices n`'s new ids of the first prompt."""
+    """`strata generate --expert-devices n`'s new ids of the first prompt, in the rows of
+    `_generate` (its programs, compiled once)."""
     import contextlib
     import io
 
@@ -67,7 +75,7 @@ def _cli(ckpt: str, n: int) -> list[int]:
     with contextlib.redirect_stdout(text):
         ids = ",".join(map(str, PROMPTS[0]))
         assert main(["generate", ckpt, "--prompt-ids", ids, "--max-new-tokens", str(NEW),
-                     "--expert-devices", str(n), "--json", "-"]) == 0
+                     "--batch-capacity", "2", "--expert-devices", str(n), "--json", "-"]) == 0
     return json.loads(text.getvalue())["requests"][0]["new_ids"]
 
 
@@ -89,8 +97,8 @@ def devices(ckpt: str, counts: list[int]) -> dict:
                                                 ref_logits)),
                   "pool_shards": len(sharded.experts.w1.addressable_shards)}
         # the CLI loads with strata_jax.load(expert_devices=n): no device holds every expert
-        out[n]["cli"] = _cli(ckpt, n) == strata_jax.generate(model, PROMPTS[:1],
-                                                            max_new_tokens=NEW)[0]
+        out[n]["cli"] = _cli(ckpt, n) == strata_jax.generate(
+            model, PROMPTS[:1], max_new_tokens=NEW, batch_capacity=2)[0]
     return out
 
 
@@ -106,7 +114,7 @@ ENGINE_CASES = {
              "heat_file": HEAT},
     "bench": {},  # `strata bench --expert-devices N --resident-experts 1`: per-device figures
 }
-ENGINE_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+ENGINE_PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [42]]  # <= 8 tokens: one prefill program
 ENGINE_NEW = 6
 COUNTED = ("hits", "fetched", "issued", "admissions", "disk_loads")  # per device and in all
 
@@ -286,9 +294,21 @@ def _corrupt_copy(ckpt: str, engine, pid: int) -> tuple[str, list[int]]:
     return bad, [int(layer), int(expert)]
 
 
+def _jobs(argv: list[str]) -> list[list[str]]:
+    jobs = [[]]
+    for a in argv:
+        if a == SEP:
+            jobs.append([])
+        else:
+            jobs[-1].append(a)
+    return jobs
+
+
 if __name__ == "__main__":
-    ckpt, mode, *rest = sys.argv[1:]
-    count = 2 if mode in ("process", "engine-process") else 4
+    jobs = _jobs(sys.argv[1:])
+    distributed = any(job[1] in ("process", "engine-process") for job in jobs)
+    assert not distributed or len(jobs) == 1, "a process job runs alone"
+    count = 2 if distributed else 4
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={count}")
     import jax
@@ -298,12 +318,14 @@ if __name__ == "__main__":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import strata_jax
 
-    if mode == "devices":
-        result = devices(ckpt, [int(n) for n in rest[0].split(",")])
-    elif mode == "engine":
-        result = engine(ckpt, rest)
-    elif mode == "engine-process":
-        result = engine_process(ckpt, int(rest[0]), rest[1])
-    else:
-        result = process(ckpt, int(rest[0]), rest[1])
-    print("RESULT " + json.dumps(result), flush=True)
+    results = []
+    for ckpt, mode, *rest in jobs:
+        if mode == "devices":
+            results.append(devices(ckpt, [int(n) for n in rest[0].split(",")]))
+        elif mode == "engine":
+            results.append(engine(ckpt, rest))
+        elif mode == "engine-process":
+            results.append(engine_process(ckpt, int(rest[0]), rest[1]))
+        else:
+            results.append(process(ckpt, int(rest[0]), rest[1]))
+    print("RESULT " + json.dumps(results), flush=True)

@@ -2,7 +2,7 @@
 logits on 3 and 4 CPU devices (float and int4 experts) and over two `jax.distributed`
 processes, each against one device, bit for bit (offloaded budgets over a mesh:
 tests/runtime/test_engine_devices.py). The device settings run in subprocesses
-(tests/ep_worker.py)."""
+(tests/ep_worker.py): both checkpoints' in one, the two processes' apart."""
 
 from __future__ import annotations
 
@@ -76,14 +76,20 @@ def quantized(tmp_path_factory):
     return write_quantized_checkpoint(tmp_path_factory.mktemp("ep_q"), num_experts=8)
 
 
-def test_int4_experts_on_4_devices_are_one_devices(quantized):
-    assert result(launch(str(quantized), "devices", "4"))["4"] == {
+@pytest.fixture(scope="module")
+def on_devices(ckpt, quantized):
+    """One worker: the int4 checkpoint over 4 devices, then the float one over 3."""
+    return result(launch([str(quantized), "devices", "4"], [str(ckpt), "devices", "3"]))
+
+
+def test_int4_experts_on_4_devices_are_one_devices(on_devices):
+    assert on_devices[0]["4"] == {
         "greedy": True, "sampled": True, "logits": True, "pool_shards": 4, "cli": True}
 
 
-def test_tokens_and_logits_on_3_devices_are_one_devices(ckpt):
+def test_tokens_and_logits_on_3_devices_are_one_devices(on_devices):
     """16 experts over 3 devices leave one slot per layer empty on the last device."""
-    got = result(launch(str(ckpt), "devices", "3"))
+    got = on_devices[1]
     assert got["devices"] == 4
     assert got["3"] == {"greedy": True, "sampled": True, "logits": True, "pool_shards": 3,
                         "cli": True}
@@ -97,8 +103,8 @@ def _free_port() -> int:
 
 def test_two_distributed_processes_give_one_devices_tokens(ckpt):
     port = str(_free_port())
-    procs = [launch(str(ckpt), "process", str(pid), port) for pid in (0, 1)]
-    results = [result(p) for p in procs]
+    procs = [launch([str(ckpt), "process", str(pid), port]) for pid in (0, 1)]
+    results = [result(p)[0] for p in procs]
     from tests.ep_worker import NEW, PROMPTS
 
     reference = strata_jax.generate(strata_jax.load(ckpt), PROMPTS, max_new_tokens=NEW,

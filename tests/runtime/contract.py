@@ -1,9 +1,11 @@
-"""Driving an engine through its contract (prefill / step / free) in the tests."""
+"""Driving an engine through its contract (prefill / step / free) in the tests, and the
+resident forward's routing of requests, which engine records are checked against."""
 
 from __future__ import annotations
 
 import numpy as np
 
+import strata_jax
 from strata_runtime.engine import Engine
 
 
@@ -24,3 +26,14 @@ def run_rows(engine: Engine, prompts: list[list[int]], new: int):
     for row in range(len(prompts)):
         engine.free(row)
     return np.stack(tokens, axis=1), np.stack(logits)
+
+
+def routing(model, seqs: list[list[int]]) -> list[np.ndarray]:
+    """Each sequence's experts [layers, len, top_k] in the resident causal forward: one
+    forward of the sequences padded to one length (one program, not one per length), since a
+    token's routing does not depend on the tokens after it."""
+    width = max(map(len, seqs))
+    batch = np.array([s + [0] * (width - len(s)) for s in seqs], np.int32)
+    routes = strata_jax.api.routing(model, batch)
+    routes = routes.reshape(routes.shape[0], len(seqs), width, -1)
+    return [routes[:, i, :len(s)] for i, s in enumerate(seqs)]

@@ -1,6 +1,9 @@
-"""After warm-up, the engine compiles nothing and holds steady device memory."""
+"""The engine compiles each step program once (also when a step resumes from a disk stall);
+after warm-up it compiles nothing and holds steady device memory."""
 
+import collections
 import logging
+import re
 
 import jax
 import numpy as np
@@ -14,10 +17,13 @@ class _CompileCounter(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.names: collections.Counter[str] = collections.Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("Finished XLA compilation"):
+        message = record.getMessage()
+        if message.startswith("Finished XLA compilation"):
             self.count += 1
+            self.names.update(re.findall(r" of jit\((\w+)\)", message))
 
 
 @pytest.fixture
@@ -45,6 +51,9 @@ def test_no_compiles_and_stable_memory_over_200_steps(tmp_path, compiles):
         engine.generate(batch(4, length), 11)
     live = sum(a.nbytes for a in jax.live_arrays())
     assert compiles.count > 0  # the counter sees compilations at all
+    # steps stalled on disk and ran again from a layer, in the programs compiled for them
+    assert engine.stats()["resumed_layers"] > 0
+    assert (compiles.names["prefill_step"], compiles.names["decode_step"]) == (2, 1)
     compiles.count = 0
     steps = 0
     while steps < 200:  # requests of varied count and length come and go between batches

@@ -14,10 +14,13 @@ from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.ledger import BudgetError
 from tests.helpers import tiny_config, write_checkpoint
-from tests.runtime.contract import run_rows
+from tests.runtime.contract import routing, run_rows
 
-PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+# <= 8 tokens: one prefill bucket, so each engine compiles two programs, not three (a longer
+# prompt, offloaded: test_engine_matches_the_resident_api_...)
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [42]]
 SHAPE = dict(batch_capacity=4, max_len=32)
+KEEP_PROGRAMS = True  # engines of one layout share their programs (tests/runtime/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +80,19 @@ def test_row_chunks_keep_the_bits_offloaded(ckpt):
 
 
 def test_engine_matches_the_resident_api_queues_any_number_and_samples_per_row(ckpt):
-    """9 requests through 4 rows, seeded sampling, penalties and greedy rows sharing batches:
-    the resident API's bits."""
+    """9 requests through 4 rows, seeded sampling, penalties and greedy rows sharing batches,
+    one prompt past the first prefill bucket: the resident API's bits."""
     settings = [SamplingParams(temperature=1.0, top_p=0.9, seed=3),
                 SamplingParams(repetition_penalty=1.5),
                 SamplingParams(temperature=0.7, top_k=4, min_p=0.1, seed=8), GREEDY,
                 SamplingParams(temperature=1.2, seed=11, repetition_penalty=1.2)] + [GREEDY] * 4
     prompts = PROMPTS * 3
+    prompts[7] = list(range(1, 13))  # a 16-token prefill chunk, greedy
     model = strata_jax.load(ckpt)
     ref = strata_jax.generate(model, prompts, 6, sampling=settings, **SHAPE)
-    with _engine(ckpt, resident_experts=3) as engine:
+    # 4 experts in HBM, the default predictor and policy: the greedy programs are those of
+    # test_budgets_are_bit_identical_to_unlimited[next-gate-lfru]
+    with _engine(ckpt, resident_experts=4) as engine:
         assert engine.generate(prompts, 6, sampling=settings) == ref
     assert ref[0] != strata_jax.generate(model, prompts[:1], 6, **SHAPE)[0]
 
@@ -110,21 +116,19 @@ def test_bad_requests_are_named_and_fail_alone(ckpt):
 
 
 def test_budget_goes_through_the_ledger(ckpt):
+    # no workspace: dense + KV cache alone exceed 64 KiB (the measured workspace, which
+    # compiles the step programs: test_workspace.py)
     with pytest.raises(BudgetError, match="too small"):
-        _engine(ckpt, hbm_budget="64KiB")
-    with _engine(ckpt, hbm_budget="1GiB", host_budget="1MiB") as engine:
+        _engine(ckpt, hbm_budget="64KiB", workspace=0)
+    with _engine(ckpt, hbm_budget="1GiB", host_budget="1MiB", workspace=0) as engine:
         assert engine.ledger.resident and engine.resident
 
 
 def _touched(ckpt, tokens):
     """Per request: the (layer, expert) pairs its prompt and generated tokens route to."""
-    model = strata_jax.load(ckpt)
-    touched = []
-    for prompt, new in zip(PROMPTS, tokens, strict=True):
-        routes = strata_jax.api.routing(model, np.array([prompt + new[:-1]], np.int32))
-        touched.append({(layer, int(e)) for layer in range(routes.shape[0])
-                        for e in routes[layer].ravel()})
-    return touched
+    seqs = [prompt + new[:-1] for prompt, new in zip(PROMPTS, tokens, strict=True)]
+    return [{(layer, int(e)) for layer in range(r.shape[0]) for e in r[layer].ravel()}
+            for r in routing(strata_jax.load(ckpt), seqs)]
 
 
 def test_experts_only_on_disk_give_the_same_bits(ckpt, reference):
@@ -175,7 +179,8 @@ def test_corrupt_chunk_fails_only_the_requests_that_need_it(ckpt, reference, tmp
 
 
 def test_stats_and_timeline_export(ckpt, tmp_path):
-    with _engine(ckpt, resident_experts=2, timeline=True) as engine:
+    # the programs of test_budgets_are_bit_identical_to_unlimited[next-gate-lfru] at 4 experts
+    with _engine(ckpt, resident_experts=4, timeline=True) as engine:
         engine.generate(PROMPTS, 6)
         engine.reset_stats()
         engine.generate(PROMPTS, 6)

@@ -1,8 +1,8 @@
 """The offload engine over several devices (EngineConfig.expert_devices): the tokens and every
 decode step's logits of the one-device resident engine at every budget, each move made at the
 expert's owner, the per-device counters summing to the totals; the refusals by name. The
-settings run in subprocesses of 4 CPU devices (tests/ep_worker.py, mode "engine"), started
-together."""
+settings run in one subprocess of 4 CPU devices (tests/ep_worker.py, mode "engine"), the
+float model's and then the int4 one's."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(ckpt, tmp_path_factory):
-    """Both workers' results: the float model's settings and the int4 one's."""
+    """Both jobs' results: the float model's settings and the int4 one's."""
     quantized = write_quantized_checkpoint(tmp_path_factory.mktemp("engine_devices_q"),
                                            num_experts=8)
-    procs = launch(str(ckpt), "engine", *FLOAT), launch(str(quantized), "engine", *INT4)
-    return {**result(procs[0]), **{f"int4 {k}": v for k, v in result(procs[1]).items()}}
+    floats, int4 = result(launch([str(ckpt), "engine", *FLOAT],
+                                 [str(quantized), "engine", *INT4]))
+    return {**floats, **{f"int4 {k}": v for k, v in int4.items()}}
 
 
 def _exact(run: dict) -> None:

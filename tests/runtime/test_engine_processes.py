@@ -39,12 +39,12 @@ def runs(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("engine_processes") / "ck"
     write_checkpoint(tiny_config("qwen2_moe", num_experts=16), ckpt, seed=5)
     port = str(_free_port())
-    procs = [launch(str(ckpt), "engine-process", str(pid), port) for pid in (0, 1)]
+    procs = [launch([str(ckpt), "engine-process", str(pid), port]) for pid in (0, 1)]
     with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
         assert one.resident
         tokens, logits = run_rows(one, PROCESS_PROMPTS, ENGINE_NEW)
         generated = one.generate(PROCESS_PROMPTS, ENGINE_NEW)
-    return [result(p) for p in procs], (tokens.tolist(), digest(logits), generated)
+    return [result(p)[0] for p in procs], (tokens.tolist(), digest(logits), generated)
 
 
 def test_two_processes_give_the_one_device_resident_engines_bits(runs):

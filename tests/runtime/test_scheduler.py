@@ -8,6 +8,8 @@ from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.scheduler import Scheduler
 from tests.helpers import tiny_config, write_checkpoint
 
+KEEP_PROGRAMS = True  # every engine here has one layout (tests/runtime/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def engine_factory(tmp_path_factory):

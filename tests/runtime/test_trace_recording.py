@@ -10,9 +10,10 @@ from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.simulate import compare, pinned_by_heat
 from strata_runtime.trace import TraceError, load_trace, save_trace, synthetic_trace
 from tests.helpers import tiny_config, write_checkpoint
-from tests.runtime.contract import run_rows
+from tests.runtime.contract import routing, run_rows
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [9, 9, 9, 9, 9]]
+KEEP_PROGRAMS = True  # engines of one layout share their programs (tests/runtime/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +41,8 @@ def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, recorded, t
     new, path = recorded
     trace = load_trace(path)
     assert trace.prefill.any() and not trace.prefill.all()
-    model = strata_jax.load(ckpt)
-    for rid, (prompt, tokens) in enumerate(zip(PROMPTS, new, strict=True)):
-        ref = strata_jax.api.routing(model, np.array([prompt + tokens[:-1]], np.int32))
+    refs = routing(strata_jax.load(ckpt), [p + t[:-1] for p, t in zip(PROMPTS, new, strict=True)])
+    for rid, ref in enumerate(refs):
         got = np.concatenate([trace.experts[lo:hi][trace.requests[lo:hi] == rid]
                               for lo, hi in zip(trace.offsets[:-1], trace.offsets[1:],
                                                 strict=True)])
