@@ -30,9 +30,11 @@ every expert in tier 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +55,62 @@ ENGINES = {
 }
 LADDER = dict(hbm_budget="24GB", host_budget="12GB", policy="static", cache_fraction=0.0)
 ON_CHECKPOINT = {"resident": {}, "ladder-no-disk": {**LADDER, "host_budget": None},
-                 "ladder-naive": LADDER}
+                 "ladder-naive": LADDER,
+                 # two diagnostics of the disk tier's difference on the GPU: the no-disk rung
+                 # with the resume compiled (no stall ever), and the naive rung re-running a
+                 # stalled step from its first layer instead of the stalled one
+                 "ladder-no-disk-resume": {**LADDER, "host_budget": None},
+                 "ladder-naive-from-start": LADDER}
+
+
+MAX_RESUMES = 1000
+
+
+class _ResumeCompiled(Engine):
+    """An engine whose steps are compiled with the resume even when no step can stall."""
+
+    def _shares(self, heat):
+        shares = super()._shares(heat)
+        self._disk_possible = True
+        return shares
+
+
+@contextlib.contextmanager
+def _from_start_resumes():
+    """A stalled step runs again from its first layer (the engine's resume at layer -1). A
+    layer's loads may evict an earlier layer's experts, which the next run then stalls on:
+    past `MAX_RESUMES` runs again, this raises instead of looping."""
+    import jax
+    import jax.numpy as jnp
+
+    from strata_runtime import engine as engine_module
+    real_step, real_spliced = engine_module.step, engine_module._spliced
+
+    resumes = [0]
+
+    def resume(layer, saved):
+        resumes[0] += 1
+        if resumes[0] > MAX_RESUMES:
+            raise RuntimeError(f"{MAX_RESUMES} runs again from the first layer: the loads of "
+                               "one layer evict another's")
+        return real_step.Resume(layer=jax.device_put(jnp.full((), -1, jnp.int32),
+                                                     layer.sharding), saved=saved)
+
+    engine_module.step = types.SimpleNamespace(**{**vars(real_step), "Resume": resume})
+    engine_module._spliced = lambda done, record, layer: (
+        record if layer < 0 else real_spliced(done, record, layer))
+    try:
+        yield
+    finally:
+        engine_module.step, engine_module._spliced = real_step, real_spliced
+
+
+def _engine(name: str, reader, config):
+    if name == "ladder-no-disk-resume":
+        return contextlib.nullcontext(), _ResumeCompiled(reader, config)
+    if name == "ladder-naive-from-start":
+        return _from_start_resumes(), Engine(reader, config)
+    return contextlib.nullcontext(), Engine(reader, config)
 
 
 def seed_mini() -> None:
@@ -107,7 +164,8 @@ def main() -> None:
                               max_len=args.prompt_len + args.new + 8, **knobs)
         t0 = time.perf_counter()
         logits = []
-        with Engine(reader, config) as engine:
+        patch, engine = _engine(name, reader, config)
+        with patch, engine:
             if args.logits:
                 runs = [run_rows(engine, prompts, args.new) for _ in range(args.repeats)]
                 outs = [t.tolist() for t, _ in runs]

@@ -33,7 +33,8 @@
 #                     (as is, then with --xla_gpu_deterministic_ops)
 #   "exact" in PARTS   the offloaded prefill against resident on the ladder's checkpoint, every
 #                     step's logits, once per XLA_FLAGS in EXACT_FLAGS ('|'-separated; "none":
-#                     as is; DUMP: also dump the prefill programs' optimized HLO)
+#                     as is; DUMP: also dump the prefill programs' optimized HLO), each run cut
+#                     at EXACT_S (240) seconds; EXACT_ENGINES: repeat_check.py's engine names
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -149,7 +150,7 @@ if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Dis
     if [[ $flags == *DUMP* ]]; then mkdir -p /tmp/hlo && flags="${flags//DUMP/} --xla_dump_to=/tmp/hlo \
 --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*prefill.*"; fi
     echo "== t=${SECONDS}s: exactness of the offloaded prefill (XLA_FLAGS=$flags)"
-    XLA_FLAGS="$flags" timeout -k 5 240 python3 -m benchmarks.repeat_check --out "$OUT" $A \
+    XLA_FLAGS="$flags" timeout -k 5 "${EXACT_S:-240}" python3 -m benchmarks.repeat_check --out "$OUT" $A \
       2>&1 | grep -v "^[WI]0" | cut -c1-900
   done
   if [[ -d /tmp/hlo ]]; then
