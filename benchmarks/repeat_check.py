@@ -20,7 +20,9 @@ neither the disk tier nor the resume is.
 With `--checkpoint`, the engines run on that checkpoint instead (the seed ladder's, on the GPU
 machine): `resident` holds every expert in HBM, `ladder-naive` is the ladder's first rung (24
 GB of HBM, 12 GB of tier 1, the cold experts read from disk), `ladder-no-disk` the same with
-every expert in tier 1.
+every expert in tier 1. Two diagnostics reach into the engine's privates to vary one thing
+each: `ladder-no-disk-resume` compiles the resume into a rung that never stalls, and
+`ladder-naive-from-start` runs a stalled step again from its first layer.
 
     python -m benchmarks.repeat_check --out $OUT [--dtype float32]
     python -m benchmarks.repeat_check --out $OUT --checkpoint /tmp/strata_seed6_bf16 \
@@ -37,10 +39,13 @@ import time
 import types
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from strata_jax import synth
 from strata_jax.checkpoint import CheckpointReader
+from strata_runtime import engine as engine_module
 from strata_runtime.bench import synthetic_prompts
 from strata_runtime.engine import Engine, EngineConfig
 from tests.runtime.contract import run_rows
@@ -80,10 +85,6 @@ def _from_start_resumes():
     """A stalled step runs again from its first layer (the engine's resume at layer -1). A
     layer's loads may evict an earlier layer's experts, which the next run then stalls on:
     past `MAX_RESUMES` runs again, this raises instead of looping."""
-    import jax
-    import jax.numpy as jnp
-
-    from strata_runtime import engine as engine_module
     real_step, real_spliced = engine_module.step, engine_module._spliced
 
     resumes = [0]
