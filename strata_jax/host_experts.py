@@ -54,7 +54,10 @@ def check_pool(pool: ExpertPool) -> None:
 
 
 def _view(array) -> np.ndarray:
-    """A numpy array over a host-resident jax array's own buffer (no copy)."""
+    """A numpy array over a host-resident jax array's own buffer (no copy). The pointer is
+    taken once the buffer is written: a transfer or a donated update into it may still be in
+    flight, and `unsafe_buffer_pointer` does not wait for it."""
+    array.block_until_ready()
     dtype = np.dtype(array.dtype)
     raw = (ctypes.c_uint8 * (array.size * dtype.itemsize)).from_address(
         array.unsafe_buffer_pointer())

@@ -134,3 +134,20 @@ def test_bad_pools_and_stale_tiers_are_refused():
     host_experts.release(tier)
     with pytest.raises(KeyError, match=f"host tier {tier} is not registered"):
         host_experts.tier(tier)
+
+
+def test_views_read_a_just_transferred_pool():
+    """The views are taken once the pool's transfer has landed: a pointer taken while the copy
+    is in flight reads whatever the allocator left there."""
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    for seed in range(60):
+        arrays = {k: np.random.default_rng(seed).normal(0, 1, (SLOTS, D, F)).astype(np.float32)
+                  for k in ("w1", "w3", "w2")}
+        tier = host_experts.register(ExpertPool(**{k: jax.device_put(a, pinned)
+                                                   for k, a in arrays.items()}))
+        try:
+            views = host_experts.tier(tier).views
+            for k, a in arrays.items():
+                np.testing.assert_array_equal(views[k], a, err_msg=f"{k}, seed {seed}")
+        finally:
+            host_experts.release(tier)
