@@ -22,7 +22,8 @@ machine): `resident` holds every expert in HBM, `ladder-naive` is the ladder's f
 GB of HBM, 12 GB of tier 1, the cold experts read from disk), `ladder-no-disk` the same with
 every expert in tier 1. Two diagnostics reach into the engine's privates to vary one thing
 each: `ladder-no-disk-resume` compiles the resume into a rung that never stalls, and
-`ladder-naive-from-start` runs a stalled step again from its first layer.
+`ladder-naive-from-start` runs a stalled step again from its first layer. `--check-tiers`
+compares every occupied slot with its expert read from disk after the repeats.
 
     python -m benchmarks.repeat_check --out $OUT [--dtype float32]
     python -m benchmarks.repeat_check --out $OUT --checkpoint /tmp/strata_seed6_bf16 \
@@ -48,6 +49,7 @@ from strata_jax.checkpoint import CheckpointReader
 from strata_runtime import engine as engine_module
 from strata_runtime.bench import synthetic_prompts
 from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.residency import Residency
 from tests.runtime.contract import run_rows
 
 SHAPE = "seed-mini"
@@ -114,6 +116,61 @@ def _engine(name: str, reader, config):
     return contextlib.nullcontext(), Engine(reader, config)
 
 
+ADMITTED: list[tuple[tuple[int, int], int, tuple[int, int] | None]] = []
+"""(key, host slot, the slot's occupant before) of each admission from disk (`--check-tiers`)."""
+
+
+@contextlib.contextmanager
+def _logged_admissions():
+    real = Residency.admit_host
+
+    def admit_host(self, key, arrays, victim):
+        before = list(self.host_key)
+        real(self, key, arrays, victim)
+        slot = int(self.host_page[key])
+        ADMITTED.append((key, slot, before[slot]))
+
+    Residency.admit_host = admit_host
+    try:
+        yield
+    finally:
+        Residency.admit_host = real
+
+
+def _equal(engine: Engine, pool, slot: int, key) -> bool:
+    return all(np.array_equal(np.asarray(getattr(pool, n)[slot]), np.asarray(a))
+               for n, a in engine._load(key).items())
+
+
+def tier_mismatches(engine: Engine, limit: int = 8) -> dict[str, object]:
+    """Slots whose contents differ from their expert as read from disk now: tier-1 slots and
+    device slots (the keys, up to `limit` of each, and the counts checked). A slot written
+    from a load that was still in flight, or overwritten while a copy read it, shows here."""
+    out: dict[str, object] = {}
+    for share in engine.shares:
+        res = share.residency
+        for tier, pool, keys in (("host", res.host, res.host_key),
+                                 ("device", res.pool, res.slot_key)):
+            if pool is None:
+                continue
+            bad, checked = [], 0
+            for slot, key in enumerate(keys):
+                if key is None:
+                    continue
+                checked += 1
+                if _equal(engine, pool, slot, key):
+                    continue
+                into = [a for a in ADMITTED if a[1] == slot] if tier == "host" else []
+                bad.append({"key": list(key), "slot": slot,
+                            "admissions_into_slot": len(into),
+                            "key_admitted": sum(a[0] == key for a in ADMITTED),
+                            "holds_previous": bool(into and into[-1][2] is not None
+                                                   and _equal(engine, pool, slot, into[-1][2]))})
+            out[f"{tier}_{share.device}"] = {"checked": checked, "differ": len(bad),
+                                                "keys": bad[:limit]}
+    return out
+
+
 def seed_mini() -> None:
     """A small model of the seed-125b family (top-4 of 32, a shared expert) as a shape."""
     synth.SHAPES.setdefault(SHAPE, synth.SHAPES["seed-125b"].replace(
@@ -144,6 +201,10 @@ def main() -> None:
                     help="every prompt in its own row at once (--prompts <= --batch): compare "
                          "each decode step's logits too, which show a prefill that differs "
                          "in its low bits even where the tokens agree")
+    ap.add_argument("--check-tiers", action="store_true",
+                    help="after the repeats, compare every occupied tier-1 and device slot "
+                         "of each engine but resident "
+                         "with its expert read from disk (tier_mismatches)")
     ap.add_argument("--row-chunks", choices=("default", "on", "off"), default="default",
                     help="EngineConfig.row_chunks for every engine")
     args = ap.parse_args()
@@ -166,7 +227,9 @@ def main() -> None:
         t0 = time.perf_counter()
         logits = []
         patch, engine = _engine(name, reader, config)
-        with patch, engine:
+        ADMITTED.clear()
+        logged = _logged_admissions() if args.check_tiers else contextlib.nullcontext()
+        with logged, patch, engine:
             if args.logits:
                 runs = [run_rows(engine, prompts, args.new) for _ in range(args.repeats)]
                 outs = [t.tolist() for t, _ in runs]
@@ -174,6 +237,8 @@ def main() -> None:
             else:
                 outs = [engine.generate(prompts, args.new) for _ in range(args.repeats)]
             stats = engine.stats()
+            tiers = (tier_mismatches(engine) if args.check_tiers and name != "resident"
+                     else None)
         if reference is None:
             reference, reference_logits = outs[0], logits[:1]
         row = {"engine": name, "checkpoint": str(path), "batch": args.batch, "knobs": knobs,
@@ -183,6 +248,8 @@ def main() -> None:
                "first_difference": [first_difference(o, reference) for o in outs],
                "equal_across_repeats": all(o == outs[0] for o in outs),
                "disk_loads": stats.get("disk_loads"), "seconds": time.perf_counter() - t0}
+        if tiers is not None:
+            row["tier_mismatches"] = tiers
         if logits:  # per repeat, per decode step: the largest |logit - resident's|
             row["max_abs_logit_diff"] = [
                 np.abs(lg - reference_logits[0]).max(axis=(1, 2)).tolist() for lg in logits]

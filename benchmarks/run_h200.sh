@@ -34,7 +34,8 @@
 #   "exact" in PARTS   the offloaded prefill against resident on the ladder's checkpoint, every
 #                     step's logits, once per XLA_FLAGS in EXACT_FLAGS ('|'-separated; "none":
 #                     as is; DUMP: also dump the prefill programs' optimized HLO), each run cut
-#                     at EXACT_S (240) seconds; EXACT_ENGINES: repeat_check.py's engine names
+#                     at EXACT_S (240) seconds; EXACT_ENGINES: repeat_check.py's engine names,
+#                     EXACT_ARGS: more of its flags (--check-tiers)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -142,7 +143,7 @@ if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Dis
   [[ -f $ckpt/config.json ]] || python3 -c "from strata_jax import synth; synth.synthesize(
     'seed-125b', '$ckpt', layers=6, skew=0.7, seed=0, dtype='bfloat16', progress=False)"
   A="--checkpoint $ckpt --prompts 2 --prompt-len 32 --new 4 --batch 2 --logits --repeats 1"
-  A="$A --engines ${EXACT_ENGINES:-resident,ladder-no-disk}"
+  A="$A --engines ${EXACT_ENGINES:-resident,ladder-no-disk} ${EXACT_ARGS:-}"
   EXACT_FLAGS=${EXACT_FLAGS:-"none|--xla_gpu_autotune_level=0"}
   IFS='|' read -ra variants <<< "$EXACT_FLAGS"
   for v in "${variants[@]}"; do  # XLA_FLAGS of each run ("none": as is; DUMP in it: HLO dump)

@@ -174,9 +174,12 @@ class Residency:
         else:
             slot = int(self.host_page[victim])
             self.host_page[victim] = -1
-        new = ExpertPool(**{n: jax.device_put(a, self.host.w1.sharding)
-                            for n, a in arrays.items()})
-        self.host = self._put(self.host, jnp.int32(slot), new)
+        # On the GPU a program reading pinned host memory may start before a transfer or a
+        # write into it has landed (docs/design.md, "Disk stalls"): the arrays are in place
+        # before the write is dispatched, and the write is done before anything reads it.
+        new = jax.block_until_ready(ExpertPool(**{n: jax.device_put(a, self.host.w1.sharding)
+                                                  for n, a in arrays.items()}))
+        self.host = jax.block_until_ready(self._put(self.host, jnp.int32(slot), new))
         self.host_key[slot], self.host_page[key] = key, slot
         self.version += 1
 
