@@ -116,8 +116,9 @@ def _engine(name: str, reader, config):
     return contextlib.nullcontext(), Engine(reader, config)
 
 
-ADMITTED: list[tuple[tuple[int, int], int, tuple[int, int] | None]] = []
-"""(key, host slot, the slot's occupant before) of each admission from disk (`--check-tiers`)."""
+ADMITTED: list[tuple[int, tuple[int, int], int, tuple[int, int] | None]] = []
+"""(id of the residency, key, host slot, the slot's occupant before) of each admission from
+disk (`--check-tiers`)."""
 
 
 @contextlib.contextmanager
@@ -128,7 +129,7 @@ def _logged_admissions():
         before = list(self.host_key)
         real(self, key, arrays, victim)
         slot = int(self.host_page[key])
-        ADMITTED.append((key, slot, before[slot]))
+        ADMITTED.append((id(self), key, slot, before[slot]))
 
     Residency.admit_host = admit_host
     try:
@@ -144,30 +145,34 @@ def _equal(engine: Engine, pool, slot: int, key) -> bool:
 
 def tier_mismatches(engine: Engine, limit: int = 8) -> dict[str, object]:
     """Slots whose contents differ from their expert as read from disk now: tier-1 slots and
-    device slots (the keys, up to `limit` of each, and the counts checked). A slot written
-    from a load that was still in flight, or overwritten while a copy read it, shows here."""
+    device slots (the keys and, for tier 1, the admissions into the slot, up to `limit` of
+    each, and the counts checked). A slot written from a load that was still in flight, or
+    overwritten while a copy read it, shows here."""
     out: dict[str, object] = {}
     for share in engine.shares:
         res = share.residency
+        mine = [a[1:] for a in ADMITTED if a[0] == id(res)]
         for tier, pool, keys in (("host", res.host, res.host_key),
                                  ("device", res.pool, res.slot_key)):
             if pool is None:
                 continue
-            bad, checked = [], 0
+            bad, details, checked = [], [], 0
             for slot, key in enumerate(keys):
                 if key is None:
                     continue
                 checked += 1
                 if _equal(engine, pool, slot, key):
                     continue
-                into = [a for a in ADMITTED if a[1] == slot] if tier == "host" else []
-                bad.append({"key": list(key), "slot": slot,
-                            "admissions_into_slot": len(into),
-                            "key_admitted": sum(a[0] == key for a in ADMITTED),
-                            "holds_previous": bool(into and into[-1][2] is not None
-                                                   and _equal(engine, pool, slot, into[-1][2]))})
+                bad.append(list(key))
+                if tier == "host" and len(details) < limit:
+                    into = [a for a in mine if a[1] == slot]
+                    details.append({"slot": slot, "admissions_into_slot": len(into),
+                                    "key_admitted": sum(a[0] == key for a in mine),
+                                    "holds_previous": bool(
+                                        into and into[-1][2] is not None
+                                        and _equal(engine, pool, slot, into[-1][2]))})
             out[f"{tier}_{share.device}"] = {"checked": checked, "differ": len(bad),
-                                                "keys": bad[:limit]}
+                                             "keys": bad[:limit], "admissions": details}
     return out
 
 
@@ -203,8 +208,8 @@ def main() -> None:
                          "in its low bits even where the tokens agree")
     ap.add_argument("--check-tiers", action="store_true",
                     help="after the repeats, compare every occupied tier-1 and device slot "
-                         "of each engine but resident "
-                         "with its expert read from disk (tier_mismatches)")
+                         "of each engine but resident with its expert read from disk "
+                         "(tier_mismatches)")
     ap.add_argument("--row-chunks", choices=("default", "on", "off"), default="default",
                     help="EngineConfig.row_chunks for every engine")
     args = ap.parse_args()

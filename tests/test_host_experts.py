@@ -141,7 +141,8 @@ def test_views_read_a_just_transferred_pool():
     is in flight reads whatever the allocator left there."""
     pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     for seed in range(60):
-        arrays = {k: np.random.default_rng(seed).normal(0, 1, (SLOTS, D, F)).astype(np.float32)
+        rng = np.random.default_rng(seed)
+        arrays = {k: rng.normal(0, 1, (SLOTS, D, F)).astype(np.float32)
                   for k in ("w1", "w3", "w2")}
         tier = host_experts.register(ExpertPool(**{k: jax.device_put(a, pinned)
                                                    for k, a in arrays.items()}))
