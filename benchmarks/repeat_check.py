@@ -201,7 +201,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=24)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engines", help="comma-separated names (default: all)")
+    ap.add_argument("--engines", help="comma-separated names (default: all; a name given "
+                                      "again runs a fresh engine again)")
     ap.add_argument("--logits", action="store_true",
                     help="every prompt in its own row at once (--prompts <= --batch): compare "
                          "each decode step's logits too, which show a prefill that differs "
@@ -220,12 +221,13 @@ def main() -> None:
         path, engines = Path(f"{args.path}_{args.dtype}"), ENGINES
         if not (path / "config.json").exists():
             synth.synthesize(SHAPE, path, skew=0.7, seed=0, dtype=args.dtype)
-    if args.engines:
-        engines = {n: engines[n] for n in args.engines.split(",")}
+    # a name given twice runs twice, each time a fresh engine (start-up races show there)
+    engines = ([(n, engines[n]) for n in args.engines.split(",")] if args.engines
+               else list(engines.items()))
     reader = CheckpointReader(path)
     prompts = synthetic_prompts(reader.config.vocab_size, args.prompts, args.prompt_len, 0)
     reference = None
-    for name, knobs in engines.items():
+    for name, knobs in engines:
         chunks = {"default": None, "on": True, "off": False}[args.row_chunks]
         config = EngineConfig(batch_capacity=args.batch, row_chunks=chunks,
                               max_len=args.prompt_len + args.new + 8, **knobs)

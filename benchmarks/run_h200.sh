@@ -36,6 +36,8 @@
 #                     as is; DUMP: also dump the prefill programs' optimized HLO), each run cut
 #                     at EXACT_S (240) seconds; EXACT_ENGINES: repeat_check.py's engine names,
 #                     EXACT_ARGS: more of its flags (--check-tiers)
+#   "pinned" in PARTS  benchmarks/pinned_put_probe.py: programs over pinned host memory right
+#                     after an unwaited device_put (PINNED_ARGS)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
@@ -157,6 +159,11 @@ if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Dis
   if [[ -d /tmp/hlo ]]; then
     tar czf "$OUT/hlo_prefill.tgz" -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt)
   fi
+fi
+if [[ $PARTS == *pinned* ]]; then  # does a program see an unwaited put into pinned host memory?
+  echo "== t=${SECONDS}s: pinned put probe"
+  timeout -k 5 120 python3 -m benchmarks.pinned_put_probe --out "$OUT" ${PINNED_ARGS:-} 2>&1 \
+    | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *disk* ]]; then
   left=$((BUDGET_S - SECONDS - 10))

@@ -17,6 +17,7 @@ from strata_jax.sampling import SamplingParams
 from strata_runtime.compile_cache import ENV as CACHE_ENV
 from strata_runtime.compile_cache import enable_compile_cache
 from strata_runtime.engine_flags import add_engine_flags, engine_config, resident_config
+from strata_runtime.processes import add_process_flags, is_first, own_path, start_processes
 from strata_runtime.serve_flags import add_serve_parser
 
 __all__ = ["add_engine_flags", "build_parser", "engine_config", "main"]
@@ -172,10 +173,10 @@ def _run_engine(args, config, prompts, sampling: SamplingParams) -> Run:
             return engine.generate(prompts, n, sampling)
 
         result = _timed(args, run, load_s, engine)
-        if args.record_heat:
+        if args.record_heat and is_first():  # the same heat on every process
             engine.save_heat(args.record_heat)
         if args.export_timeline:
-            engine.export_timeline(args.export_timeline)
+            engine.export_timeline(own_path(args.export_timeline))
     return result
 
 
@@ -272,6 +273,8 @@ def _generate(args: argparse.Namespace) -> int:
         run = _run_engine(args, config, prompts, sampling)
     reqs = _requests(prompts, run.tokens, tok, args, sampling)
     timing = _timing(run, reqs)
+    if not is_first():  # process 0 prints what every process computed
+        return 0
     if args.json != "-":
         _print_requests(reqs, given)
     print(_report(timing, run.stats), file=sys.stderr)
@@ -346,6 +349,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction, common) -> None:
                      help="write the engine's step timeline as a Chrome trace (needs --hbm)")
     _add_sampling_flags(gen)
     add_engine_flags(gen)
+    add_process_flags(gen)
     gen.set_defaults(func=_generate)
 
 
@@ -679,12 +683,16 @@ def _bench(args: argparse.Namespace) -> int:
                              repeats=args.repeats, warmup_new=args.warmup_new, seed=args.seed,
                              hardware=args.hardware)
 
+    first = is_first()  # process 0 prints what every process measured
+
     def progress(row: dict) -> None:
-        if row["kind"] == "repeat":
+        if row["kind"] == "repeat" and first:
             print(f"repeat {row['repeat'] + 1}/{settings.repeats}: {row['tok_s']:.4g} tok/s, "
                   f"decode {row['decode_tok_s'] or 0:.4g} tok/s", file=sys.stderr, flush=True)
 
     result = run_bench(args.ckpt, config, settings, on_row=progress)
+    if not first:
+        return 0
     print(render_summary(result.summary))
     if args.json_out is not None:
         write_rows(result.rows, args.json_out)
@@ -756,6 +764,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, common) -> None:
     b.add_argument("--json-out", default=None, metavar="PATH",
                    help="write JSON lines: one per repeat, then the summary ('-': stdout)")
     add_engine_flags(b)
+    add_process_flags(b)
     b.set_defaults(func=_bench)
 
     sw = sub.add_parser(
@@ -854,6 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        start_processes(args)  # before anything starts a JAX backend
         enable_compile_cache(not getattr(args, "no_compile_cache", False))
         return args.func(args)
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:

@@ -335,7 +335,7 @@ class Engine:
         self._prefill = programs.prefill_staged if self.staging else programs.prefill
         self.state = self._replicated(step.init_state(cfg, self.capacity, self.max_len,
                                                       self.device))
-        self.timeline = Timeline(config.timeline)
+        self.timeline = Timeline(config.timeline, process=jax.process_index())
         # the host's moves in it are this process's devices' (stats() sums the processes')
         self.counters = EngineStats(
             slot_bytes(reader, config).bytes_per_expert, link_gbps=links[0],

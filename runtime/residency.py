@@ -106,7 +106,9 @@ class Residency:
                 if arrays is not None:
                     buf[i] = arrays[name]
             stacks[name] = jax.device_put(buf, sharding)
-        return ExpertPool(**stacks)
+        # waited for: a program over pinned host memory may read it before the transfer has
+        # landed, and `buf` is freed when the loop moves on (docs/design.md, "Disk stalls")
+        return jax.block_until_ready(ExpertPool(**stacks))
 
     def _sample(self, load) -> Arrays:
         """Any readable expert's arrays: the shapes of a pool whose own experts all failed."""

@@ -24,8 +24,11 @@ class Span:
 class Timeline:
     """Records spans while `enabled`; `export` writes the Chrome trace event format."""
 
-    def __init__(self, enabled: bool = False) -> None:
+    def __init__(self, enabled: bool = False, process: int = 0) -> None:
+        """`process`: the `jax.distributed` process index, the trace's pid (several
+        processes' files open side by side in Perfetto)."""
         self.enabled = enabled
+        self.process = process
         self.spans: list[Span] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -83,8 +86,11 @@ class Timeline:
 
     def export(self, path: str | os.PathLike) -> None:
         """Write the spans as Chrome trace events (open in chrome://tracing or Perfetto)."""
-        events = [
-            {"name": s.name, "cat": s.kind, "ph": "X", "pid": 0, "tid": s.thread,
+        events: list[dict[str, object]] = [
+            {"name": "process_name", "ph": "M", "pid": self.process,
+             "args": {"name": f"strata process {self.process}"}}]
+        events += [
+            {"name": s.name, "cat": s.kind, "ph": "X", "pid": self.process, "tid": s.thread,
              "ts": (s.start - self._t0) * 1e6, "dur": (s.end - s.start) * 1e6,
              "args": {k: str(v) for k, v in s.args}}
             for s in self.spans
