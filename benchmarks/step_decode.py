@@ -805,7 +805,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--miss", default="fetch", type=lambda s: s.split(","),
                     help="StepPlan.miss of offloaded rows, e.g. fetch,host,auto")
     ap.add_argument("--host-threads", type=int, default=None,
-                    help="cores of the host kernel (default: all but one)")
+                    help="cores of the host kernel (default: all but a quarter)")
     ap.add_argument("--staging", type=int, default=None,
                     help="staging slots per half (default: top_k * B capped at E)")
     ap.add_argument("--steps", type=int, default=64, help="timed steps (at most)")

@@ -145,7 +145,8 @@ class EngineConfig:
     rate, and each further row's relative cost); None: measured at start-up (the split,
     and so the rounding, then depends on the run: fix them to reproduce one)."""
     host_threads: int | None = None
-    """Cores the host kernel uses; None: all but one (which keeps the device fed)."""
+    """Cores the host kernel uses; None: all but a quarter (`host_kernel.default_threads`: the
+    rest keep the device fed)."""
 
     def __post_init__(self) -> None:
         check_policy(self.policy)

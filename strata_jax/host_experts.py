@@ -89,7 +89,7 @@ _GUARD = threading.Lock()
 
 
 def set_threads(threads: int | None) -> int:
-    """Cores the host kernel uses (None: all but one); returns the count set."""
+    """Cores the host kernel uses (None: all but a quarter); returns the count set."""
     return host_kernel.set_threads(threads)
 
 

@@ -141,12 +141,20 @@ def isa(march: str = MARCH) -> str:
     return library(march).strata_isa().decode()
 
 
-_THREADS = [max(1, (os.cpu_count() or 2) - 1)]
+def default_threads(cores: int | None = None) -> int:
+    """All cores but a quarter (at least one left out): the thread that drives the device and
+    the runtime's own threads keep theirs, since a kernel thread descheduled by them holds up
+    every other at the kernel's barriers (docs/design.md, "Host compute of misses")."""
+    cores = cores or os.cpu_count() or 2
+    return max(1, cores - max(1, cores // 4))
+
+
+_THREADS = [default_threads()]
 
 
 def set_threads(threads: int | None) -> int:
-    """Threads each call runs on (None: all cores but one); returns the count set."""
-    _THREADS[0] = int(threads or max(1, (os.cpu_count() or 2) - 1))
+    """Threads each call runs on (None: `default_threads()`); returns the count set."""
+    _THREADS[0] = int(threads or default_threads())
     return _THREADS[0]
 
 
