@@ -1,11 +1,11 @@
 """Several processes, one per host, for the command line: `jax.distributed` from three flags.
 
-docs/design.md, "Several hosts". Every process runs the same `strata` command with the same
-flags but its own `--process-id`; the engine is SPMD over the processes (each holds and moves
-only its own devices' experts), so every process computes the same tokens and statistics.
-Process 0 alone prints them and writes the shared files (`--json`, `--record-heat`); files
-that differ per process (`--export-timeline`: this process's copies and compute) get the
-process index in their name (`own_path`).
+docs/design.md, "The engine over a mesh" (several hosts). Every process runs the same
+`strata` command with the same flags but its own `--process-id`; the engine is SPMD over the
+processes (each holds and moves only its own devices' experts), so every process computes the
+same tokens and statistics. Process 0 alone prints them and writes the shared files (`--json`,
+`--record-heat`); files that differ per process (`--export-timeline`: this process's copies
+and compute) get the process index in their name (`own_path`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import jax
+
 FLAGS = ("coordinator", "num_processes", "process_id")
 
 
 def add_process_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "processes", "one process per host under jax.distributed: run the same command on "
-                     "every host, each with its own --process-id (docs/design.md, 'Several "
-                     "hosts')")
+                     "every host, each with its own --process-id (docs/design.md, 'The "
+                     "engine over a mesh')")
     group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="address of process 0's coordination service (every process "
                             "gives the same one)")
@@ -57,8 +59,6 @@ def start_processes(args: argparse.Namespace) -> None:
     flags = check_process_flags(args)
     if flags is None:
         return
-    import jax
-
     coordinator, n, pid = flags
     # the CPU backend's collectives between processes (the GPU's are NCCL's either way)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -68,15 +68,11 @@ def start_processes(args: argparse.Namespace) -> None:
 
 def is_first() -> bool:
     """Whether this is process 0 (the one that prints and writes the shared files)."""
-    import jax
-
     return jax.process_index() == 0
 
 
 def own_path(path: str) -> str:
     """`path` for this process's own file: `name.p<I>.ext` when there are several."""
-    import jax
-
     if jax.process_count() == 1:
         return path
     p = Path(path)

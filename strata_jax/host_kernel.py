@@ -141,11 +141,11 @@ def isa(march: str = MARCH) -> str:
     return library(march).strata_isa().decode()
 
 
-def default_threads(cores: int | None = None) -> int:
+def default_threads() -> int:
     """All cores but a quarter (at least one left out): the thread that drives the device and
     the runtime's own threads keep theirs, since a kernel thread descheduled by them holds up
     every other at the kernel's barriers (docs/design.md, "Host compute of misses")."""
-    cores = cores or os.cpu_count() or 2
+    cores = os.cpu_count() or 2
     return max(1, cores - max(1, cores // 4))
 
 
