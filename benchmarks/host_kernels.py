@@ -131,6 +131,10 @@ def kernel(views, slots: int, rows: int, calls: int, threads: int, candidate: st
     if candidate == "c":
         host_experts.set_threads(threads)
         return timed(lambda i: host_experts.swiglu(views, i % slots, x), calls)
+    if candidate == "c-vdp":
+        ws = [views[k] for k in host_experts.KINDS]
+        return timed(lambda i: host_kernel.swiglu(*(w[i % slots] for w in ws), x, threads=threads,
+                                                  march=VDP_MARCH), calls)
     import torch
 
     tv = torch_views(views)
@@ -143,7 +147,9 @@ def kernel(views, slots: int, rows: int, calls: int, threads: int, candidate: st
         return timed(lambda i: column_blocks(tv, i % slots, xt, pool, threads), calls)
 
 
+VDP_MARCH = "cooperlake"  # AVX512-BF16 without AMX tiles: the kernel's vdpbf16ps path alone
 CANDIDATES = {"c": "the compiled C kernel (host_kernel, host_experts.swiglu)",
+              "c-vdp": f"the C kernel built for {VDP_MARCH} (vdpbf16ps, no AMX tiles)",
               "torch": "one torch call per product on torch's threads",
               "blocks": "column blocks, one single-threaded torch call per core"}
 

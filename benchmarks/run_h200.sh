@@ -40,7 +40,9 @@
 #                     after an unwaited device_put (PINNED_ARGS)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
-#                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS)
+#                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS;
+#                     KERNEL_ARGS for host_kernels, MISS_B1 / MISS_B16 the remedies of each
+#                     batch, MISS_INT4 adds the int4 3 GiB B=1 row with those remedies)
 source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-560}
 TEST_LIMIT=${TEST_LIMIT:-240}
@@ -102,10 +104,14 @@ if [[ $PARTS == *step* ]]; then
 fi
 if [[ $PARTS == *hybrid* ]]; then
   echo "== t=${SECONDS}s: host kernels"
-  timeout -k 10 120 python3 -m benchmarks.host_kernels --out "$OUT" 2>&1 | grep -v "^[WI]0"
-  bench 200 --rows bf16-8g --batch 1 --predictors none --miss fetch,host,auto --check always \
+  timeout -k 10 120 python3 -m benchmarks.host_kernels --out "$OUT" ${KERNEL_ARGS:-} 2>&1 | \
+    grep -v "^[WI]0"
+  bench 200 --rows bf16-8g --batch 1 --predictors none --miss ${MISS_B1:-fetch,host,auto} \
+    --check always ${HYBRID_ARGS:-}
+  bench 200 --rows bf16-8g --batch 16 --predictors none --miss ${MISS_B16:-fetch,host,auto} \
     ${HYBRID_ARGS:-}
-  bench 200 --rows bf16-8g --batch 16 --predictors none --miss fetch,host,auto ${HYBRID_ARGS:-}
+  [[ -n ${MISS_INT4:-} ]] && bench 150 --rows int4-3g --batch 1 --predictors none \
+    --miss "$MISS_INT4" ${HYBRID_ARGS:-}
   python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *ladder* ]]; then

@@ -37,6 +37,11 @@
 #define HK_AVX512 1
 #if defined(__AVX512BF16__)
 #define HK_BF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HK_AMX 1
+#endif
 #endif
 #endif
 
@@ -256,6 +261,145 @@ mk_dp(const int rb, const mm_t *a, long k0, long k1, long c, int r0, int nc, int
 }
 #endif /* HK_BF16 */
 
+#ifdef HK_AMX
+/* AMX tiles for many rows (docs/design.md, "Host compute of misses"). With r rows a weight
+ * costs r multiply-adds, which outruns vdpbf16ps past a few rows; one tdpbf16ps multiplies a
+ * [16, 32] block of x by a [32, 16] block of weights. The weight block is held in pairs of
+ * rows (tile row i: weight rows 2i and 2i + 1 interleaved), so each panel's strip of weights
+ * is repacked into L1 on its way in; x (its rows padded to 16) and the partial sums are
+ * loaded as they lie. Tiles 0-1: x blocks, 2-3: weight blocks, 4-7: sums. */
+#define AMX_K 32    /* weight rows one tile multiplies */
+#ifndef AMX_KB
+#define AMX_KB 32 /* weight rows of a panel: more rows, more streams than the TLB and prefetchers keep up with */
+#endif
+#ifndef AMX_HINT
+#define AMX_HINT _MM_HINT_T1
+#endif
+#ifndef AMX_PD
+#define AMX_PD 2 /* strips ahead that each weight row is prefetched */
+#endif
+#ifndef AMX_ROWS
+#define AMX_ROWS 5 /* rows from which the tiles beat vdpbf16ps */
+#endif
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static int amx_state; /* 0 not asked yet, 1 granted, -1 refused */
+
+/* Linux gives the tiles' register state only to a process that asks for it. */
+static int amx_ready(void) {
+    if (amx_state == 0)
+        amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                            18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return amx_state > 0;
+}
+
+/* Per thread: every tile 16 rows of 64 bytes. */
+static void amx_config(void) {
+    tilecfg_t c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static const uint16_t amx_lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t amx_hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+/* Weight rows [p0, p1) by columns [c, c + 32) -> per 32 rows two [16, 32] tiles (columns c and
+ * c + 16) at buf + 1024 t and + 512. */
+static void amx_pack(const uint16_t *w, long ldw, long p0, long p1, long c, uint16_t *buf) {
+    const __m512i lo = _mm512_loadu_si512(amx_lo), hi = _mm512_loadu_si512(amx_hi);
+    for (long k = p0; k < p1; k += 2) {
+        const uint16_t *a = w + k * ldw + c, *b = a + ldw;
+        _mm_prefetch((const char *)(a + AMX_PD * NC), AMX_HINT);
+        _mm_prefetch((const char *)(b + AMX_PD * NC), AMX_HINT);
+        __m512i ra = _mm512_loadu_si512(a), rb = _mm512_loadu_si512(b);
+        uint16_t *o = buf + (k - p0) / AMX_K * 1024 + (k - p0) % AMX_K / 2 * 32;
+        _mm512_store_si512(o, _mm512_permutex2var_epi16(ra, lo, rb));
+        _mm512_store_si512(o + 512, _mm512_permutex2var_epi16(ra, hi, rb));
+    }
+}
+
+/* Columns [c, c + 32) of weight rows [p0, p1) from the packed tiles at buf: out[:, c:c+32]
+ * (over a->rows rows, a multiple of 16) gets x[:, p0:p1] @ those weights, added to what it
+ * holds unless first. */
+static void amx_strip(const mm_t *a, long p0, long p1, long c, const uint16_t *buf, int first) {
+    const uint16_t *x = (const uint16_t *)a->x;
+    const long sx = a->ldx * 2, so = a->ldo * 4;
+    for (int r0 = 0; r0 < a->rows; r0 += 32) {
+        const int two = r0 + 16 < a->rows;
+        float *o = a->out + r0 * a->ldo + c, *o2 = o + 16 * a->ldo;
+        const uint16_t *x0 = x + r0 * a->ldx, *x1 = x0 + 16 * a->ldx;
+        if (first) {
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_zero(7);
+        } else {
+            _tile_loadd(4, o, so);
+            _tile_loadd(5, o + 16, so);
+            if (two) {
+                _tile_loadd(6, o2, so);
+                _tile_loadd(7, o2 + 16, so);
+            }
+        }
+        for (long k = p0; k < p1; k += AMX_K) {
+            const uint16_t *b = buf + (k - p0) / AMX_K * 1024;
+            _tile_loadd(2, b, 64);
+            _tile_loadd(3, b + 512, 64);
+            _tile_loadd(0, x0 + k, sx);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            if (two) {
+                _tile_loadd(1, x1 + k, sx);
+                _tile_dpbf16ps(6, 1, 2);
+                _tile_dpbf16ps(7, 1, 3);
+            }
+        }
+        _tile_stored(4, o, so);
+        _tile_stored(5, o + 16, so);
+        if (two) {
+            _tile_stored(6, o2, so);
+            _tile_stored(7, o2 + 16, so);
+        }
+    }
+}
+
+/* mm_block on the tiles over one column block: bf16 x and weights, a->rows a multiple of 16,
+ * k1 - k0 a multiple of AMX_K, c1 - c0 of NC; the thread's tiles configured (amx_config).
+ * Each strip is packed one strip ahead of the tiles that read it, so the tile loads never
+ * wait on the packing's stores and the weight reads overlap the multiplies. */
+static void amx_columns(const mm_t *a, long k0, long k1, long c0, long c1) {
+    static _Thread_local uint16_t pack[2][AMX_KB * NC] __attribute__((aligned(64)));
+    for (long p0 = k0; p0 < k1; p0 += AMX_KB) {
+        long p1 = p0 + AMX_KB < k1 ? p0 + AMX_KB : k1;
+        int i = 0;
+        for (long c = c0; c < c1; c += NC, i ^= 1) {
+            amx_pack((const uint16_t *)a->w, a->ldw, p0, p1, c, pack[i]);
+            if (c > c0) amx_strip(a, p0, p1, c - NC, pack[i ^ 1], p0 == k0);
+        }
+        amx_strip(a, p0, p1, c1 - NC, pack[i ^ 1], p0 == k0);
+    }
+}
+
+static void mm_block_amx(const mm_t *a, long k0, long k1, long c0, long c1) {
+    /* column blocks whose sums stay in L2 while every panel of weight rows passes over them */
+    const long cb = (PART_BYTES / (4L * a->rows)) / NC * NC > NC ? (PART_BYTES / (4L * a->rows)) / NC * NC : NC;
+    for (long b0 = c0; b0 < c1; b0 += cb)
+        amx_columns(a, k0, k1, b0, b0 + cb < c1 ? b0 + cb : c1);
+}
+#endif /* HK_AMX */
+
 #define MK_CASES(CALL) \
     switch (rb) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
@@ -383,10 +527,15 @@ static inline int team_size(void) {
  * rows whole; columns only as far as needed to keep a thread's partial sums in its L2.
  * kb: weight rows a panel reads side by side (more rows spend fewer accumulator loads and
  * stores per weight, fewer keep the streams few). */
-typedef struct { int tk, tc; long kb; } grid_t;
+typedef struct { int tk, tc; long kb; int amx; } grid_t;
 
-static grid_t plan(long K, long N, int rows, int nt) {
+/* Row strides of the scratch the tiles read and write: rows of a multiple of 4 KiB apart
+ * (4096, 14336 ...) would share one L1 set, so AMX pads them by a cache line. */
+static inline long padded(long n, int amx, int esz) { return amx ? n + 64 / esz : n; }
+
+static grid_t plan(long K, long N, int rows, int nt, int amx) {
     grid_t g;
+    g.amx = amx;
     long fit = PART_BYTES / (4L * rows), units = (N + NC - 1) / NC;
     int need = 1;
     while (need < nt && (units + need - 1) / need * NC > fit) need++;
@@ -394,7 +543,8 @@ static grid_t plan(long K, long N, int rows, int nt) {
     for (int tc = need; tc <= nt; tc++)
         if (nt % tc == 0) { g.tc = tc; break; }
     g.tk = nt / g.tc;
-    long most = (K + 15) / 16; /* at least 16 weight rows a range */
+    const long unit = amx ? 32 : 16; /* at least this many weight rows a range */
+    long most = (K + unit - 1) / unit;
     if (g.tk > most) g.tk = (int)most;
     g.kb = rows <= 4 ? 8 : rows <= 12 ? 16 : rows <= 32 ? 64 : 128;
     return g;
@@ -411,30 +561,38 @@ static void range(long len, long unit, int i, int n, long *lo, long *hi) {
 
 /* This thread's rectangle of a product on grid g: its partial sums go to part + tk * rows * N. */
 static void product(const mm_t *a, mk_fn mk, grid_t g, int t, float *part) {
+    const long ldp = padded(a->ldw, g.amx, 4);
     if (t >= g.tk * g.tc) return;
     int tk = t / g.tc, tc = t % g.tc;
     long k0, k1, c0, c1;
-    range(a->K, 16, tk, g.tk, &k0, &k1);
+    range(a->K, g.amx ? 32 : 16, tk, g.tk, &k0, &k1);
     range(a->ldw, NC, tc, g.tc, &c0, &c1);
     if (k0 >= k1 || c0 >= c1) return;
     mm_t mine = *a;
-    mine.out = part + (long)tk * a->rows * a->ldw;
-    mine.ldo = a->ldw;
+    mine.out = part + (long)tk * a->rows * ldp;
+    mine.ldo = ldp;
+#ifdef HK_AMX
+    if (g.amx) {
+        mm_block_amx(&mine, k0, k1, c0, c1);
+        return;
+    }
+#endif
     mm_block(&mine, mk, k0, k1, c0, c1, g.kb);
 }
 
 #define CHUNK 256
 
 /* act[:, c0:c1] = silu(gate) * up rounded to xdt, gate and up summed over tk partials [tk,
- * rows, f]; written as float32 (the rounded value) or, for the vdpbf16ps path, as bf16. */
-static void activate(const float *pg, const float *pu, int tk, int rows, long f, long c0,
-                     long c1, int xdt, int act_bf16, void *act) {
-    const long stride = (long)rows * f;
+ * rows, ldp]; written as float32 (the rounded value) or, for the vdpbf16ps path, as bf16, in
+ * rows lda apart. */
+static void activate(const float *pg, const float *pu, int tk, int rows, long ldp, long lda,
+                     long c0, long c1, int xdt, int act_bf16, void *act) {
+    const long stride = (long)rows * ldp;
     float g[CHUNK], u[CHUNK];
     for (int r = 0; r < rows; r++) {
         for (long cc = c0; cc < c1; cc += CHUNK) {
             int n = c1 - cc < CHUNK ? (int)(c1 - cc) : CHUNK;
-            const long base = r * f + cc;
+            const long base = r * ldp + cc, at = r * lda + cc;
             for (int j = 0; j < n; j++) {
                 g[j] = pg[base + j];
                 u[j] = pu[base + j];
@@ -445,13 +603,13 @@ static void activate(const float *pg, const float *pu, int tk, int rows, long f,
                     u[j] += pu[t * stride + base + j];
                 }
             if (act_bf16) {
-                uint16_t *o = (uint16_t *)act + base;
+                uint16_t *o = (uint16_t *)act + at;
                 for (int j = 0; j < n; j++) o[j] = f32_bf16(g[j] / (1.0f + hk_exp(-g[j])) * u[j]);
             } else if (xdt == DT_BF16) {
-                float *o = (float *)act + base;
+                float *o = (float *)act + at;
                 for (int j = 0; j < n; j++) o[j] = bf16_f32(f32_bf16(g[j] / (1.0f + hk_exp(-g[j])) * u[j]));
             } else {
-                float *o = (float *)act + base;
+                float *o = (float *)act + at;
                 for (int j = 0; j < n; j++) {
                     float v = g[j] / (1.0f + hk_exp(-g[j])) * u[j];
                     o[j] = xdt == DT_F16 ? f16_f32(f32_f16(v)) : v;
@@ -461,12 +619,12 @@ static void activate(const float *pg, const float *pu, int tk, int rows, long f,
     }
 }
 
-/* out[:, c0:c1] = the sum of tk partials [tk, rows, n]. */
-static void reduce(const float *part, int tk, int rows, long n, long c0, long c1, float *out) {
-    const long stride = (long)rows * n;
+/* out[:, c0:c1] = the sum of tk partials [tk, >= rows, ldp] (stride floats apart). */
+static void reduce(const float *part, int tk, int rows, long stride, long ldp, long n, long c0,
+                   long c1, float *out) {
     for (int r = 0; r < rows; r++) {
         float *o = out + r * n;
-        const float *p = part + r * n;
+        const float *p = part + r * ldp;
         for (long c = c0; c < c1; c++) o[c] = p[c];
         for (int t = 1; t < tk; t++)
             for (long c = c0; c < c1; c++) o[c] += p[t * stride + c];
@@ -476,7 +634,9 @@ static void reduce(const float *part, int tk, int rows, long n, long c0, long c1
 /* ------------------------------------------------------------------ entry points */
 
 const char *strata_isa(void) {
-#if defined(HK_BF16)
+#if defined(HK_AMX)
+    return amx_ready() ? "avx512bf16-amx" : "avx512bf16";
+#elif defined(HK_BF16)
     return "avx512bf16";
 #elif defined(HK_AVX512)
     return "avx512";
@@ -499,54 +659,75 @@ int strata_swiglu(const void *w1, const void *w3, const void *w2, int wdt, const
                   int rows, long d, long f, float *out, int threads) {
     if (rows <= 0) return 0;
     const int nt = threads > 0 ? threads : 1;
-    int dp = 0;
+    int dp = 0, amx = 0;
 #ifdef HK_BF16
     dp = wdt == DT_BF16 && xdt == DT_BF16;
 #endif
-    grid_t gu = plan(d, f, rows, nt), gd = plan(f, d, rows, nt);
-    float *pg = grow(&t_gate, sizeof(float) * gu.tk * rows * f);
-    float *pu = grow(&t_up, sizeof(float) * gu.tk * rows * f);
-    float *pd = gd.tk > 1 ? grow(&t_even, sizeof(float) * gd.tk * rows * d) : out;
-    void *act = grow(&t_act, (dp ? 2 : 4) * (size_t)rows * f);
+#ifdef HK_AMX
+    amx = dp && rows >= AMX_ROWS && d % 32 == 0 && f % 32 == 0 && amx_ready();
+#endif
+    /* the tiles take x in blocks of 16 rows: the padding rows are zeros, their sums dropped */
+    const int R = amx ? (rows + 15) & ~15 : rows;
+    grid_t gu = plan(d, f, R, nt, amx), gd = plan(f, d, R, nt, amx);
+    const int direct = !amx && gd.tk == 1; /* the down projection writes out itself */
+    const long lu = padded(f, amx, 4), ld = padded(d, amx, 4), lx = padded(d, amx, 2),
+               la = padded(f, amx, 2);
+    float *pg = grow(&t_gate, sizeof(float) * gu.tk * R * lu);
+    float *pu = grow(&t_up, sizeof(float) * gu.tk * R * lu);
+    float *pd = direct ? out : grow(&t_even, sizeof(float) * gd.tk * R * ld);
+    void *act = grow(&t_act, (dp ? 2 : 4) * (size_t)R * la);
     const void *xin = x;
     if (!pg || !pu || !pd || !act) return -1;
-    if (!dp && xdt != DT_F32) {
+    if (amx) { /* rows padded to R, each row padded to lx */
+        uint16_t *xp = grow(&t_x, sizeof(uint16_t) * R * lx);
+        if (!xp) return -1;
+        memset(xp, 0, sizeof(uint16_t) * R * lx);
+        for (int r = 0; r < rows; r++) memcpy(xp + r * lx, (const uint16_t *)x + r * d, 2 * d);
+        xin = xp;
+    } else if (!dp && xdt != DT_F32) {
         float *xf = grow(&t_x, sizeof(float) * rows * d);
         if (!xf) return -1;
         for (long i = 0; i < rows * d; i++) xf[i] = load_f32(x, i, xdt);
         xin = xf;
     }
     mk_fn mk = pick_mk(wdt, dp);
-    mm_t g = {w1, f, d, wdt, xin, d, rows, NULL, 0};
-    mm_t u = {w3, f, d, wdt, xin, d, rows, NULL, 0};
-    mm_t o = {w2, d, f, wdt, act, f, rows, NULL, 0};
+    mm_t g = {w1, f, d, wdt, xin, lx, R, NULL, 0};
+    mm_t u = {w3, f, d, wdt, xin, lx, R, NULL, 0};
+    mm_t o = {w2, d, f, wdt, act, la, R, NULL, 0};
 #pragma omp parallel num_threads(nt)
     {
         int t = team_rank(), team = team_size();
         long lo, hi;
+#ifdef HK_AMX
+        if (amx) amx_config();
+#endif
         if (team != nt) { /* a smaller team than asked (nested or limited): one thread works */
             if (t == 0) {
-                grid_t one = {1, 1, gu.kb};
+                grid_t one = {1, 1, gu.kb, amx};
                 product(&g, mk, one, 0, pg);
                 product(&u, mk, one, 0, pu);
-                activate(pg, pu, 1, rows, f, 0, f, xdt, dp, act);
+                activate(pg, pu, 1, R, lu, la, 0, f, xdt, dp, act);
                 one.kb = gd.kb;
-                product(&o, mk, one, 0, out);
+                product(&o, mk, one, 0, pd);
+                if (!direct) reduce(pd, 1, rows, R * ld, ld, d, 0, d, out);
             }
         } else {
             product(&g, mk, gu, t, pg);
             product(&u, mk, gu, t, pu);
 #pragma omp barrier
             range(f, NC, t, nt, &lo, &hi);
-            if (lo < hi) activate(pg, pu, gu.tk, rows, f, lo, hi, xdt, dp, act);
+            if (lo < hi) activate(pg, pu, gu.tk, R, lu, la, lo, hi, xdt, dp, act);
 #pragma omp barrier
             product(&o, mk, gd, t, pd);
-            if (gd.tk > 1) {
+            if (!direct) {
 #pragma omp barrier
                 range(d, NC, t, nt, &lo, &hi);
-                if (lo < hi) reduce(pd, gd.tk, rows, d, lo, hi, out);
+                if (lo < hi) reduce(pd, gd.tk, rows, R * ld, ld, d, lo, hi, out);
             }
         }
+#ifdef HK_AMX
+        if (amx) _tile_release();
+#endif
     }
     return 0;
 }
@@ -736,7 +917,7 @@ int strata_swiglu_int4(const uint8_t *p1, const uint16_t *s1, const uint8_t *p3,
             if (lo < hi) {
                 q4_cols_dp(&g, xb, rows, gate, f, lo, hi);
                 q4_cols_dp(&u, xb, rows, up, f, lo, hi);
-                activate(gate, up, 1, rows, f, lo, hi, xdt, 1, act);
+                activate(gate, up, 1, rows, f, f, lo, hi, xdt, 1, act);
             }
 #pragma omp barrier
             range(d, Q4C, t, nt, &lo, &hi);
@@ -760,7 +941,7 @@ int strata_swiglu_int4(const uint8_t *p1, const uint16_t *s1, const uint8_t *p3,
         if (lo < hi) {
             q4_cols(&g, xe, xo, rows, gate, f, lo, hi);
             q4_cols(&u, xe, xo, rows, up, f, lo, hi);
-            activate(gate, up, 1, rows, f, lo, hi, xdt, 0, act);
+            activate(gate, up, 1, rows, f, f, lo, hi, xdt, 0, act);
         }
 #pragma omp barrier
 #pragma omp for schedule(static)

@@ -20,7 +20,8 @@ TOL = {np.dtype(np.float32): 1e-5, BF16: 4e-3, np.dtype(np.float16): 2e-3}
 # int4: the weights are q * s, exact in float32, or rounded to bf16 as the device's
 # dequantization does them (the vdpbf16ps path, with more than a few rows).
 INT4_TOL = 2e-2
-ROWS = (1, 3, 16, 64)
+# 16, 20, 40, 64: whole and partial blocks of 16 rows, one or two at a time, for AMX tiles
+ROWS = (1, 3, 16, 20, 40, 64)
 
 
 def _cpu_flags() -> set[str]:
@@ -35,12 +36,14 @@ def _cpu_flags() -> set[str]:
 
 def _marches() -> list[str]:
     """-march values whose code paths this CPU runs: native, and beside an AVX-512 build the
-    other paths (AVX-512 without vdpbf16ps, the portable C)."""
+    other paths (vdpbf16ps without AMX tiles, AVX-512 without vdpbf16ps, the portable C)."""
     flags = _cpu_flags()
     if "avx512f" not in flags:
         return ["native"]  # native is the portable C already
     out = ["native"]
     if "avx512_bf16" in flags and {"avx512bw", "avx512vl", "avx512cd", "avx512dq"} <= flags:
+        if "amx_bf16" in flags:
+            out.append("cooperlake")
         out.append("skylake-avx512")
     out.append("x86-64-v3" if {"avx2", "fma", "bmi2", "f16c", "movbe"} <= flags else "x86-64")
     return out
@@ -65,14 +68,14 @@ def _err(y, ref):
 
 
 def test_the_native_build_names_its_path():
-    assert host_kernel.isa() in ("avx512bf16", "avx512", "portable")
+    assert host_kernel.isa() in ("avx512bf16-amx", "avx512bf16", "avx512", "portable")
     if {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags():
-        assert host_kernel.isa() == "avx512bf16"
+        assert host_kernel.isa().startswith("avx512bf16")
 
 
 @pytest.mark.parametrize("march", MARCHES)
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float32)], ids=["bf16", "f32"])
-@pytest.mark.parametrize(("d", "f"), [(64, 96), (77, 133), (130, 45)])
+@pytest.mark.parametrize(("d", "f"), [(64, 96), (160, 224), (77, 133), (130, 45)])
 def test_float_experts_match_float64(march, dtype, d, f):
     rng = np.random.default_rng(d * f)
     w1, w3 = (rng.normal(0, 0.2, (d, f)).astype(dtype) for _ in range(2))
