@@ -131,10 +131,11 @@ def kernel(views, slots: int, rows: int, calls: int, threads: int, candidate: st
     if candidate == "c":
         host_experts.set_threads(threads)
         return timed(lambda i: host_experts.swiglu(views, i % slots, x), calls)
-    if candidate == "c-vdp":
+    if candidate == "c-vdp" or candidate.startswith("c+"):
+        build = VDP_MARCH if candidate == "c-vdp" else host_kernel.MARCH + candidate[1:]
         ws = [views[k] for k in host_experts.KINDS]
         return timed(lambda i: host_kernel.swiglu(*(w[i % slots] for w in ws), x, threads=threads,
-                                                  march=VDP_MARCH), calls)
+                                                  march=build), calls)
     import torch
 
     tv = torch_views(views)
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "plain_read_gbps": read_gbps, "isa": host_kernel.isa(), "machine": machine()}
         print(f"threads {threads}: plain read {read_gbps:.1f} GB/s", flush=True)
         for candidate in args.candidates:
-            name = CANDIDATES[candidate]
+            name = CANDIDATES.get(candidate) or f"the C kernel built with {candidate[2:]}"
             for rows in args.rows:
                 s = kernel(views, args.experts, rows, args.calls, threads, candidate)
                 gbps = nbytes / s / 1e9
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
                     default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--calls", type=int, default=8, help="timed calls per figure")
     ap.add_argument("--candidates", type=lambda s: s.split(","), default=["c", "torch"],
-                    help=f"kernels timed, of {','.join(CANDIDATES)}")
+                    help=f"kernels timed, of {','.join(CANDIDATES)}, or c+NAME=VALUE[+...]: the "
+                         "C kernel built with tuning constants of host_kernel.c (AMX_KB ...)")
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
                     help="thread counts (default: all cores, and all but one)")
     ap.add_argument("--out", default="benchmarks/results")

@@ -31,7 +31,9 @@ import numpy as np
 SOURCE = Path(__file__).with_name("host_kernel.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MARCH = "native"
-"""The CPU the kernel is built for; tests also build other code paths (`-march` values)."""
+"""The CPU the kernel is built for; tests also build other code paths (`-march` values). A
+build may add tuning constants of host_kernel.c after the CPU, `native+AMX_KB=64+AMX_PD=4`
+(`#define`d before the source's own, for benchmarks that time variants in one run)."""
 DTYPES = {"float32": 0, "bfloat16": 1, "float16": 2}
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -83,7 +85,8 @@ def _compiler_id(cc: str) -> str:
 
 
 def flags(march: str = MARCH) -> list[str]:
-    return [FLAGS[0], f"-march={march}", *FLAGS[1:]]
+    cpu, *defines = march.split("+")
+    return [FLAGS[0], f"-march={cpu}", *(f"-D{d}" for d in defines), *FLAGS[1:]]
 
 
 def library_path(cc: str | None = None, march: str = MARCH) -> Path:

@@ -174,3 +174,17 @@ def test_builds_are_cached_by_source_compiler_and_cpu(tmp_path, monkeypatch):
     mtime = os.stat(path).st_mtime_ns
     assert host_kernel.build() == path and os.stat(path).st_mtime_ns == mtime
     assert host_kernel.library_path(march="x86-64") != path
+    assert host_kernel.library_path(march="native+AMX_KB=64") != path
+
+
+def test_a_build_takes_tuning_constants():
+    """`native+NAME=VALUE` defines a constant of host_kernel.c: AMX tiles switched off by the
+    row threshold give the same products as the default build, both near float64."""
+    rng = np.random.default_rng(7)
+    d, f = 96, 160
+    ws = [rng.normal(0, 0.2, s).astype(BF16) for s in ((d, f), (d, f), (f, d))]
+    x = rng.normal(0, 1, (24, d)).astype(BF16)
+    assert host_kernel.flags("native+AMX_ROWS=1000")[1:3] == ["-march=native", "-DAMX_ROWS=1000"]
+    ref = _reference(*ws, x)
+    for build in ("native", "native+AMX_ROWS=1000"):
+        assert _err(host_kernel.swiglu(*ws, x, threads=2, march=build), ref) < TOL[BF16]
