@@ -6,6 +6,7 @@ import datetime
 import glob
 import gzip
 import json
+import os
 import platform
 import tempfile
 import time
@@ -88,6 +89,7 @@ def machine() -> dict[str, str]:
         "jax": jax.__version__,
         "device": str(jax.devices()[0].device_kind),
         "host": platform.node(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 

@@ -38,6 +38,10 @@
 #                     EXACT_ARGS: more of its flags (--check-tiers)
 #   "pinned" in PARTS  benchmarks/pinned_put_probe.py: programs over pinned host memory right
 #                     after an unwaited device_put (PINNED_ARGS)
+#   "flags" in PARTS  issue 17: the step rows FLAG_ROWS (int4-8g,resident-bf16) at FLAG_BATCH (1)
+#                     once per XLA_FLAGS in STEP_FLAGS ('|'-separated; "none": as is), with no
+#                     compilation cache; each row's machine.xla_flags says which (e.g. XLA's
+#                     command buffers off, or with loops and conditionals in them)
 #   "hybrid" in PARTS  issue 19: the host expert kernel against a plain read
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS;
@@ -100,6 +104,15 @@ if [[ $PARTS == *step* ]]; then
   # the offloaded unrolled program against the rolled resident one, bit for bit
   bench 60 --rows int4-8g --batch 1,16 --sample
   bench 60 --rows int4-3g --batch 16 --check-unroll off --predictors next-gate
+  python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
+fi
+if [[ $PARTS == *flags* ]]; then
+  IFS='|' read -ra variants <<< "${STEP_FLAGS:-none|--xla_gpu_enable_command_buffer=}"
+  for v in "${variants[@]}"; do
+    echo "== t=${SECONDS}s: XLA_FLAGS=${v//none/}"
+    XLA_FLAGS="${v//none/}" JAX_COMPILATION_CACHE_DIR= bench 100 --rows "${FLAG_ROWS:-int4-8g,resident-bf16}" \
+      --batch "${FLAG_BATCH:-1}" ${FLAG_ARGS:-}
+  done
   python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *hybrid* ]]; then

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import hbm_bandwidth, machine, pinned_bandwidth
-from strata_jax import host_experts, int4_kernel, step
+from strata_jax import host_experts, host_kernel, int4_kernel, step
 from strata_jax.config import ModelConfig
 from strata_jax.misses import HostWork, MissRates
 from strata_jax.pool import ExpertPool
@@ -597,12 +597,14 @@ def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
         views = host_experts.tier(tier).views
         nbytes = sum(v[0].nbytes for v in views.values())
         threads = host_experts.set_threads(host.get("threads"))
+        build = host_kernel.set_build(host.get("build"))
         read = nbytes / plain_read(views, min(8, views["w1"].shape[0]), 6, threads) / 1e9
         gbps, growth = host_experts.measure(tier)
         rates = MissRates(link_gbps=bw["pinned"][fmt], host_gbps=gbps, row_cost=growth)
         host["work"] = HostWork(tier=jnp.int32(tier), rates=jnp.asarray(rates.array()))
         host["info"] = {"kernel_gbps": gbps, "row_cost": growth, "plain_read_gbps": read,
-                        "threads": threads, "rates": str(rates)}
+                        "threads": threads, "build": build, "isa": host_kernel.isa(build),
+                        "rates": str(rates)}
         print(f"   host: kernel {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row), plain read "
               f"{read:.1f} GB/s, {threads} threads", flush=True)
     return host
@@ -665,7 +667,7 @@ def budget_label(spec: RowSpec, shape: str) -> str:
 
 def run_row(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, bw: dict,
             emit: Callable[[dict], None]) -> None:
-    host: dict[str, Any] = {"threads": args.host_threads}
+    host: dict[str, Any] = {"threads": args.host_threads, "build": args.host_build}
     for batch in args.batch or spec.batches:
         print(f"== {spec.name} B={batch} ({spec.fmt}, {budget_label(spec, args.shape)})",
               flush=True)
@@ -804,6 +806,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     type=lambda s: s.split(","), help="for offloaded rows")
     ap.add_argument("--miss", default="fetch", type=lambda s: s.split(","),
                     help="StepPlan.miss of offloaded rows, e.g. fetch,host,auto")
+    ap.add_argument("--host-build", default=None,
+                    help="build of the host kernel (host_kernel.set_build), e.g. "
+                         "native+AMX_ROWS=1000 for the kernel without AMX tiles")
     ap.add_argument("--host-threads", type=int, default=None,
                     help="cores of the host kernel (default: all but a quarter)")
     ap.add_argument("--staging", type=int, default=None,

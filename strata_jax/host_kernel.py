@@ -165,6 +165,17 @@ def threads() -> int:
     return _THREADS[0]
 
 
+_BUILD = [MARCH]
+
+
+def set_build(build: str | None) -> str:
+    """The build later calls use by default (None: `MARCH`), e.g. `native+AMX_ROWS=1000` to
+    run an engine on a variant; compiled now. Returns the build set."""
+    _BUILD[0] = build or MARCH
+    library(_BUILD[0])
+    return _BUILD[0]
+
+
 def dtype_name(dtype) -> str:
     """'bfloat16', 'float16' or 'float32' (uint16 storage counts as bfloat16)."""
     name = np.dtype(dtype).name
@@ -201,7 +212,7 @@ def _out(out: np.ndarray | None, rows: int, d: int) -> np.ndarray:
 
 def swiglu(w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, x: np.ndarray,
            out: np.ndarray | None = None, threads: int | None = None,
-           march: str = MARCH) -> np.ndarray:
+           march: str | None = None) -> np.ndarray:
     """(silu(x @ w1) * (x @ w3)) @ w2 -> float32 [r, D] for float weights w1, w3 [D, F], w2
     [F, D] (one dtype) and x [r, D]: gate and up in float32, silu(gate) * up rounded to x's
     dtype, the down projection accumulated in float32."""
@@ -213,9 +224,10 @@ def swiglu(w1: np.ndarray, w3: np.ndarray, w2: np.ndarray, x: np.ndarray,
             raise ValueError(f"{name} is {w.dtype}, w1 is {w1.dtype}")
     x = _rows(x, d)
     out = _out(out, x.shape[0], d)
-    rc = library(march).strata_swiglu(_ptr(w1), _ptr(w3), _ptr(w2), DTYPES[wdt], _ptr(x),
-                                 DTYPES[dtype_name(x.dtype)], x.shape[0], d, f, _ptr(out),
-                                 threads or _THREADS[0])
+    lib = library(march or _BUILD[0])
+    rc = lib.strata_swiglu(_ptr(w1), _ptr(w3), _ptr(w2), DTYPES[wdt], _ptr(x),
+                           DTYPES[dtype_name(x.dtype)], x.shape[0], d, f, _ptr(out),
+                           threads or _THREADS[0])
     if rc:
         raise MemoryError("the host kernel could not allocate its scratch buffers")
     return out
@@ -236,7 +248,7 @@ def int4_layout(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 def swiglu_int4(w1: np.ndarray, s1: np.ndarray, w3: np.ndarray, s3: np.ndarray,
                 w2: np.ndarray, s2: np.ndarray, x: np.ndarray, out: np.ndarray | None = None,
-                threads: int | None = None, march: str = MARCH) -> np.ndarray:
+                threads: int | None = None, march: str | None = None) -> np.ndarray:
     """`swiglu` for packed int4 weights (`quant.Int4Weight` packing, output-major, row-major or
     tile-major as `ExpertPool` holds them) with bf16 group scales: w1, w3 [F, D/2] with scales
     [D/group, F], w2 [D, F/2] with scales [F/group, D]; the weights are q * s, exact in float32
@@ -264,10 +276,11 @@ def swiglu_int4(w1: np.ndarray, s1: np.ndarray, w3: np.ndarray, s3: np.ndarray,
                          f"tile's inputs ({tb1}, {tb2}) to be multiples of 32")
     x = _rows(x, d)
     out = _out(out, x.shape[0], d)
-    rc = library(march).strata_swiglu_int4(_ptr(w1), _ptr(s1), _ptr(w3), _ptr(s3), _ptr(w2),
-                                      _ptr(s2), tr1, tb1, tr2, tb2, group, _ptr(x),
-                                      DTYPES[dtype_name(x.dtype)], x.shape[0], d, f,
-                                      _ptr(out), threads or _THREADS[0])
+    lib = library(march or _BUILD[0])
+    rc = lib.strata_swiglu_int4(_ptr(w1), _ptr(s1), _ptr(w3), _ptr(s3), _ptr(w2), _ptr(s2),
+                                tr1, tb1, tr2, tb2, group, _ptr(x),
+                                DTYPES[dtype_name(x.dtype)], x.shape[0], d, f, _ptr(out),
+                                threads or _THREADS[0])
     if rc == -1:
         raise MemoryError("the host kernel could not allocate its scratch buffers")
     if rc:

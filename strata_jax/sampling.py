@@ -132,93 +132,84 @@ def penalize(logits: jax.Array, rows: SamplerRows) -> jax.Array:
     return jnp.where(rows.seen, hit, logits)
 
 
-def filtered_logits(logits: jax.Array, rows: SamplerRows) -> tuple[jax.Array, jax.Array]:
-    """The distribution a sampled row draws from: (logits sorted descending [B, V] with the
-    filtered-out tokens at -inf, their token ids). Temperature, then top-k, then top-p on
-    what top-k kept, then min-p."""
+SEARCH_WAYS = 64
+"""Thresholds one pass of a prefix search tries at once (`_largest`): a pass is one fused
+reduction over [B, V, SEARCH_WAYS]; a 32-bit search takes six passes."""
+
+
+def _value_keys(logits: jax.Array) -> jax.Array:
+    """uint32 [B, V] in the order of the float32 logits (equal floats, -0.0 and 0.0 too, get
+    equal keys)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(logits == 0, 0.0, logits), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest(keys: jax.Array, weights: jax.Array, target: jax.Array, bits: int) -> jax.Array:
+    """[B] uint32: per row the largest u < 2**bits with sum(weights[keys >= u]) >= target
+    (0 where none is), found by SEARCH_WAYS-way search over the bits, highest first: the
+    weighted count above a threshold only falls as the threshold rises."""
+    lo = jnp.zeros(keys.shape[:1], jnp.uint32)
+    shift = bits
+    while shift > 0:
+        step = min(SEARCH_WAYS.bit_length() - 1, shift)
+        shift -= step
+        tries = lo[:, None] | (jnp.arange(1 << step, dtype=jnp.uint32)[None, :] << shift)
+        above = jnp.sum(jnp.where(keys[:, :, None] >= tries[:, None, :], weights[:, :, None],
+                                  0), axis=1)
+        j = jnp.maximum(jnp.sum(above >= target[:, None], axis=1) - 1, 0)
+        lo = lo | (j.astype(jnp.uint32) << shift)
+    return lo
+
+
+def _prefix(keys: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+    """[B, V] bool: the tokens of the vocabulary ranked by value (descending, ties by index)
+    whose better-ranked tokens weigh less than `target` [B] in all: the top-k set for unit
+    weights and target k, the top-p set for probabilities and target p. Two searches: the
+    value of the last kept token, then, among the tokens of that value, its index."""
+    v = keys.shape[1]
+    edge = _largest(keys, weights, target, 32)
+    better = keys > edge[:, None]
+    tied = keys == edge[:, None]
+    rest = target - jnp.sum(jnp.where(better, weights, 0), axis=1)
+    index_keys = jnp.uint32(v - 1) - jnp.arange(v, dtype=jnp.uint32)[None, :]  # index 0 best
+    last = _largest(index_keys, jnp.where(tied, weights, 0), rest, max(1, (v - 1).bit_length()))
+    return better | (tied & (index_keys >= last[:, None]))
+
+
+def kept_logits(logits: jax.Array, rows: SamplerRows) -> jax.Array:
+    """The distribution a sampled row draws from: its tempered float32 logits [B, V] with the
+    tokens its filters drop at -inf. Temperature, then top-k, then top-p over what top-k kept
+    (a token stays while the tokens ranked above it hold less than top_p), then min-p; ranked
+    by value, ties by index. No sort and no data-dependent branch: each filter's cut is found
+    by `_prefix`'s searches (docs/design.md, "Sampling")."""
+    v = logits.shape[-1]
     t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    ranked = jnp.take_along_axis(logits, order, axis=-1) / t
-    rank = jnp.arange(logits.shape[-1])[None, :]
-    keep = (rows.top_k[:, None] == 0) | (rank < rows.top_k[:, None])
-    ranked = jnp.where(keep, ranked, -jnp.inf)
-    probs = jax.nn.softmax(ranked, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the likelier tokens
-    keep &= (before < rows.top_p[:, None]) | (rank == 0)
-    keep &= probs >= rows.min_p[:, None] * probs[:, :1]
-    return jnp.where(keep, ranked, -jnp.inf), order
-
-
-CANDIDATES = 256
-"""Likeliest tokens a filtered row ranks by `lax.top_k` (no sort of the vocabulary); a row whose
-kept set may reach past them is drawn from the full sort instead."""
-
-
-def _plain(rows: SamplerRows) -> jax.Array:
-    """[B] bool: rows with no top-k, top-p or min-p filter, drawn straight from their
-    tempered logits in vocabulary order (nothing to rank)."""
-    return (rows.top_k == 0) & (rows.top_p >= 1.0) & (rows.min_p <= 0.0)
-
-
-def candidate_logits(logits: jax.Array, rows: SamplerRows, count: int = CANDIDATES
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`filtered_logits` over the `count` likeliest tokens only: (their tempered logits with the
-    filtered-out ones at -inf [B, count], their ids, and [B] bool whether the row's kept set
-    lies within them, so that this equals the full sort's filter). Probabilities are
-    normalized over the whole vocabulary that top-k keeps, as the full filter's are."""
-    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    values, order = jax.lax.top_k(logits, count)
-    ranked = values / t
-    rank = jnp.arange(count)[None, :]
-    top_k = rows.top_k[:, None]
-    keep = (top_k == 0) | (rank < top_k)
-    everything = jax.nn.logsumexp(logits / t, axis=-1, keepdims=True)
-    within = jax.nn.logsumexp(jnp.where(keep, ranked, -jnp.inf), axis=-1, keepdims=True)
-    lse = jnp.where(top_k == 0, everything, within)
-    probs = jnp.where(keep, jnp.exp(ranked - lse), 0.0)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= (before < rows.top_p[:, None]) | (rank == 0)
-    floor = rows.min_p[:, None] * probs[:, :1]
-    keep &= probs >= floor
-    covered = ((rows.top_k > 0) & (rows.top_k <= count)) | (
-        jnp.sum(probs, axis=-1) >= rows.top_p) | (probs[:, -1] < floor[:, 0])
-    return jnp.where(keep, ranked, -jnp.inf), order, covered
+    tempered = logits / t
+    keys = _value_keys(logits)
+    top_k = jnp.where((rows.top_k <= 0) | (rows.top_k > v), v, rows.top_k).astype(jnp.float32)
+    kept = _prefix(keys, jnp.ones_like(logits), top_k)
+    masked = jnp.where(kept, tempered, -jnp.inf)
+    probs = jnp.exp(masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True))
+    kept &= _prefix(keys, probs, rows.top_p)
+    kept &= probs >= rows.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(kept, tempered, -jnp.inf)
 
 
 def _draw(rows: SamplerRows, positions: jax.Array, logits: jax.Array) -> jax.Array:
-    """Each row's draw [B] from `logits` [B, N] by its key (seed, position): an index < N."""
+    """Each row's draw [B] int32 from `logits` [B, V] by its key (seed, position)."""
     def one(seed, position, row_logits):
         key = jax.random.fold_in(jax.random.wrap_key_data(seed, impl="threefry2x32"), position)
         return jax.random.categorical(key, row_logits)
 
-    return jax.vmap(one)(rows.seed, positions.astype(jnp.uint32), logits)
-
-
-def _draw_ranked(rows: SamplerRows, positions: jax.Array, ranked: jax.Array,
-                 order: jax.Array) -> jax.Array:
-    """Each row's token [B] int32 drawn from `ranked` [B, N], whose token ids are `order`."""
-    pick = _draw(rows, positions, ranked)
-    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jax.vmap(one)(rows.seed, positions.astype(jnp.uint32), logits).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, rows: SamplerRows, positions: jax.Array) -> jax.Array:
     """Each row's next token [B] int32 from float32 logits [B, V]; `positions` [B]: where each
-    token will sit in its sequence (the draw's key is (seed, position)). A row's way of
-    drawing depends on its own settings and logits only (docs/design.md, "Sampling"): plain
-    rows draw from their tempered logits, filtered ones from the `CANDIDATES` likeliest
-    tokens, or from the full sort when their kept set may reach past those."""
+    token will sit in its sequence (the draw's key is (seed, position)). Rows with a
+    temperature draw from `kept_logits` in vocabulary order, the others take the argmax of
+    their penalized logits; a row's token depends on its own settings and logits only."""
     logits = penalize(logits, rows)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
-    plain = _draw(rows, positions, logits / t).astype(jnp.int32)
-    count = min(CANDIDATES, logits.shape[-1])
-    ranked, order, covered = candidate_logits(logits, rows, count)
-    drawn = jnp.where(_plain(rows), plain, _draw_ranked(rows, positions, ranked, order))
-    if count < logits.shape[-1]:  # rows the candidates do not cover take the full sort
-        full = ~_plain(rows) & ~covered & (rows.temperature > 0)
-
-        def sorted_draw():
-            return _draw_ranked(rows, positions, *filtered_logits(logits, rows))
-
-        drawn = jnp.where(full, jax.lax.cond(jnp.any(full), sorted_draw, lambda: drawn), drawn)
+    drawn = _draw(rows, positions, kept_logits(logits, rows))
     return jnp.where(rows.temperature > 0, drawn, greedy)

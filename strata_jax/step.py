@@ -68,7 +68,7 @@ class StepPlan:
     sample: bool = False
     """Compile the sampler into decode (`sampling.sample`): rows with a temperature draw,
     the others take the argmax of their penalized logits. False: the plain argmax, for
-    batches whose live rows are all greedy (the sort the sampler needs is not free)."""
+    batches whose live rows are all greedy (the sampler's filters are not free)."""
     resume: bool = False
     """Compile the resume from a layer (docs/design.md, "Disk stalls"): the step saves the
     input of the first layer that routed to an expert found only on disk, and the host, once

@@ -46,18 +46,53 @@ SETTINGS = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top
             SamplingParams(temperature=2.0, min_p=0.2)]
 
 
+def kept_probs(logits: np.ndarray, settings: list[SamplingParams]) -> np.ndarray:
+    """float64 [B, V]: `sampling.kept_logits` turned into each row's probabilities."""
+    kept = np.asarray(sampling.kept_logits(jnp.asarray(logits),
+                                           rows_of(settings, logits.shape[1])), np.float64)
+    probs = np.exp(kept - kept.max(axis=1, keepdims=True))
+    return probs / probs.sum(axis=1, keepdims=True)
+
+
+def assert_matches_reference(logits: np.ndarray, settings: list[SamplingParams]) -> None:
+    got = kept_probs(logits, settings)
+    for i, s in enumerate(settings):
+        want = reference_probs(logits[i], s)
+        assert np.array_equal(got[i] > 0, want > 0), f"row {i} ({s}): a different support"
+        np.testing.assert_allclose(got[i], want, atol=1e-6, err_msg=f"row {i} ({s})")
+
+
 def test_filtered_distribution_matches_float64_reference():
     rng = np.random.default_rng(0)
-    logits = rng.normal(0, 2, (len(SETTINGS), 64)).astype(np.float32)
-    ranked, order = sampling.filtered_logits(jnp.asarray(logits), rows_of(SETTINGS, 64))
-    ranked, order = np.asarray(ranked, np.float64), np.asarray(order)
-    for i, s in enumerate(SETTINGS):
-        got = np.zeros(64)
-        probs = np.exp(ranked[i] - ranked[i].max())
-        got[order[i]] = probs / probs.sum()
-        want = reference_probs(logits[i], s)
-        assert np.array_equal(got > 0, want > 0), f"row {i}: a different support"
-        np.testing.assert_allclose(got, want, atol=1e-6)
+    assert_matches_reference(rng.normal(0, 2, (len(SETTINGS), 64)).astype(np.float32), SETTINGS)
+
+
+def test_filters_on_a_large_vocabulary_match_the_reference():
+    """Kept sets of every size, flat rows whose top-p reaches far down, top-k past a few
+    hundred tokens, and filters that combine."""
+    vocab = 1024
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (8, vocab)).astype(np.float32)
+    logits[3:6] = rng.normal(0, 0.01, (3, vocab))  # nearly flat
+    settings = [SamplingParams(temperature=1.0, top_p=0.6),
+                SamplingParams(temperature=1.3, top_k=7),
+                SamplingParams(temperature=0.9, min_p=0.1),
+                SamplingParams(temperature=1.0, top_p=0.99),
+                SamplingParams(temperature=1.0, top_k=300),
+                SamplingParams(temperature=1.0, top_k=300, top_p=0.5),
+                SamplingParams(temperature=0.5, top_k=600, top_p=0.97, min_p=0.01),
+                SamplingParams(temperature=2.0, top_p=1.0)]
+    assert_matches_reference(logits, settings)
+
+
+def test_ties_are_ranked_by_index():
+    """Equal logits (-0.0 and 0.0 too) at the edge of the top-k and top-p sets: the
+    lower indices stay, as a stable sort ranks them."""
+    rng = np.random.default_rng(4)
+    logits = rng.choice(np.array([-1.0, -0.0, 0.0, 0.5, 2.0], np.float32), (6, 96))
+    settings = [SamplingParams(temperature=1.0, top_k=k) for k in (1, 3, 10, 40)] + [
+        SamplingParams(temperature=1.0, top_p=p) for p in (0.3, 0.8)]
+    assert_matches_reference(logits, settings)
 
 
 def draw_frequencies(logits: np.ndarray, setting: SamplingParams, draws: int,
@@ -159,40 +194,16 @@ def test_stop_ids_end_a_request_and_bad_settings_are_refused():
         api.generate(m, [[1]], 4, sampling=[sampling.GREEDY] * 2)
 
 
-def test_the_candidates_filter_as_the_full_sort_where_they_cover_the_row():
-    """Past `CANDIDATES` tokens: rows whose kept set lies within the likeliest ones get the
-    full filter's distribution from them; the others say so (they take the full sort)."""
-    vocab = 4 * sampling.CANDIDATES
-    rng = np.random.default_rng(1)
-    logits = rng.normal(0, 3, (4, vocab)).astype(np.float32)
-    logits[3] = rng.normal(0, 0.01, vocab)  # nearly flat: top-p 0.99 reaches past them
-    settings = [SamplingParams(temperature=1.0, top_p=0.6),
-                SamplingParams(temperature=1.3, top_k=7),
-                SamplingParams(temperature=0.9, min_p=0.1),
-                SamplingParams(temperature=1.0, top_p=0.99)]
-    ranked, order, covered = sampling.candidate_logits(jnp.asarray(logits),
-                                                      rows_of(settings, vocab))
-    assert np.asarray(covered).tolist() == [True, True, True, False]
-    ranked, order = np.asarray(ranked, np.float64), np.asarray(order)
-    for i, s in enumerate(settings[:3]):
-        got = np.zeros(vocab)
-        probs = np.exp(ranked[i] - ranked[i].max())
-        got[order[i]] = probs / probs.sum()
-        want = reference_probs(logits[i], s)
-        assert np.array_equal(got > 0, want > 0), f"row {i}: a different support"
-        np.testing.assert_allclose(got, want, atol=1e-6)
-
-
-@pytest.mark.parametrize("setting", [SamplingParams(temperature=0.8),  # plain: no ranking
-                                     SamplingParams(temperature=1.0, top_p=0.9),  # candidates
-                                     SamplingParams(temperature=1.0, top_p=0.999)])  # full sort
+@pytest.mark.parametrize("setting", [SamplingParams(temperature=0.8),  # no filter
+                                     SamplingParams(temperature=1.0, top_p=0.9),  # a few kept
+                                     SamplingParams(temperature=1.0, top_p=0.999)])  # most kept
 def test_draws_follow_the_distribution_on_a_large_vocabulary(setting):
-    vocab, draws = 2 * sampling.CANDIDATES, 3000
+    vocab, draws = 512, 3000
     rng = np.random.default_rng(2)
     logits = (rng.normal(0, 1, vocab) + np.where(np.arange(vocab) < 6, 5.0, 0.0)).astype(
         np.float32)
     if setting.top_p > 0.99:
-        logits = rng.normal(0, 0.05, vocab).astype(np.float32)  # flat: past the candidates
+        logits = rng.normal(0, 0.05, vocab).astype(np.float32)  # flat
     freq = draw_frequencies(logits, setting, draws, 5)
     want = reference_probs(logits, setting)
     assert np.all(freq[want == 0] == 0)
@@ -201,10 +212,10 @@ def test_draws_follow_the_distribution_on_a_large_vocabulary(setting):
 
 
 def test_a_rows_draw_does_not_depend_on_how_the_others_draw():
-    vocab = 2 * sampling.CANDIDATES
+    vocab = 512
     rng = np.random.default_rng(3)
     logits = rng.normal(0, 2, (3, vocab)).astype(np.float32)
-    logits[0] = rng.normal(0, 0.05, vocab)  # its top-p 0.999 takes the full sort
+    logits[0] = rng.normal(0, 0.05, vocab)  # its top-p 0.999 keeps most of the vocabulary
     settings = [SamplingParams(temperature=1.0, top_p=0.999, seed=1),
                 SamplingParams(temperature=0.7, top_p=0.5, seed=2),
                 SamplingParams(temperature=1.1, seed=3)]
