@@ -155,6 +155,19 @@ CANDIDATES = {"c": "the compiled C kernel (host_kernel, host_experts.swiglu)",
               "blocks": "column blocks, one single-threaded torch call per core"}
 
 
+def startup_rates(views_tier: int, times: int) -> list[dict]:
+    """`host_experts.measure` (the engine's start-up timing of the kernel, which the "auto"
+    split decides by) called `times` times in a row: how much one start-up's rates can vary."""
+    out = []
+    for i in range(times):
+        gbps, growth = host_experts.measure(views_tier)
+        out.append({"trial": i, "host_gbps": gbps, "row_cost": growth,
+                    "threads": host_kernel.threads(), "machine": machine()})
+        print(f"  start-up rates, trial {i}: {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row)",
+              flush=True)
+    return out
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     d, f = SHAPES[args.shape]
     pool = pinned_pool(d, f, args.experts)
@@ -163,6 +176,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     nbytes = 3 * d * f * 2
     cores = os.cpu_count() or 1
     rows_out = []
+    if args.startup_rates:
+        host_experts.set_threads(None)
+        with open(Path(args.out) / "host_rates.jsonl", "a") as fh:
+            for r in startup_rates(tier, args.startup_rates):
+                fh.write(json.dumps(r) + "\n")
     for threads in args.threads or sorted({cores, max(1, cores - 1)}):
         read_s = plain_read(views, args.experts, args.calls, threads)
         read_gbps = nbytes / read_s / 1e9
@@ -212,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                          "C kernel built with tuning constants of host_kernel.c (AMX_KB ...)")
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
                     help="thread counts (default: all cores, and all but one)")
+    ap.add_argument("--startup-rates", type=int, default=0, metavar="N",
+                    help="first call host_experts.measure N times on the default threads "
+                         "(OUT/host_rates.jsonl): the spread of the engine's start-up rates")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     out = Path(args.out)

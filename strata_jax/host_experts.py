@@ -182,23 +182,26 @@ def collect(ticket, _after) -> np.ndarray:
     return _PENDING.pop(int(ticket)).result()
 
 
-def measure(tier_id: int, rows: tuple[int, int] = (1, 16), repeats: int = 3
+def measure(tier_id: int, rows: tuple[int, int] = (1, 16), repeats: int = 5
              ) -> tuple[float, float]:
-    """(GB/s of expert bytes at `rows[0]` rows, the relative cost of each further row), from
-    the median time of the kernel on tier slot 0 at both row counts (`misses.MissRates`)."""
+    """(GB/s of expert bytes at `rows[0]` rows, the relative cost of each further row)
+    (`misses.MissRates`): the median of `repeats` timed rounds after an untimed one, each
+    round timing both row counts, each call on the next tier slot. Round robin over the slots
+    so that no expert is read from the caches, both counts in every round so that whatever
+    else runs meanwhile slows both alike."""
     t = tier(tier_id)
     d = hidden_size(t.views)
     nbytes = sum(v[0].nbytes for v in t.views.values())
     dtype = host_kernel.BF16 if quantized(t.views) else t.views["w1"].dtype
-    times = []
-    for r in rows:
-        x = np.ones((r, d), dtype=dtype)
-        swiglu(t.views, 0, x)
-        runs = []
-        for _ in range(repeats):
+    slots = t.views["w1"].shape[0]
+    xs = [np.ones((r, d), dtype=dtype) for r in rows]
+    runs: list[list[float]] = [[] for _ in rows]
+    for i in range(repeats + 1):
+        for j, x in enumerate(xs):
             t0 = time.perf_counter()
-            swiglu(t.views, 0, x)
-            runs.append(time.perf_counter() - t0)
-        times.append(float(np.median(runs)))
+            swiglu(t.views, (i * len(xs) + j) % slots, x)
+            if i:
+                runs[j].append(time.perf_counter() - t0)
+    times = [float(np.median(r)) for r in runs]
     growth = max(0.0, (times[1] / times[0] - 1) / (rows[1] - rows[0]))
     return nbytes / times[0] / 1e9, growth
