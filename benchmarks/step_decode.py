@@ -356,15 +356,16 @@ def bit_identical(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 
 def warm_up(runner: Runner, state: step.DecodeState, steps: int):
-    """`steps` blocked steps (at least 2); returns the state and the median seconds of all but
-    the first (which may compile)."""
+    """`steps` blocked steps (at least 2); returns the state and the fastest step's seconds
+    but the first's (which may compile): the host kernel's first calls are slow, and sizing
+    the timed passes by them left slow rows with a handful of steps."""
     times = []
     for _ in range(max(steps, 2)):
         t0 = time.perf_counter()
         state, _ = runner(state)
         jax.block_until_ready(state)
         times.append(time.perf_counter() - t0)
-    return state, float(np.median(times[1:]))
+    return state, float(np.min(times[1:]))
 
 
 def timed_loop(runner: Runner, state: step.DecodeState, steps: int):
