@@ -156,15 +156,16 @@ CANDIDATES = {"c": "the compiled C kernel (host_kernel, host_experts.swiglu)",
 
 
 def startup_rates(views_tier: int, times: int) -> list[dict]:
-    """`host_experts.measure` (the engine's start-up timing of the kernel, which the "auto"
-    split decides by) called `times` times in a row: how much one start-up's rates can vary."""
+    """`host_experts.measure_with_copies` (the engine's start-up timing of the kernel and the
+    link at work at once, which the "auto" split decides by) called `times` times in a row:
+    how much one start-up's rates can vary."""
     out = []
     for i in range(times):
-        gbps, growth = host_experts.measure(views_tier)
-        out.append({"trial": i, "host_gbps": gbps, "row_cost": growth,
+        link, gbps, growth = host_experts.measure_with_copies(views_tier, jax.devices()[0])
+        out.append({"trial": i, "link_gbps": link, "host_gbps": gbps, "row_cost": growth,
                     "threads": host_kernel.threads(), "machine": machine()})
-        print(f"  start-up rates, trial {i}: {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row)",
-              flush=True)
+        print(f"  start-up rates, trial {i}: kernel {gbps:.1f} GB/s at 1 row "
+              f"(+{growth:.3f}/row), link {link:.1f} GB/s at once", flush=True)
     return out
 
 
@@ -231,8 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=None,
                     help="thread counts (default: all cores, and all but one)")
     ap.add_argument("--startup-rates", type=int, default=0, metavar="N",
-                    help="first call host_experts.measure N times on the default threads "
-                         "(OUT/host_rates.jsonl): the spread of the engine's start-up rates")
+                    help="first call host_experts.measure_with_copies N times on the default "
+                         "threads (OUT/host_rates.jsonl): the spread of the engine's start-up "
+                         "rates")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     out = Path(args.out)

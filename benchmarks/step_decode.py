@@ -590,7 +590,8 @@ def build(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, hos
 
 def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
     """The tier's host-kernel views and rates (registered and measured once per row): the
-    kernel's one-row rate and growth, and the plain read of the same bytes by the host."""
+    kernel's one-row rate and growth and the link's rate, timed at work at once as the engine
+    times them, and the plain read of the same bytes by the host."""
     if "work" not in host:
         from benchmarks.host_kernels import plain_read
 
@@ -600,13 +601,15 @@ def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
         threads = host_experts.set_threads(host.get("threads"))
         build = host_kernel.set_build(host.get("build"))
         read = nbytes / plain_read(views, min(8, views["w1"].shape[0]), 6, threads) / 1e9
-        gbps, growth = host_experts.measure(tier)
-        rates = MissRates(link_gbps=bw["pinned"][fmt], host_gbps=gbps, row_cost=growth)
+        # the engine's rates: both timed at work at once (the link alone: bw)
+        link, gbps, growth = host_experts.measure_with_copies(tier, jax.devices()[0])
+        rates = MissRates(link_gbps=link, host_gbps=gbps, row_cost=growth)
         host["work"] = HostWork(tier=jnp.int32(tier), rates=jnp.asarray(rates.array()))
         host["info"] = {"kernel_gbps": gbps, "row_cost": growth, "plain_read_gbps": read,
                         "threads": threads, "build": build, "isa": host_kernel.isa(build),
                         "rates": str(rates)}
-        print(f"   host: kernel {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row), plain read "
+        print(f"   host: kernel {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row) and link "
+              f"{link:.1f} GB/s at once (alone {bw['pinned'][fmt]:.1f}), plain read "
               f"{read:.1f} GB/s, {threads} threads", flush=True)
     return host
 

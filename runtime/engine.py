@@ -318,7 +318,7 @@ class Engine:
         links = self._links()
         self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
             self.device, self.shares[0].residency.host, None if config.miss_rates is None
-            else MissRates.parse(config.miss_rates), links[0], config.host_threads)
+            else MissRates.parse(config.miss_rates), config.host_threads)
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
                                   resume=self._disk_possible,

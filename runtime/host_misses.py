@@ -26,9 +26,10 @@ class HostMisses:
     """Registered views of the tier-1 pool, the rates, and what the host computed."""
 
     def __init__(self, device: jax.Device, host: ExpertPool, rates: MissRates | None,
-                 link_gbps: float, threads: int | None) -> None:
-        """`rates` None: the host kernel is timed now on `host` and the link rate is
-        `link_gbps` (measured by the engine); fixed rates make "auto" reproducible."""
+                 threads: int | None) -> None:
+        """`rates` None: the host kernel on `host` and the link to `device` are timed now, at
+        work at once (`host_experts.measure_with_copies`); fixed rates make "auto"
+        reproducible."""
         host_experts.check_pool(host)
         self.device = device
         self.threads = host_experts.set_threads(threads)
@@ -36,7 +37,7 @@ class HostMisses:
         self._done_s, self._done_experts = 0.0, 0
         tier_id = self._register(host)
         if rates is None:
-            host_gbps, row_cost = host_experts.measure(tier_id)
+            link_gbps, host_gbps, row_cost = host_experts.measure_with_copies(tier_id, device)
             rates = MissRates(link_gbps=link_gbps, host_gbps=host_gbps, row_cost=row_cost)
         self.rates = rates
         self._work = self._device_work(tier_id)

@@ -205,3 +205,36 @@ def measure(tier_id: int, rows: tuple[int, int] = (1, 16), repeats: int = 5
     times = [float(np.median(r)) for r in runs]
     growth = max(0.0, (times[1] / times[0] - 1) / (rows[1] - rows[0]))
     return nbytes / times[0] / 1e9, growth
+
+
+def measure_with_copies(tier_id: int, device, nbytes: int = 64 << 20
+                        ) -> tuple[float, float, float]:
+    """(link GB/s, host kernel GB/s at one row, its cost per further row) timed with both at
+    work at once: `measure` runs while another thread copies a pinned buffer of `nbytes` to
+    `device` over and over. The "auto" split sends a layer's misses to both at once, and they
+    share the host's memory bandwidth (docs/design.md, "Host compute of misses"), so each one's
+    rate alone would overrate the host's share."""
+    import jax
+
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    buffer = jax.device_put(np.ones(nbytes // 4, np.float32), pinned)
+    jax.block_until_ready(jax.device_put(buffer, on_device))
+    stop = threading.Event()
+    moved = {"bytes": 0, "s": 0.0}
+
+    def copies() -> None:
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            jax.block_until_ready(jax.device_put(buffer, on_device))
+            moved["bytes"] += nbytes
+        moved["s"] = time.perf_counter() - t0
+
+    copier = threading.Thread(target=copies, name="strata-link-probe")
+    copier.start()
+    try:
+        host_gbps, growth = measure(tier_id)
+    finally:
+        stop.set()
+        copier.join()
+    return moved["bytes"] / max(moved["s"], 1e-9) / 1e9, host_gbps, growth

@@ -110,9 +110,12 @@ def test_int4_pools_are_computed(tile):
     try:
         out = host_experts.compute(tier, h, experts, np.ones(3, bool), hosted, host_row)
         gbps, growth = host_experts.measure(tier, repeats=1)
+        link, gbps_shared, growth_shared = host_experts.measure_with_copies(
+            tier, jax.devices()[0], nbytes=1 << 20)
     finally:
         host_experts.release(tier)
     assert gbps > 0 and growth >= 0
+    assert link > 0 and gbps_shared > 0 and growth_shared >= 0
     for n in range(3):
         for j in range(2):
             e = experts[n, j]
