@@ -604,13 +604,18 @@ def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
         # the engine's rates: both timed at work at once (the link alone: bw)
         link, gbps, growth = host_experts.measure_with_copies(tier, jax.devices()[0])
         rates = MissRates(link_gbps=link, host_gbps=gbps, row_cost=growth)
+        if host.get("rates") == "alone":  # the ablation: each rate timed on its own
+            gbps, growth = host_experts.measure(tier)
+            rates = MissRates(link_gbps=bw["pinned"][fmt], host_gbps=gbps, row_cost=growth)
+        elif host.get("rates") not in (None, "at-once"):
+            rates = MissRates.parse(host["rates"])
         host["work"] = HostWork(tier=jnp.int32(tier), rates=jnp.asarray(rates.array()))
         host["info"] = {"kernel_gbps": gbps, "row_cost": growth, "plain_read_gbps": read,
                         "threads": threads, "build": build, "isa": host_kernel.isa(build),
                         "rates": str(rates)}
         print(f"   host: kernel {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row) and link "
               f"{link:.1f} GB/s at once (alone {bw['pinned'][fmt]:.1f}), plain read "
-              f"{read:.1f} GB/s, {threads} threads", flush=True)
+              f"{read:.1f} GB/s, {threads} threads; the split's rates {rates}", flush=True)
     return host
 
 
@@ -671,7 +676,8 @@ def budget_label(spec: RowSpec, shape: str) -> str:
 
 def run_row(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, bw: dict,
             emit: Callable[[dict], None]) -> None:
-    host: dict[str, Any] = {"threads": args.host_threads, "build": args.host_build}
+    host: dict[str, Any] = {"threads": args.host_threads, "build": args.host_build,
+                            "rates": args.miss_rates}
     for batch in args.batch or spec.batches:
         print(f"== {spec.name} B={batch} ({spec.fmt}, {budget_label(spec, args.shape)})",
               flush=True)
@@ -813,6 +819,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host-build", default=None,
                     help="build of the host kernel (host_kernel.set_build), e.g. "
                          "native+AMX_ROWS=1000 for the kernel without AMX tiles")
+    ap.add_argument("--miss-rates", default="at-once",
+                    help="the auto split's rates: at-once (the engine's: the kernel and the "
+                         "link timed at work together), alone (each timed on its own), or "
+                         "fixed, e.g. link=33,host=43,row=0.04")
     ap.add_argument("--host-threads", type=int, default=None,
                     help="cores of the host kernel (default: all but a quarter)")
     ap.add_argument("--staging", type=int, default=None,
