@@ -34,10 +34,20 @@ from strata_jax.pool import ExpertPool
 SHAPES = {"mixtral-8x7b": (4096, 14336), "tiny": (128, 256)}
 
 
-def pinned_pool(d: int, f: int, experts: int, seed: int = 0) -> ExpertPool:
-    """`experts` random bf16 experts [experts, in, out] in pinned host memory."""
+def pinned_pool(d: int, f: int, experts: int, seed: int = 0, fmt: str = "bf16") -> ExpertPool:
+    """`experts` random experts in pinned host memory: bf16 [experts, in, out], or packed int4
+    with bf16 group scales as the offloaded int4 rows of step_decode hold them (row-major)."""
     dev = jax.devices()[0]
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    if fmt == "int4":
+        from types import SimpleNamespace
+
+        from benchmarks.step_decode import random_experts
+
+        shape = SimpleNamespace(hidden_size=d, expert_intermediate_size=f, num_layers=1,
+                                num_experts=experts)  # all random_experts reads of a config
+        pool = random_experts(shape, "int4", jax.random.key(seed), None)
+        return jax.tree.map(lambda a: jax.block_until_ready(jax.device_put(a, pinned)), pool)
     keys = jax.random.split(jax.random.key(seed), 3)
     shapes = {"w1": (experts, d, f), "w3": (experts, d, f), "w2": (experts, f, d)}
     arrays = {}
@@ -60,16 +70,14 @@ def timed(fn, calls: int) -> float:
 
 
 def plain_read(views, slots: int, calls: int, threads: int) -> float:
-    """Median seconds to read one expert's bytes once: numpy sums of uint64 words over
-    `threads` contiguous chunks of each matrix on as many threads (a vectorized reduction
-    that releases the GIL; no conversion, no writes)."""
+    """Median seconds to read one expert's bytes once (every array of it, scales too): numpy
+    sums of uint64 words over `threads` contiguous chunks of each array on as many threads (a
+    vectorized reduction that releases the GIL; no conversion, no writes)."""
     pool = ThreadPoolExecutor(threads)
-    flat = {k: [views[k][s].reshape(-1).view(np.uint64) for s in range(slots)]
-            for k in host_experts.KINDS}
+    flat = {k: [views[k][s].reshape(-1).view(np.uint64) for s in range(slots)] for k in views}
 
     def read(i):
-        chunks = [c for k in host_experts.KINDS for c in np.array_split(flat[k][i % slots],
-                                                                          threads)]
+        chunks = [c for k in views for c in np.array_split(flat[k][i % slots], threads)]
         list(pool.map(np.add.reduce, chunks))
 
     try:
@@ -126,16 +134,16 @@ def column_blocks(views, slot: int, x, pool: ThreadPoolExecutor, threads: int):
 
 
 def kernel(views, slots: int, rows: int, calls: int, threads: int, candidate: str) -> float:
-    d = views["w1"].shape[1]
+    d = host_experts.hidden_size(views)
     x = np.random.default_rng(rows).normal(0, 1, (rows, d)).astype(host_kernel.BF16)
-    if candidate == "c":
+    if candidate in ("c", "c-vdp") or candidate.startswith("c+"):
         host_experts.set_threads(threads)
-        return timed(lambda i: host_experts.swiglu(views, i % slots, x), calls)
-    if candidate == "c-vdp" or candidate.startswith("c+"):
-        build = VDP_MARCH if candidate == "c-vdp" else host_kernel.MARCH + candidate[1:]
-        ws = [views[k] for k in host_experts.KINDS]
-        return timed(lambda i: host_kernel.swiglu(*(w[i % slots] for w in ws), x, threads=threads,
-                                                  march=build), calls)
+        host_kernel.set_build({"c": None, "c-vdp": VDP_MARCH}.get(
+            candidate, host_kernel.MARCH + candidate[1:]))
+        try:
+            return timed(lambda i: host_experts.swiglu(views, i % slots, x), calls)
+        finally:
+            host_kernel.set_build(None)
     import torch
 
     tv = torch_views(views)
@@ -171,10 +179,10 @@ def startup_rates(views_tier: int, times: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> list[dict]:
     d, f = SHAPES[args.shape]
-    pool = pinned_pool(d, f, args.experts)
+    pool = pinned_pool(d, f, args.experts, fmt=args.format)
     tier = host_experts.register(pool)
     views = host_experts.tier(tier).views
-    nbytes = 3 * d * f * 2
+    nbytes = sum(v[0].nbytes for v in views.values())
     cores = os.cpu_count() or 1
     rows_out = []
     if args.startup_rates:
@@ -185,7 +193,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     for threads in args.threads or sorted({cores, max(1, cores - 1)}):
         read_s = plain_read(views, args.experts, args.calls, threads)
         read_gbps = nbytes / read_s / 1e9
-        base = {"shape": args.shape, "threads": threads, "expert_bytes": nbytes,
+        base = {"shape": args.shape, "format": args.format, "threads": threads,
+                "expert_bytes": nbytes,
                 "plain_read_gbps": read_gbps, "isa": host_kernel.isa(), "machine": machine()}
         print(f"threads {threads}: plain read {read_gbps:.1f} GB/s", flush=True)
         for candidate in args.candidates:
@@ -223,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
     ap.add_argument("--experts", type=int, default=8, help="experts read round robin")
+    ap.add_argument("--format", choices=("bf16", "int4"), default="bf16",
+                    help="the experts' format in tier 1 (int4: packed, bf16 group scales; the "
+                         "C kernel only)")
     ap.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")],
                     default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--calls", type=int, default=8, help="timed calls per figure")
