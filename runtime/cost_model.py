@@ -74,13 +74,14 @@ class HardwareProfile:
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile(
         name="h200-pcie5", pcie_gbps=49.0, host_read_gbps=94.0, hbm_gbps=4600.0,
-        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=30.0,
-        host_row_cost=0.003,
+        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=45.0,
+        host_row_cost=0.05,
         source="measured on the H200 machine (../shared/DESIGN.md, benchmarks/results): "
                "pinned copies 50-54 GB/s alone, 48.9 inside the step; host DRAM 94 GB/s; HBM "
-               "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores; the torch host "
-               "expert kernel 30 GB/s inside the step (41-45 alone, results/host_kernels.md; "
-               "results/step_decode_hybrid.md)"),
+               "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores; the C host expert "
+               "kernel (AMX) 43-50 GB/s at one row while copies run (58-94 alone), each "
+               "further row +0.03-0.07 (results/host_kernels.md, "
+               "results/step_decode_hybrid_2026-12-04.md)"),
     HardwareProfile(
         name="rtx3090-pcie3-xeon-v4", pcie_gbps=12.0, host_read_gbps=150.0, hbm_gbps=936.0,
         hbm_gib=24.0, matmul_tflops=35.0, host_cores=40, host_kernel_gbps=82.0,
