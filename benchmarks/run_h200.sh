@@ -46,7 +46,9 @@
 #                     (benchmarks/host_kernels.py), then the bf16 8 GiB rows with every miss
 #                     remedy (fetch / host / auto), B=1 checked against resident (HYBRID_ARGS;
 #                     KERNEL_ARGS for host_kernels, MISS_B1 / MISS_B16 the remedies of each
-#                     batch, MISS_INT4 adds the int4 3 GiB B=1 row with those remedies)
+#                     batch, MISS_INT4 adds the int4 3 GiB B=1 row with those remedies;
+#                     MISS_RATES: the B=16 row once per split-rate setting, e.g. "at-once
+#                     alone"; KERNEL_FORMATS: the host kernel's tier formats, e.g. "bf16 int4")
 source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-560}
 TEST_LIMIT=${TEST_LIMIT:-240}
@@ -117,12 +119,16 @@ if [[ $PARTS == *flags* ]]; then
 fi
 if [[ $PARTS == *hybrid* ]]; then
   echo "== t=${SECONDS}s: host kernels"
-  timeout -k 10 120 python3 -m benchmarks.host_kernels --out "$OUT" ${KERNEL_ARGS:-} 2>&1 | \
-    grep -v "^[WI]0"
+  for fmt in ${KERNEL_FORMATS:-bf16}; do
+    timeout -k 10 120 python3 -m benchmarks.host_kernels --out "$OUT" --format "$fmt" \
+      ${KERNEL_ARGS:-} 2>&1 | grep -v "^[WI]0"
+  done
   bench 200 --rows bf16-8g --batch 1 --predictors none --miss ${MISS_B1:-fetch,host,auto} \
     --check always ${HYBRID_ARGS:-}
-  bench 200 --rows bf16-8g --batch 16 --predictors none --miss ${MISS_B16:-fetch,host,auto} \
-    ${HYBRID_ARGS:-}
+  for rates in ${MISS_RATES:-at-once}; do  # the split's rates: at-once, alone or fixed
+    bench 200 --rows bf16-8g --batch 16 --predictors none --miss ${MISS_B16:-fetch,host,auto} \
+      --miss-rates "$rates" ${HYBRID_ARGS:-}
+  done
   [[ -n ${MISS_INT4:-} ]] && bench 150 --rows int4-3g --batch 1 --predictors none \
     --miss "$MISS_INT4" ${HYBRID_ARGS:-}
   python3 -m benchmarks.step_decode --report --out "$OUT" 2>&1 | grep -v "^[WI]0"
