@@ -190,7 +190,8 @@ def kept_logits(logits: jax.Array, rows: SamplerRows) -> jax.Array:
     kept = _prefix(keys, jnp.ones_like(logits), top_k)
     masked = jnp.where(kept, tempered, -jnp.inf)
     probs = jnp.exp(masked - jax.nn.logsumexp(masked, axis=-1, keepdims=True))
-    kept &= _prefix(keys, probs, rows.top_p)
+    # top_p 1 keeps every token: float32 sums may reach 1 before the last ones
+    kept &= _prefix(keys, probs, jnp.where(rows.top_p >= 1.0, jnp.inf, rows.top_p))
     kept &= probs >= rows.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(kept, tempered, -jnp.inf)
 

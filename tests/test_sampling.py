@@ -225,3 +225,12 @@ def test_a_rows_draw_does_not_depend_on_how_the_others_draw():
         alone = sampling.sample(jnp.asarray(logits[i:i + 1]), rows_of([s], vocab),
                                 jnp.full((1,), 7))
         assert int(alone[0]) == int(together[i])
+
+
+def test_top_p_of_one_keeps_every_token():
+    """Even where float32 partial sums of the probabilities reach 1 before the last token."""
+    vocab = 4096
+    logits = np.zeros((1, vocab), np.float32)
+    logits[0, :8] = 30.0  # nearly all the mass in 8 tokens, the rest ~1e-13 each
+    got = kept_probs(logits, [SamplingParams(temperature=1.0, top_p=1.0)])
+    assert (got[0] > 0).all()
