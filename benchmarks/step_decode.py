@@ -62,6 +62,7 @@ from strata_jax.misses import HostWork, MissRates
 from strata_jax.pool import ExpertPool
 from strata_jax.quant import GROUP
 from strata_jax.synth import synth_config
+from strata_runtime.ledger import ModelBytes, default_staging_slots
 
 GiB = 1 << 30
 START_POSITION = 16  # every row is live with this many cached positions
@@ -256,12 +257,16 @@ class Layout:
 def plan_layout(cfg: ModelConfig, spec: RowSpec, batch: int, shape: str, fixed: int, bpe: int,
                 staging: int | None) -> Layout:
     """Tier-0 experts and staging slots for `spec`'s budget, beside `fixed` bytes (every dense
-    param and the KV cache); resident if every expert fits. Staging default: top_k * B capped
-    at the experts per layer, and at most what fits."""
+    param and the KV cache); resident if every expert fits. Staging default: the engine's
+    (`ledger.default_staging_slots`: what one layer can need, in at most two halves of
+    `STAGING_HALF_BYTES`), and at most what fits."""
     total = cfg.num_layers * cfg.num_experts
     if spec.budget_gib is None:
         return Layout(None, total, 0)
-    m = staging or min(cfg.top_k * batch, cfg.num_experts)
+    sizes = ModelBytes(global_bytes=0, dense_per_layer=0, bytes_per_expert=bpe,
+                       num_layers=cfg.num_layers, experts_per_layer=cfg.num_experts,
+                       top_k=cfg.top_k, kv_bytes_per_token=0)
+    m = staging or default_staging_slots(sizes, batch)
     if shape == "tiny":
         budget = fixed + int((2 * m + spec.tiny_share * total) * bpe)
     else:
