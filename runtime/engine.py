@@ -337,6 +337,8 @@ class Engine:
         self.state = self._replicated(step.init_state(cfg, self.capacity, self.max_len,
                                                       self.device))
         self.timeline = Timeline(config.timeline, process=jax.process_index())
+        if self.host_misses is not None and self.timeline.enabled:
+            self.host_misses.trace_round_trips()
         # the host's moves in it are this process's devices' (stats() sums the processes')
         self.counters = EngineStats(
             slot_bytes(reader, config).bytes_per_expert, link_gbps=links[0],
@@ -779,6 +781,8 @@ class Engine:
     def export_timeline(self, path: str | os.PathLike) -> None:
         if not self.timeline.enabled:
             raise ValueError("the timeline is off; construct with EngineConfig(timeline=True)")
+        if self.host_misses is not None:
+            self.host_misses.add_spans(self.timeline)
         self.timeline.export(path)
 
     def generate_results(self, prompts: list[list[int]], max_new_tokens: int,

@@ -18,6 +18,7 @@ from strata_jax import host_experts
 from strata_jax.config import ModelConfig
 from strata_jax.misses import HostWork, MissRates, split
 from strata_jax.pool import ExpertPool
+from strata_runtime.timeline import Timeline
 
 KEEP = 3  # tier-1 versions kept registered: the current one and those a step may still read
 
@@ -34,7 +35,8 @@ class HostMisses:
         self.device = device
         self.threads = host_experts.set_threads(threads)
         self._versions: deque[tuple[ExpertPool, int]] = deque()
-        self._done_s, self._done_experts = 0.0, 0
+        self._done = dict.fromkeys(host_experts.TOTALS, 0.0)  # of released versions
+        self._tracing = False
         tier_id = self._register(host)
         if rates is None:
             link_gbps, host_gbps, row_cost = host_experts.measure_with_copies(tier_id, device)
@@ -49,8 +51,8 @@ class HostMisses:
         while len(self._versions) > KEEP:
             _, old = self._versions.popleft()
             t = host_experts.tier(old)
-            self._done_s, self._done_experts = self._done_s + t.busy_s, (
-                self._done_experts + t.experts)
+            for name in host_experts.TOTALS:
+                self._done[name] += getattr(t, name)
             host_experts.release(old)
         return tier_id
 
@@ -64,22 +66,55 @@ class HostMisses:
             self._work = self._device_work(self._register(host))
         return self._work
 
-    def _totals(self) -> tuple[float, int]:
+    def _totals(self) -> dict[str, float]:
         tiers = [host_experts.tier(i) for _, i in self._versions]
-        return (self._done_s + sum(t.busy_s for t in tiers),
-                self._done_experts + sum(t.experts for t in tiers))
+        return {name: self._done[name] + sum(getattr(t, name) for t in tiers)
+                for name in host_experts.TOTALS}
 
     def reset(self) -> None:
         """Count from now on (`summary`)."""
         self._base = self._totals()
+        host_experts.recent_round_trips()
 
     def summary(self, bytes_per_expert: int) -> dict[str, object]:
-        busy, experts = (a - b for a, b in zip(self._totals(), self._base, strict=True))
+        """What the host computed since `reset`, and where its layers' round trips went: per
+        round trip, the worker's start after `submit` (queue), the kernel, the device's wait
+        in `collect` and the host's outputs' wait for the device (docs/design.md, "Stats")."""
+        now = self._totals()
+        d = {name: now[name] - self._base[name] for name in now}
+        busy, trips = d["busy_s"], d["trips"]
+
+        def per_trip(seconds: float) -> float | None:
+            return 1e3 * seconds / trips if trips else None
+
         return {"host_compute_s": busy,
-                "host_gbps": experts * bytes_per_expert / busy / 1e9 if busy else None,
+                "host_gbps": d["experts"] * bytes_per_expert / busy / 1e9 if busy else None,
+                "host_round_trips": int(trips), "host_queue_ms": per_trip(d["queue_s"]),
+                "host_kernel_ms": per_trip(busy), "host_wait_ms": per_trip(d["wait_s"]),
+                "host_early_ms": per_trip(d["early_s"]),
                 "host_threads": self.threads, "miss_rates": str(self.rates)}
 
+
+    def trace_round_trips(self) -> None:
+        """Keep each layer's round trip for `add_spans` (the engine's timeline is on)."""
+        host_experts.record_round_trips(True)
+        self._tracing = True
+
+    def add_spans(self, timeline: Timeline) -> None:
+        """The round trips kept since the last call as spans: the kernel on the host, the
+        device waiting in `collect`, and the whole share from `submit` to its outputs."""
+        for trip in host_experts.recent_round_trips():
+            args = {"experts": trip.experts, "rows": trip.rows}
+            timeline.add("host experts", "host", trip.started, trip.ended,
+                         lane="host kernel", **args)
+            timeline.add("layer's host share", "host", trip.submitted, trip.returned,
+                         lane="host round trips", **args)
+            timeline.add("device waits for the host", "stall", trip.collected, trip.returned,
+                         lane="device waits for the host")
+
     def close(self) -> None:
+        if self._tracing:
+            host_experts.record_round_trips(False)
         while self._versions:
             host_experts.release(self._versions.popleft()[1])
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Span:
     name: str
-    kind: str  # "copy", "compute" or "stall"
+    kind: str  # "copy", "compute", "stall" or "host" (host compute of misses)
     start: float
     end: float
     thread: int
@@ -30,6 +30,7 @@ class Timeline:
         self.enabled = enabled
         self.process = process
         self.spans: list[Span] = []
+        self.lanes: dict[int, str] = {}  # named rows of the trace (`add(lane=...)`)
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
 
@@ -51,12 +52,19 @@ class Timeline:
         with self._lock:
             self.spans = []
 
-    def add(self, name: str, kind: str, start: float, end: float, **args: object) -> None:
-        """Record a span measured elsewhere (perf_counter times)."""
-        if self.enabled:
-            s = Span(name, kind, start, end, threading.get_ident(), tuple(args.items()))
-            with self._lock:
-                self.spans.append(s)
+    def add(self, name: str, kind: str, start: float, end: float, lane: str | None = None,
+            **args: object) -> None:
+        """Record a span measured elsewhere (perf_counter times), on the calling thread's row
+        or on the named `lane`'s."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if lane is None:
+                thread = threading.get_ident()
+            else:
+                thread = next((t for t, n in self.lanes.items() if n == lane), -len(self.lanes) - 1)
+                self.lanes[thread] = lane
+            self.spans.append(Span(name, kind, start, end, thread, tuple(args.items())))
 
     def total(self, kind: str) -> float:
         return sum(s.end - s.start for s in self.spans if s.kind == kind)
@@ -89,6 +97,8 @@ class Timeline:
         events: list[dict[str, object]] = [
             {"name": "process_name", "ph": "M", "pid": self.process,
              "args": {"name": f"strata process {self.process}"}}]
+        events += [{"name": "thread_name", "ph": "M", "pid": self.process, "tid": tid,
+                    "args": {"name": lane}} for tid, lane in self.lanes.items()]
         events += [
             {"name": s.name, "cat": s.kind, "ph": "X", "pid": self.process, "tid": s.thread,
              "ts": (s.start - self._t0) * 1e6, "dur": (s.end - s.start) * 1e6,

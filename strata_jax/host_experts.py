@@ -19,6 +19,7 @@ import ctypes
 import itertools
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -77,12 +78,42 @@ class HostTier:
     """Seconds the worker spent in the kernel."""
     experts: int = 0
     """Experts computed."""
+    trips: int = 0
+    """Layers whose host share was collected (`RoundTrip`s)."""
+    queue_s: float = 0.0
+    """Seconds from `submit` to the worker's start, summed over the round trips."""
+    wait_s: float = 0.0
+    """Seconds the device waited in `collect` for the host, summed."""
+    early_s: float = 0.0
+    """Seconds the host's outputs waited for the device to reach `collect`, summed."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+TOTALS = ("busy_s", "experts", "trips", "queue_s", "wait_s", "early_s")
+"""The `HostTier` counters that add up over versions of the tier."""
+
+
+@dataclass
+class RoundTrip:
+    """One layer's host share, in `time.perf_counter` seconds: the device reached `submit`,
+    the worker started and ended the kernel, the device reached `collect` and `collect`
+    returned the outputs. Where a B=1 layer's time goes beyond the kernel's
+    (docs/design.md, "Host compute of misses")."""
+
+    tier: int
+    submitted: float
+    started: float = 0.0
+    ended: float = 0.0
+    collected: float = 0.0
+    returned: float = 0.0
+    experts: int = 0
+    rows: int = 0
 
 
 _TIERS: dict[int, HostTier] = {}
 _IDS = itertools.count(1)
-_PENDING: dict[int, Future] = {}
+_PENDING: dict[int, tuple[Future, RoundTrip]] = {}
+_RECENT: deque[RoundTrip] | None = None  # the collected round trips, while recording
 _TICKETS = itertools.count(1)
 _WORKER: ThreadPoolExecutor | None = None
 _GUARD = threading.Lock()
@@ -136,16 +167,17 @@ def swiglu(views: dict[str, np.ndarray], slot: int, x: np.ndarray) -> np.ndarray
 
 
 def compute(tier_id: int, h: np.ndarray, experts: np.ndarray, live: np.ndarray,
-            hosted: np.ndarray, host_row: np.ndarray) -> np.ndarray:
+            hosted: np.ndarray, host_row: np.ndarray, trip: RoundTrip | None = None
+            ) -> np.ndarray:
     """Each pick's output [N, k, D] float32 for the picks of live tokens routed to the
     experts marked in `hosted` [E] (others zero): h [N, D] the layer's MoE input, experts
-    [N, k] the picks, host_row [E] each expert's tier-1 slot."""
+    [N, k] the picks, host_row [E] each expert's tier-1 slot. `trip`: timed into it."""
     t = tier(tier_id)
     n, k = experts.shape
     out = np.zeros((n, k, h.shape[-1]), np.float32)
     h = np.asarray(h)
     t0 = time.perf_counter()
-    done = 0
+    done = rows = 0
     for e in np.flatnonzero(hosted):
         picks = (experts == e) & live[:, None]
         tokens, which = np.nonzero(picks)
@@ -153,9 +185,13 @@ def compute(tier_id: int, h: np.ndarray, experts: np.ndarray, live: np.ndarray,
             continue
         out[tokens, which] = swiglu(t.views, int(host_row[e]), h[tokens])
         done += 1
+        rows += len(tokens)
+    t1 = time.perf_counter()
     with t.lock:
-        t.busy_s += time.perf_counter() - t0
+        t.busy_s += t1 - t0
         t.experts += done
+    if trip is not None:
+        trip.started, trip.ended, trip.experts, trip.rows = t0, t1, done, rows
     return out
 
 
@@ -169,17 +205,49 @@ def _worker() -> ThreadPoolExecutor:
 
 def submit(tier_id, h, experts, live, hosted, host_row) -> np.ndarray:
     """Start `compute` on the worker thread; returns its ticket (int32 [])."""
+    trip = RoundTrip(int(tier_id), time.perf_counter())
     ticket = next(_TICKETS)
-    _PENDING[ticket] = _worker().submit(compute, int(tier_id), np.asarray(h),
-                                        np.asarray(experts), np.asarray(live),
-                                        np.asarray(hosted), np.asarray(host_row))
+    _PENDING[ticket] = (_worker().submit(compute, int(tier_id), np.asarray(h),
+                                         np.asarray(experts), np.asarray(live),
+                                         np.asarray(hosted), np.asarray(host_row), trip), trip)
     return np.asarray(ticket, np.int32)
 
 
 def collect(ticket, _after) -> np.ndarray:
     """The outputs of the work of `ticket` (waits for it). `_after` is an operand only so
     that the step calls this after its own copies and kernels (`misses.host_round_trip`)."""
-    return _PENDING.pop(int(ticket)).result()
+    future, trip = _PENDING.pop(int(ticket))
+    trip.collected = time.perf_counter()
+    out = future.result()
+    trip.returned = time.perf_counter()
+    t = _TIERS.get(trip.tier)
+    if t is not None:
+        with t.lock:
+            t.trips += 1
+            t.queue_s += trip.started - trip.submitted
+            t.wait_s += trip.returned - trip.collected
+            t.early_s += max(0.0, trip.collected - trip.ended)
+    recent = _RECENT
+    if recent is not None:
+        recent.append(trip)
+    return out
+
+
+def record_round_trips(on: bool, keep: int = 1 << 16) -> None:
+    """Keep the last `keep` collected `RoundTrip`s (for a timeline) while `on`."""
+    global _RECENT
+    _RECENT = deque(maxlen=keep) if on else None
+
+
+def recent_round_trips() -> list[RoundTrip]:
+    """The round trips kept since the last call (empties the record)."""
+    recent = _RECENT
+    if recent is None:
+        return []
+    out = []
+    while recent:
+        out.append(recent.popleft())
+    return out
 
 
 def measure(tier_id: int, rows: tuple[int, int] = (1, 16), repeats: int = 5

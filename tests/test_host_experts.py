@@ -155,3 +155,32 @@ def test_views_read_a_just_transferred_pool():
                 np.testing.assert_array_equal(views[k], a, err_msg=f"{k}, seed {seed}")
         finally:
             host_experts.release(tier)
+
+
+def test_round_trips_are_timed():
+    """Each collected layer share is one round trip, its times in order, its experts and
+    rows those the kernel computed, summed into the tier's counters."""
+    pool, _ = _pool(np.float32, seed=9)
+    rng = np.random.default_rng(9)
+    h = rng.normal(0, 1, (3, D)).astype(np.float32)
+    experts = np.array([[1, 4], [4, 6], [0, 2]], np.int32)
+    hosted = np.zeros(E, bool)
+    hosted[[1, 4]] = True
+    host_row = np.array([0, 2, -1, 1, 4, -1, 3, -1], np.int32)
+    tier = host_experts.register(pool)
+    host_experts.record_round_trips(True)
+    try:
+        host_experts.collect(host_experts.submit(tier, h, experts, np.ones(3, bool), hosted,
+                                                 host_row), None)
+        (trip,) = host_experts.recent_round_trips()
+        stats = host_experts.tier(tier)
+    finally:
+        host_experts.record_round_trips(False)
+        host_experts.release(tier)
+    assert trip.submitted <= trip.started <= trip.ended <= trip.returned
+    assert trip.collected <= trip.returned
+    assert (trip.experts, trip.rows) == (2, 3)  # expert 1: row 0; expert 4: rows 0 and 1
+    assert stats.trips == 1 and stats.experts == 2
+    assert stats.queue_s == trip.started - trip.submitted
+    assert stats.wait_s == trip.returned - trip.collected
+    assert host_experts.recent_round_trips() == []

@@ -2,6 +2,8 @@
 run (host compute rounds differently; docs/design.md, "Host compute of misses"), the split
 seen in the stats, and clear refusals."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -43,11 +45,29 @@ def test_host_compute_is_within_tolerance_of_resident(ckpt, reference, knobs, fe
     spread = np.abs(ref_logits).max()
     assert np.abs(logits - ref_logits).max() <= F32_TOL * spread
     assert stats["hosted_per_step"] > 0 and stats["host_compute_s"] > 0
+    assert stats["host_round_trips"] > 0 and stats["host_kernel_ms"] > 0
+    assert stats["host_queue_ms"] >= 0 and stats["host_wait_ms"] >= 0
     assert (stats["misses_per_step"] > 0) == fetches
     if knobs.get("miss_rates"):
         assert stats["miss_rates"] == "link=10,host=10,row=0"
     if "host_experts" in knobs:
         assert stats["disk_loads"] > 0
+
+
+def test_the_timeline_shows_each_layers_host_share(ckpt, tmp_path):
+    config = EngineConfig(**SHAPE, resident_experts=2, policy="static", miss="host",
+                          timeline=True)
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        run_rows(engine, PROMPTS[:1], 2)
+        trips = engine.stats()["host_round_trips"]
+        engine.export_timeline(tmp_path / "trace.json")
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    kernel = [e for e in events if e["name"] == "host experts"]
+    assert trips > 0 and len(kernel) == trips
+    assert {lanes[e["tid"]] for e in kernel} == {"host kernel"}
+    assert all(e["dur"] >= 0 and int(e["args"]["experts"]) >= 1 for e in kernel)
+    assert len([e for e in events if e["name"] == "device waits for the host"]) == trips
 
 
 @pytest.fixture(scope="module")
