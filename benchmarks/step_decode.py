@@ -624,6 +624,21 @@ def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
     return host
 
 
+def round_trip_totals(host: dict) -> dict[str, float]:
+    t = host_experts.tier(int(host["work"].tier))
+    return {name: float(getattr(t, name)) for name in host_experts.TOTALS}
+
+
+def round_trip_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per layer's host share over the timed steps (`host_experts.RoundTrip`): the worker's
+    start after submit (queue), the kernel, the device's wait in collect, the outputs' wait."""
+    d = {k: after[k] - before[k] for k in after}
+    trips = max(d["trips"], 1.0)
+    return {"trips": d["trips"], "queue": 1e3 * d["queue_s"] / trips,
+            "kernel": 1e3 * d["busy_s"] / trips, "device_wait": 1e3 * d["wait_s"] / trips,
+            "outputs_wait": 1e3 * d["early_s"] / trips}
+
+
 def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Setup,
                   predictor: str, batch: int, miss: str, host: dict, bw: dict,
                   fmt: str) -> dict[str, Any]:
@@ -643,7 +658,12 @@ def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Set
         if miss != "fetch":  # host compute rounds differently: the largest relative change
             exact = float(max(np.abs(a - b).max() / np.abs(a).max()
                               for a, b in zip(setup.reference, got, strict=True)))
+    before = round_trip_totals(host) if miss != "fetch" else None
     m = measure_config(runner, args, batch)
+    if before is not None:
+        info = {**info, "round_trip": round_trip_means(before, round_trip_totals(host))}
+        print("   host round trip (ms, mean): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in info["round_trip"].items() if k != "trips"), flush=True)
     setup.pool = runner.pool
     held = sum(a.nbytes for a in jax.tree.leaves((params, setup.pool))) + setup.kv
     return {"predictor": predictor, "miss": miss, "host": info, "exact": exact,
