@@ -1,9 +1,9 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv on a fresh machine and
-# installs from the pinned environment in requirements/lock.txt.
+# installs from the pinned environment in constraints.txt.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-LOCK := requirements/lock.txt
+LOCK := constraints.txt
 PIP_VERSION := 26.3
 # pytest-xdist processes for `make test`, each taking whole test files (module fixtures built
 # once); CI has 2 cores
