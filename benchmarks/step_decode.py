@@ -593,10 +593,21 @@ def build(args: argparse.Namespace, spec: RowSpec, cfg: ModelConfig, params, hos
     return Setup(layout, pool, tiers, bpe, dense, kv, tile, reference)
 
 
+def split_rates(mode: str | None, tier: int, alone_link: float) -> MissRates:
+    """The "auto" split's rates (`--miss-rates`): "at-once" (the engine's: the kernel and the
+    link timed at work together), "alone" (each timed on its own) or fixed figures."""
+    if mode in (None, "at-once"):
+        link, gbps, growth = host_experts.measure_with_copies(tier, jax.devices()[0])
+        return MissRates(link_gbps=link, host_gbps=gbps, row_cost=growth)
+    if mode == "alone":
+        gbps, growth = host_experts.measure(tier)
+        return MissRates(link_gbps=alone_link, host_gbps=gbps, row_cost=growth)
+    return MissRates.parse(mode)
+
+
 def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
-    """The tier's host-kernel views and rates (registered and measured once per row): the
-    kernel's one-row rate and growth and the link's rate, timed at work at once as the engine
-    times them, and the plain read of the same bytes by the host."""
+    """The tier's host-kernel views and the split's rates (registered and measured once per
+    row, `split_rates`), and the plain read of the same bytes by the host."""
     if "work" not in host:
         from benchmarks.host_kernels import plain_read
 
@@ -606,21 +617,15 @@ def host_work(host: dict, bw: dict, fmt: str) -> dict[str, Any]:
         threads = host_experts.set_threads(host.get("threads"))
         build = host_kernel.set_build(host.get("build"))
         read = nbytes / plain_read(views, min(8, views["w1"].shape[0]), 6, threads) / 1e9
-        # the engine's rates: both timed at work at once (the link alone: bw)
-        link, gbps, growth = host_experts.measure_with_copies(tier, jax.devices()[0])
-        rates = MissRates(link_gbps=link, host_gbps=gbps, row_cost=growth)
-        if host.get("rates") == "alone":  # the ablation: each rate timed on its own
-            gbps, growth = host_experts.measure(tier)
-            rates = MissRates(link_gbps=bw["pinned"][fmt], host_gbps=gbps, row_cost=growth)
-        elif host.get("rates") not in (None, "at-once"):
-            rates = MissRates.parse(host["rates"])
+        mode = host.get("rates") or "at-once"
+        rates = split_rates(mode, tier, bw["pinned"][fmt])
         host["work"] = HostWork(tier=jnp.int32(tier), rates=jnp.asarray(rates.array()))
-        host["info"] = {"kernel_gbps": gbps, "row_cost": growth, "plain_read_gbps": read,
-                        "threads": threads, "build": build, "isa": host_kernel.isa(build),
-                        "rates": str(rates)}
-        print(f"   host: kernel {gbps:.1f} GB/s at 1 row (+{growth:.3f}/row) and link "
-              f"{link:.1f} GB/s at once (alone {bw['pinned'][fmt]:.1f}), plain read "
-              f"{read:.1f} GB/s, {threads} threads; the split's rates {rates}", flush=True)
+        host["info"] = {"kernel_gbps": rates.host_gbps, "row_cost": rates.row_cost,
+                        "plain_read_gbps": read, "threads": threads, "build": build,
+                        "isa": host_kernel.isa(build), "rates": str(rates), "rates_mode": mode}
+        print(f"   host: the split's rates {rates} ({mode}; the link alone "
+              f"{bw['pinned'][fmt]:.1f} GB/s), plain read {read:.1f} GB/s, {threads} threads",
+              flush=True)
     return host
 
 

@@ -94,7 +94,6 @@ class HostMisses:
                 "host_early_ms": per_trip(d["early_s"]),
                 "host_threads": self.threads, "miss_rates": str(self.rates)}
 
-
     def trace_round_trips(self) -> None:
         """Keep each layer's round trip for `add_spans` (the engine's timeline is on)."""
         host_experts.record_round_trips(True)

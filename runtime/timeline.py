@@ -30,7 +30,7 @@ class Timeline:
         self.enabled = enabled
         self.process = process
         self.spans: list[Span] = []
-        self.lanes: dict[int, str] = {}  # named rows of the trace (`add(lane=...)`)
+        self.lanes: dict[str, int] = {}  # named rows of the trace (`add(lane=...)`): tid
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
 
@@ -59,11 +59,8 @@ class Timeline:
         if not self.enabled:
             return
         with self._lock:
-            if lane is None:
-                thread = threading.get_ident()
-            else:
-                thread = next((t for t, n in self.lanes.items() if n == lane), -len(self.lanes) - 1)
-                self.lanes[thread] = lane
+            thread = (threading.get_ident() if lane is None
+                      else self.lanes.setdefault(lane, -len(self.lanes) - 1))
             self.spans.append(Span(name, kind, start, end, thread, tuple(args.items())))
 
     def total(self, kind: str) -> float:
@@ -98,7 +95,7 @@ class Timeline:
             {"name": "process_name", "ph": "M", "pid": self.process,
              "args": {"name": f"strata process {self.process}"}}]
         events += [{"name": "thread_name", "ph": "M", "pid": self.process, "tid": tid,
-                    "args": {"name": lane}} for tid, lane in self.lanes.items()]
+                    "args": {"name": lane}} for lane, tid in self.lanes.items()]
         events += [
             {"name": s.name, "cat": s.kind, "ph": "X", "pid": self.process, "tid": s.thread,
              "ts": (s.start - self._t0) * 1e6, "dur": (s.end - s.start) * 1e6,
