@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import hbm_bandwidth, machine, pinned_bandwidth
+from benchmarks.common import device_kernel_times, hbm_bandwidth, machine, pinned_bandwidth
 from strata_jax import host_experts, host_kernel, int4_kernel, step
 from strata_jax.config import ModelConfig
 from strata_jax.misses import HostWork, MissRates
@@ -443,13 +443,37 @@ def bounds(row: dict[str, Any]) -> dict[str, Any]:
     if host_read:  # the misses' bytes over both remedies at once
         misses = c["host_bytes"] + c.get("hosted_bytes", 0.0)
         hybrid = b / (t_hbm + misses / ((bw["pinned"][row["fmt"]] + host_read) * 1e9))
+    binds = "PCIe" if t_pcie > t_hbm else "HBM"
+    gpu = gpu_split(row, t_hbm)
+    if gpu and row["tok_s"] / bound < 0.85:  # short of HBM: name the largest loss instead
+        binds = gpu["loses"]
     return {"hybrid_bound_tok_s": hybrid, "hybrid_ratio": hybrid and row["tok_s"] / hybrid,
+            "gpu": gpu,
             "hbm_GB": hbm_bytes / 1e9, "host_GB": c["host_bytes"] / 1e9,
             "t_hbm_ms": 1e3 * t_hbm, "t_pcie_ms": 1e3 * t_pcie, "bound_tok_s": bound,
             "pcie_bound_tok_s": b / t_pcie if t_pcie else None,
-            "ratio": row["tok_s"] / bound, "binds": "PCIe" if t_pcie > t_hbm else "HBM",
+            "ratio": row["tok_s"] / bound, "binds": binds,
             "hit": c["hits"] / c["distinct"] if c["distinct"] else 1.0,
             "link_busy": t_pcie / step_s, "uncounted_GB": c["uncounted_bytes_est"] / 1e9}
+
+
+def gpu_split(row: dict[str, Any], t_hbm: float) -> dict[str, Any] | None:
+    """An in-HBM row's step time split (gpu_time): the expert kernels (and the share of the
+    HBM read rate their bytes reach), the other kernels, and the GPU idle; `loses` names
+    the largest of the three losses against the HBM bound."""
+    g = row.get("gpu_time")
+    if not g:
+        return None
+    step_ms = 1e3 * row["batch"] / row["tok_s"]
+    expert_ideal = 1e3 * row["counts"]["expert_hbm_bytes"] / (row["bandwidth"]["hbm_read"] * 1e9)
+    idle = max(step_ms - g["expert_ms"] - g["other_ms"], 0.0)
+    losses = {f"expert kernels ({expert_ideal / g['expert_ms']:.2f} of HBM rate)":
+              g["expert_ms"] - expert_ideal,
+              f"{g['other_kernels']:.0f} other kernels": g["other_ms"]
+              - (1e3 * t_hbm - expert_ideal),
+              "GPU idle between kernels": idle}
+    return {**g, "step_ms": step_ms, "idle_ms": idle,
+            "expert_rate": expert_ideal / g["expert_ms"], "loses": max(losses, key=losses.get)}
 
 
 def target(name: str, batch: int, miss: str = "fetch"
@@ -538,6 +562,32 @@ def measure_config(runner: Runner, args: argparse.Namespace, batch: int) -> dict
             "tok_s": batch * steps / wall, "step_ms": 1e3 * wall / steps,
             "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
             "records": records}
+
+
+EXPERT_KERNELS = ("gate_up", "down_kernel", "int4_down", "mosaic")  # the expert kernels' names
+
+
+def gpu_time(runner: Runner, args: argparse.Namespace, batch: int) -> dict[str, Any] | None:
+    """Where a step's device time goes (GPU only): the expert kernels' and the other kernels'
+    device milliseconds per step and the other kernels' count, from a profiler trace of
+    blocked steps. With the step's wall time this names what keeps an in-HBM row from its
+    HBM bound: the expert kernels' own rate, the many small kernels, or the GPU waiting."""
+    if jax.devices()[0].platform != "gpu":
+        return None
+    box = {"state": live_state(runner.cfg, batch, args.max_len)}
+
+    def one() -> None:
+        box["state"], _ = runner(box["state"])
+        jax.block_until_ready(box["state"])
+
+    kernels = device_kernel_times(one, reps=8)
+    free(box["state"])
+    expert = {k: v for k, v in kernels.items() if any(n in k for n in EXPERT_KERNELS)}
+    other = [v for k, v in kernels.items() if k not in expert]
+    return {"expert_ms": sum(v["us"] for v in expert.values()) / 1e3,
+            "other_ms": sum(v["us"] for v in other) / 1e3,
+            "other_kernels": sum(v["count"] for v in other),
+            "expert_kernels": sorted(expert)}
 
 
 def want_check(args: argparse.Namespace, spec: RowSpec) -> bool:
@@ -669,6 +719,8 @@ def run_predictor(args: argparse.Namespace, cfg: ModelConfig, params, setup: Set
         info = {**info, "round_trip": round_trip_means(before, round_trip_totals(host))}
         print("   host round trip (ms, mean): " + ", ".join(
             f"{k} {v:.2f}" for k, v in info["round_trip"].items() if k != "trips"), flush=True)
+    if setup.layout.resident:
+        m["gpu_time"] = gpu_time(runner, args, batch)
     setup.pool = runner.pool
     held = sum(a.nbytes for a in jax.tree.leaves((params, setup.pool))) + setup.kv
     return {"predictor": predictor, "miss": miss, "host": info, "exact": exact,
@@ -765,7 +817,15 @@ HEADER = ("| row | experts | B | budget (HBM held GB) | tier-0 | staging | predi
           " hybrid bound | hybrid ratio | HBM GB/step |"
           " host GB/step | + uncounted GB/step (est.) | distinct/step | hit |"
           " demand copies/step | host-computed/step | prefetch used/issued |"
-          " link busy | exact | target | peers (tok/s) |")
+          " link busy | GPU ms/step: experts + other kernels (count) + idle | exact | target |"
+          " peers (tok/s) |")
+
+
+def gpu_cell(g: dict[str, Any] | None) -> str:
+    if not g:
+        return "-"
+    return (f"{g['expert_ms']:.2f} ({g['expert_rate']:.2f} of HBM) + {g['other_ms']:.2f} "
+            f"({g['other_kernels']:.0f}) + {g['idle_ms']:.2f} of {g['step_ms']:.2f}")
 
 
 def table_line(row: dict[str, Any]) -> str:
@@ -782,7 +842,8 @@ def table_line(row: dict[str, Any]) -> str:
             f"{_opt(b['hybrid_ratio'], '{:.2f}')} | {b['hbm_GB']:.3f} | "
             f"{b['host_GB']:.3f} | {b['uncounted_GB']:.3f} | {c['distinct']:.1f} | "
             f"{b['hit']:.2f} | {c['fetched']:.1f} | {c.get('hosted', 0.0):.1f} | "
-            f"{c['prefetched']:.1f} / {c['issued']:.1f} | {b['link_busy']:.2f} | {exact} | "
+            f"{c['prefetched']:.1f} / {c['issued']:.1f} | {b['link_busy']:.2f} | "
+            f"{gpu_cell(b['gpu'])} | {exact} | "
             f"{verdict(row, b)} | {peers} |")
 
 
@@ -806,7 +867,11 @@ def render(rows: list[dict[str, Any]]) -> str:
         "bit-identical to the resident program on the same weights and state. With next-gate, "
         "step.py's last layer also copies a prefetch for a rolled 'layer 0' and drops it; no "
         "record counts those bytes, so they are not in the bound (the 'uncounted' column "
-        "estimates them as the mean prefetch of a layer).",
+        "estimates them as the mean prefetch of a layer). GPU ms/step (rows whose experts are "
+        "all in HBM, GPU only): device time of the expert kernels (and the share of the HBM read "
+        "rate their bytes reach), of the other kernels (their launches per step), and the rest "
+        "of the back-to-back step time, from a profiler trace of 8 blocked steps; where such a "
+        "row is below 0.85 of its bound, `binds` names the largest loss of the three.",
         "",
         HEADER,
         "|" + "---|" * HEADER.count(" |"),
