@@ -61,6 +61,16 @@ def decode(ckpt: Path, config: EngineConfig, batch_prompts: list[list[int]], new
     return tokens, stats
 
 
+def binds(r: dict, disk_bytes_bind: bool) -> str:
+    """What the counted bytes say binds, unless disk stalls took over half of the decode's
+    seconds: a stall waits on one expert's read, at a rate no throughput figure gives, so the
+    time says more than the bytes."""
+    decode_s = r["decode_steps"] * r["batch"] / r["tok_s"]
+    if r["disk_stall_s"] > 0.5 * decode_s:
+        return f"disk stalls ({r['disk_stall_s']:.1f} of {decode_s:.1f} s)"
+    return "disk" if disk_bytes_bind else "PCIe"
+
+
 def row(args: argparse.Namespace, ckpt: Path, batch: int, rates: dict) -> dict:
     reader = CheckpointReader(ckpt)
     total = expert_bytes(reader)
@@ -82,8 +92,7 @@ def row(args: argparse.Namespace, ckpt: Path, batch: int, rates: dict) -> dict:
                "disk_stall_s", "tier0_hit_rate", "prefetch_hit_rate", "misses_per_step",
                "link_busy", "host_slots", "prefill_tok_s")}}
     out["ratio"] = out["tok_s"] / out["bound_tok_s"] if out["bound_tok_s"] else None
-    out["binds"] = "disk" if disk_step / rates["disk_gbps"] > h2d_step / rates["link_gbps"] \
-        else "PCIe"
+    out["binds"] = binds(out, disk_step / rates["disk_gbps"] > h2d_step / rates["link_gbps"])
     if args.check:  # every expert in tier 1: no disk read at all
         ref, _ = decode(ckpt, EngineConfig(hbm_budget=args.hbm, batch_capacity=batch,
                                            max_len=config.max_len, policy=args.policy),
@@ -101,14 +110,15 @@ def render(rows: list[dict], meta: dict) -> str:
              "bytes per step / cold read rate + host->device bytes per step / link rate), "
              "from the bytes counted in the same run.", "",
              "| B | tok/s | bound | ratio | binds | disk loads | disk GB/step | disk stall s | "
-             "h2d GB/step | tier-0 hit | host slots | p50 ms | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "h2d GB/step | tier-0 hit | prefetch hit | host slots | p50 / p99 ms | identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['tok_s']:.2f} | {r['bound_tok_s']:.2f} | {r['ratio']:.2f} | "
             f"{r['binds']} | {r['disk_loads']} | {r['disk_GB_per_step']:.3f} | "
             f"{r['disk_stall_s']:.1f} | {r['h2d_GB_per_step']:.3f} | "
-            f"{r['tier0_hit_rate']:.2f} | {r['host_slots']} | {r['step_ms_p50']:.0f} | "
+            f"{r['tier0_hit_rate']:.2f} | {r['prefetch_hit_rate']:.2f} | {r['host_slots']} | "
+            f"{r['step_ms_p50']:.0f} / {r['step_ms_p99']:.0f} | "
             f"{r.get('bit_identical_to_full_host_tier', '-')} |")
     lines.append("")
     lines.append(f"Cold read {rows[0]['disk_gbps']:.2f} GB/s, link {rows[0]['link_gbps']:.1f} "

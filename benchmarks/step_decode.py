@@ -835,7 +835,8 @@ def table_line(row: dict[str, Any]) -> str:
     peers = PEERS.get((row["fmt"], row["batch"], row["staging"] == 0), "-")
     return (f"| {row['row']} | {row['fmt']} ({row['layout']}) | {row['batch']} | "
             f"{row['budget_label']} ({row['hbm_held_bytes'] / 1e9:.3g}) | {row['tier0']} | "
-            f"{row['staging']} | {row['predictor']} | {row.get('miss', 'fetch')} | "
+            f"{row['staging']} | {row['predictor']}{', sampled' if row.get('sample') else ''} | "
+            f"{row.get('miss', 'fetch')} | "
             f"**{row['tok_s']:.1f}** | "
             f"{row['p50_ms']:.2f} / {row['p99_ms']:.2f} | {b['bound_tok_s']:.1f} | "
             f"{b['ratio']:.2f} | {b['binds']} | {pcie} | {_opt(b['hybrid_bound_tok_s'])} | "
