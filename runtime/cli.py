@@ -250,6 +250,29 @@ def _write_json(doc: dict[str, object], where: str) -> None:
         Path(where).write_text(text)
 
 
+def _check_requests(args: argparse.Namespace, given: list, prompts: list[list[int]],
+                    max_len: int) -> None:
+    """Every request checked as every path checks it (`api.check_request`) before anything
+    loads, the error naming the flags that set the values at fault."""
+    from strata_jax.api import check_request
+    from strata_jax.checkpoint import CheckpointReader
+
+    cfg = CheckpointReader(args.ckpt).config
+    for i, (text, ids) in enumerate(zip(given, prompts, strict=True)):
+        flag = "--prompt" if isinstance(text, str) else "--prompt-ids"
+        try:
+            check_request(cfg, i, ids, args.max_new_tokens, max_len)
+        except ValueError as e:
+            raise ValueError(f"{e} (the {ordinal(i + 1)} prompt flag, {flag}; "
+                             f"--max-new-tokens {args.max_new_tokens}, --max-len {max_len})"
+                             ) from None
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _generate(args: argparse.Namespace) -> int:
     from strata_jax.tokenizer import encode_prompts, load_tokenizer
 
@@ -266,6 +289,7 @@ def _generate(args: argparse.Namespace) -> int:
     has_tok = (Path(args.ckpt) / "tokenizer.json").is_file()
     tok = load_tokenizer(args.ckpt) if texts or has_tok else None
     prompts = encode_prompts(tok, given, chat=args.chat)
+    _check_requests(args, given, prompts, (config or resident_config(args)).max_len)
     sampling = _sampling(args, tok.eos_ids if tok is not None else frozenset())
     if config is None:
         run = _run_resident(args, prompts, sampling)

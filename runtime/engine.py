@@ -493,6 +493,7 @@ class Engine:
         if not tokens or start + len(tokens) > self.max_len:
             raise ValueError(f"row {row}: {len(tokens)} tokens from position {start} do not fit "
                              f"max_len={self.max_len}")
+        api.check_tokens(self.cfg, tokens, f"row {row}")
         self._observe_pending()
         t0 = time.perf_counter()
         prompt = np.asarray(tokens, np.int32)
@@ -788,15 +789,22 @@ class Engine:
     def generate_results(self, prompts: list[list[int]], max_new_tokens: int,
                          sampling: SamplingParams | list[SamplingParams] = GREEDY):
         """One RequestResult per prompt (any number: continuous batching over the rows);
-        `sampling` for every prompt, or one per prompt."""
+        `sampling` for every prompt, or one per prompt. A request the scheduler refuses (an
+        empty prompt, ids outside the vocabulary, more tokens than max_len) gets its error
+        and the others run."""
         from strata_runtime.scheduler import Scheduler
 
         sched = Scheduler(self)
         settings = api.per_request(sampling, len(prompts))
-        reqs = [sched.submit(p, max_new_tokens, s) for p, s in zip(prompts, settings,
-                                                                  strict=True)]
+        reqs: list = []
+        for p, s in zip(prompts, settings, strict=True):
+            try:
+                reqs.append(sched.submit(p, max_new_tokens, s))
+            except ValueError as e:
+                reqs.append(RequestResult([], str(e)))  # names the request
         sched.run()
-        return [RequestResult(r.tokens if r.error is None else [], r.error) for r in reqs]
+        return [r if isinstance(r, RequestResult) else
+                RequestResult(r.tokens if r.error is None else [], r.error) for r in reqs]
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:

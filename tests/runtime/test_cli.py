@@ -236,6 +236,30 @@ def test_generate_through_the_engine(text_ckpt, tmp_path, capsys):
     assert "engine stats (the timed run):" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--prompt-ids", "1,2", "--prompt-ids", "3,300"],
+     "request 1: token id 300 is outside the vocabulary [0, 300) (the 2nd prompt flag, "
+     "--prompt-ids"),
+    (["--prompt-ids", ""], "argument --prompt-ids: expected at least one token id"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "0"],
+     "max_new_tokens must be >= 1, got 0 (the 1st prompt flag, --prompt-ids; "
+     "--max-new-tokens 0, --max-len"),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--max-len", "8"],
+     "request 0: 3 prompt + 6 new tokens exceed max_len=8 (the 1st prompt flag, --prompt-ids; "
+     "--max-new-tokens 6, --max-len 8)"),
+    (["--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--max-len", "8", "--hbm", "1GiB"],
+     "--max-new-tokens 6, --max-len 8)"),
+])  # fmt: skip
+def test_bad_requests_name_the_flag_before_anything_loads(text_ckpt, capsys, flags, named):
+    """(An empty text prompt is a request for text after the tokenizer's BOS: not an error.)"""
+    try:
+        status = main(["generate", str(text_ckpt), "--no-warmup", *flags])
+    except SystemExit as e:  # argparse refuses the value itself
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2 and "error:" in err and named in err, err
+
+
 def test_second_call_hits_the_compilation_cache(tmp_path):
     """Two fresh processes: the first writes the cache, the second adds nothing to it (every
     program loaded, none compiled) and warms up faster."""

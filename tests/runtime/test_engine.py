@@ -11,7 +11,7 @@ import pytest
 import strata_jax
 from strata_jax.checkpoint import CheckpointError
 from strata_jax.sampling import GREEDY, SamplingParams
-from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.engine import Engine, EngineConfig, RequestFailed, RequestResult
 from strata_runtime.ledger import BudgetError
 from tests.helpers import tiny_config, write_checkpoint
 from tests.runtime.contract import routing, run_rows
@@ -105,14 +105,20 @@ def test_a_request_does_not_depend_on_its_batch(ckpt):
 
 def test_bad_requests_are_named_and_fail_alone(ckpt):
     with _engine(ckpt, resident_experts=3) as engine:
+        good = engine.generate([[1, 5, 2]], 4)[0]
         for prompts, new, message in (
-            ([[1], [2, 300]], 4, "request 1: token id 300 is outside"),
-            ([[1], []], 4, "request 1: the prompt is empty"),
-            ([[1]], 0, "request 0: max_new_tokens must be >= 1"),
-            ([[1] * 30], 4, "request 0: 30 prompt \\+ 4 new tokens exceed max_len=32"),
+            ([[1, 5, 2], [2, 300]], 4, "request 1: token id 300 is outside"),
+            ([[1, 5, 2], []], 4, "request 1: the prompt is empty"),
+            ([[1, 5, 2], [1] * 30], 4, "request 1: 30 prompt \\+ 4 new tokens exceed max_len=32"),
         ):
-            with pytest.raises(ValueError, match=message):
+            with pytest.raises(RequestFailed, match=message) as failed:
                 engine.generate(prompts, new)
+            ok, bad = failed.value.results
+            assert ok == RequestResult(good) and bad.tokens == [] and bad.error, message
+        with pytest.raises(RequestFailed, match="request 0: max_new_tokens must be >= 1"):
+            engine.generate([[1]], 0)
+        with pytest.raises(ValueError, match="row 0: token id -1 is outside the vocabulary"):
+            engine.prefill(0, [1, -1])  # the contract checks what it is given too
 
 
 def test_budget_goes_through_the_ledger(ckpt):
