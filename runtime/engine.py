@@ -598,7 +598,7 @@ class Engine:
             # committed where `_from_start`'s layer is: an uncommitted scalar is another
             # argument sharding, so the first stall would compile the program again
             done, resume = record, step.Resume(
-                layer=jax.device_put(jnp.int32(layer), self._everyone), saved=out.saved)
+                layer=jax.device_put(np.int32(layer), self._everyone), saved=out.saved)
 
     def _tiers(self) -> step.Tiers:
         """The tiers a step reads, with the host kernel's tier-1 views when it has one."""

@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -159,7 +158,7 @@ class Residency:
         hs = int(self.host_page[key])
         if hs < 0:
             raise KeyError(f"expert {key} is not in the host tier")
-        self.pool = _pull(self.pool, jnp.int32(slot), self.host, jnp.int32(hs))
+        self.pool = _pull(self.pool, np.int32(slot), self.host, np.int32(hs))
         self._set_slot(slot, key)
 
     def demote(self, slot: int) -> None:
@@ -181,7 +180,7 @@ class Residency:
         # before the write is dispatched, and the write is done before anything reads it.
         new = jax.block_until_ready(ExpertPool(**{n: jax.device_put(a, self.host.w1.sharding)
                                                   for n, a in arrays.items()}))
-        self.host = jax.block_until_ready(self._put(self.host, jnp.int32(slot), new))
+        self.host = jax.block_until_ready(self._put(self.host, np.int32(slot), new))
         self.host_key[slot], self.host_page[key] = key, slot
         self.version += 1
 

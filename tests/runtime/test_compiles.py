@@ -1,5 +1,6 @@
 """The engine compiles each step program once (also when a step resumes from a disk stall);
-after warm-up it compiles nothing and holds steady device memory."""
+after warm-up it compiles nothing and holds steady device memory, over 200 steps of a
+continuous batch whose requests join, leave and are cancelled at any step."""
 
 import collections
 import logging
@@ -9,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 
+from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.scheduler import Scheduler
 from tests.helpers import tiny_config, write_checkpoint
 
 
@@ -44,23 +47,33 @@ def test_no_compiles_and_stable_memory_over_200_steps(tmp_path, compiles):
         resident_experts=4, host_experts=2, batch_capacity=4, max_len=48, policy="lru"))
     rng = np.random.default_rng(0)
 
-    def batch(n, length):
-        return rng.integers(0, cfg.vocab_size, (n, length)).tolist()
+    def prompt(length):
+        return rng.integers(0, cfg.vocab_size, length).tolist()
 
-    for length in (3, 12):  # warm-up: both prefill chunk sizes (8 and 16)
-        engine.generate(batch(4, length), 11)
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    # warm-up: both prefill chunk sizes (8 and 16), a greedy batch and one with a sampled row
+    engine.generate([prompt(3) for _ in range(4)], 11)
+    engine.generate([prompt(12) for _ in range(4)], 11, [GREEDY] * 3 + [sampled])
     live = sum(a.nbytes for a in jax.live_arrays())
     assert compiles.count > 0  # the counter sees compilations at all
     # steps stalled on disk and ran again from a layer, in the programs compiled for them
     assert engine.stats()["resumed_layers"] > 0
-    assert (compiles.names["prefill_step"], compiles.names["decode_step"]) == (2, 1)
+    assert (compiles.names["prefill_step"], compiles.names["decode_step"]) == (2, 2), compiles.names
     compiles.count = 0
-    steps = 0
-    while steps < 200:  # requests of varied count and length come and go between batches
-        n, length = int(rng.integers(1, 5)), int(rng.integers(1, 17))
-        out = engine.generate(batch(n, length), 11)
-        assert len(out) == n and all(len(o) == 11 for o in out)
-        steps += 10
+    sched, reqs, joined_late = Scheduler(engine), [], 0
+    while sched.steps < 200:  # requests join and leave at any step, greedy or sampled
+        if rng.random() < 0.3 or not reqs:
+            busy = any(r is not None and not r.done for r in sched.rows)
+            joined_late += busy
+            reqs.append(sched.submit(prompt(int(rng.integers(1, 17))), int(rng.integers(1, 20)),
+                                     sampled if rng.random() < 0.3 else GREEDY))
+        if rng.random() < 0.03 and reqs:
+            sched.cancel(reqs[int(rng.integers(len(reqs)))])
+        sched.step()
+    sched.run()
     assert compiles.count == 0
+    finished = [r for r in reqs if not r.cancelled]
+    assert joined_late > 20 and len(finished) > 30
+    assert all(r.error is None and len(r.tokens) == r.max_new_tokens for r in finished)
     # every buffer was allocated at start-up; only the last step's small record may differ
     assert sum(a.nbytes for a in jax.live_arrays()) <= live + (64 << 10)

@@ -1,14 +1,19 @@
 """The engine at any budget, policy and predictor gives the resident bits, through the one
 compiled step; bad requests and corrupt chunks fail alone."""
 
+import collections
+import glob
+import gzip
 import json
 import shutil
+import tempfile
 
 import jax
 import numpy as np
 import pytest
 
 import strata_jax
+from strata_jax import step
 from strata_jax.checkpoint import CheckpointError
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig, RequestFailed, RequestResult
@@ -200,3 +205,40 @@ def test_stats_and_timeline_export(ckpt, tmp_path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["name"] for e in events} >= {"decode", "prefill8"}
 
+
+
+def _programs_dispatched(fn) -> collections.Counter:
+    """The jitted programs `fn()` dispatches, by name, from a profiler trace (the C++ dispatch
+    path has no Python hook to count with)."""
+    where = tempfile.mkdtemp()
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        fn()
+    path = glob.glob(f"{where}/**/*perfetto_trace.json.gz", recursive=True)[0]
+    trace = json.load(gzip.open(path))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    shutil.rmtree(where)
+    return collections.Counter(n[len("PjitFunction("):-1] for n in names
+                               if n.startswith("PjitFunction("))
+
+
+@pytest.mark.parametrize(("policy", "between_steps"), [("static", set()), ("lru", {"_pull"})])
+def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, policy, between_steps):
+    """Engine.step dispatches the decode program once and nothing else but the cache's
+    admissions, which are donated updates of the pool between steps (docs/design.md, "The
+    engine"); the program itself moves nothing to the host (its record is read a step later)
+    and calls nothing on the host."""
+    with _engine(ckpt, resident_experts=4, policy=policy, predictor="none") as engine:
+        for row, prompt in enumerate(PROMPTS):
+            engine.prefill(row, prompt)
+        for _ in range(3):  # compiles, and fills the cache
+            engine.step()
+        steps = 4
+        dispatched = _programs_dispatched(lambda: [engine.step() for _ in range(steps)])
+        assert set(dispatched) == {"decode_step"} | between_steps, dispatched
+        calls = dispatched["decode_step"]
+        assert calls in (steps, 2 * steps)  # the trace may nest the dispatch in itself
+        program = step.decode_staged if engine.staging else step.decode
+        text = program.lower(engine.cfg, engine.plan, engine.params, engine.residency.pool,
+                             engine._tiers(), engine.state).as_text()
+        assert "callback" not in text, "a host call inside the step"
