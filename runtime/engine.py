@@ -565,9 +565,6 @@ class Engine:
             forced = self._replicated(self.replay.picks(kind, rows))
         done = None  # the record of the layers before the resume layer
         while True:
-            before = (self.state.tokens, self.state.positions, self.state.sampler) if sync else None
-            if before is not None:
-                before = jax.tree.map(jnp.copy, before)
             with self.timeline.span(name, "compute"):
                 self.state, out, pool = program(self.cfg, plan, self.params,
                                                 self.residency.pool, self._tiers(),
@@ -591,10 +588,10 @@ class Engine:
             keys = [(layer, int(e)) for e in disk[disk[:, 0] == layer, 1]]
             self.counters.phase(phase).resumed_layers += self.cfg.num_layers - layer
             failed.update(self._from_disk(keys, record, args, phase))
-            self.state = self.state.replace(tokens=before[0], positions=before[1],
-                                            sampler=before[2])
-            if args and failed:  # the prefilled row itself failed: nothing to run again
+            if args and failed:  # the prefilled row itself failed (it is freed): no re-run
                 return out, failed
+            tokens, positions, sampler = out.start  # the step's input, run again
+            self.state = self.state.replace(tokens=tokens, positions=positions, sampler=sampler)
             # committed where `_from_start`'s layer is: an uncommitted scalar is another
             # argument sharding, so the first stall would compile the program again
             done, resume = record, step.Resume(

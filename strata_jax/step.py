@@ -185,6 +185,10 @@ class StepOutput:
     saved: jax.Array | None = None
     """With `StepPlan.resume`: the input of the first layer that stalled on disk, what the
     next run of the same step resumes from (`Resume`)."""
+    start: tuple | None = None
+    """With `StepPlan.resume`: the input state's (tokens, positions, sampler), which the step
+    replaces and a run of it again needs (the state is donated; copied in the same program,
+    so a step that may stall is still one dispatch)."""
 
 
 @chex.dataclass(frozen=True)
@@ -263,10 +267,16 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     nxt = jnp.where(state.live, nxt, state.tokens)
     rows = jnp.arange(nxt.shape[0])
+    before = state
     state = state.replace(tokens=nxt, positions=state.positions + state.live.astype(jnp.int32),
                           k=k, v=v, sampler=mark_seen(state.sampler, rows, nxt, state.live))
-    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved)
+    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
+                     start=_start(plan, before))
     return state, out, pool if plan.staging else None
+
+
+def _start(plan: StepPlan, state: DecodeState) -> tuple | None:
+    return (state.tokens, state.positions, state.sampler) if plan.resume else None
 
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
@@ -292,10 +302,12 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     own = jax.tree.map(lambda a: a[row][None], sampler)
     nxt = sample(logits[None], own, jnp.reshape(start + count, (1,)))[0]
     sampler = mark_seen(sampler, jnp.reshape(row, (1,)), nxt[None], jnp.ones((1,), jnp.bool_))
+    before = state
     state = state.replace(tokens=state.tokens.at[row].set(nxt), sampler=sampler,
                           positions=state.positions.at[row].set(start + count),
                           live=state.live.at[row].set(True), k=k, v=v)
-    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved)
+    out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
+                     start=_start(plan, before))
     return state, out, pool if plan.staging else None
 
 

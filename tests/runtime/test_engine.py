@@ -222,22 +222,26 @@ def _programs_dispatched(fn) -> collections.Counter:
                                if n.startswith("PjitFunction("))
 
 
-@pytest.mark.parametrize(("policy", "between_steps"), [("static", set()), ("lru", {"_pull"})])
-def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, policy, between_steps):
-    """Engine.step dispatches the decode program once and nothing else but the cache's
-    admissions, which are donated updates of the pool between steps (docs/design.md, "The
-    engine"); the program itself moves nothing to the host (its record is read a step later)
-    and calls nothing on the host."""
-    with _engine(ckpt, resident_experts=4, policy=policy, predictor="none") as engine:
+@pytest.mark.parametrize(("knobs", "between_steps"), [
+    (dict(policy="static"), set()),
+    (dict(policy="lru"), {"_pull"}),
+    (dict(policy="lru", host_experts=10), {"_pull", "_put_host"}),  # tier 2 too
+])  # fmt: skip
+def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, knobs, between_steps):
+    """Engine.step dispatches the decode program once (a step that stalls on disk, again
+    from its layer) and nothing else but the tiers' moves, donated updates of the pool and
+    of tier 1 between steps (docs/design.md, "The engine"); the program itself moves nothing
+    to the host (its record is read a step later, or at once where a step may stall) and
+    calls nothing on the host."""
+    with _engine(ckpt, resident_experts=4, predictor="none", **knobs) as engine:
         for row, prompt in enumerate(PROMPTS):
             engine.prefill(row, prompt)
         for _ in range(3):  # compiles, and fills the cache
             engine.step()
         steps = 4
         dispatched = _programs_dispatched(lambda: [engine.step() for _ in range(steps)])
-        assert set(dispatched) == {"decode_step"} | between_steps, dispatched
-        calls = dispatched["decode_step"]
-        assert calls in (steps, 2 * steps)  # the trace may nest the dispatch in itself
+        assert set(dispatched) <= {"decode_step"} | between_steps, dispatched
+        assert dispatched["decode_step"] >= steps
         program = step.decode_staged if engine.staging else step.decode
         text = program.lower(engine.cfg, engine.plan, engine.params, engine.residency.pool,
                              engine._tiers(), engine.state).as_text()
