@@ -3,11 +3,12 @@
 
 A transformers model of one of our synthetic shapes (`strata_jax.synth.SHAPES`: the
 Mixtral-8x7B shape as a Mixtral, the seed-125b one as a Qwen2-MoE) is built on the meta device
-and its weights are written directly as random bf16 tensors on the host (no torch init, which
-would take minutes for a model this size); accelerate then places it by `infer_auto_device_map`
-under `max_memory={0: BUDGET, "cpu": ...}`, so the layers that do not fit are streamed from
-host memory on every forward, as accelerate offloads. Decode tok/s at each batch: greedy
-`generate` of NEW tokens after a warm-up, minus a one-token run (the prefill), so the figure is
+and its weights are written directly as random bf16 tensors on the host (`fill_random`: no
+torch init and no independent draw per value, either of which takes minutes at this size);
+accelerate then places it by `infer_auto_device_map` under `max_memory={0: BUDGET, "cpu":
+...}`, so the layers that do not fit are streamed from host memory on every forward, as
+accelerate offloads. Decode tok/s at each batch: greedy `generate` of NEW tokens after a
+warm-up, minus a one-token run (the prefill), so the figure is
 decode only, comparable with the engine's decode tok/s.
 
 GPU only in practice (on a CPU the whole model sits in host memory: a smoke test).
@@ -56,6 +57,32 @@ def hf_config(shape: str, layers: int | None):
                      f"{' or '.join(LAYER_CLASS)}")
 
 
+BLOCK = 1 << 24
+"""Random values drawn once and tiled over every weight (`fill_random`)."""
+
+
+def fill_random(model, seed: int) -> None:
+    """Norms at 1, every other weight N(0, 1 / fan-in) values, so activations stay O(1)
+    through the layers: one block of `BLOCK` normal draws, tiled over each weight from a
+    different offset and scaled as it is written. Drawing tens of billions of values
+    (`normal_`) takes minutes; the speed of the peer does not depend on the values being
+    independent, only on their shapes and on their staying finite."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randn(2 * BLOCK, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0)
+                continue
+            flat, scale = p.view(-1), p.shape[-1] ** -0.5
+            start = (i * 7919) % BLOCK
+            for at in range(0, flat.numel(), BLOCK):
+                n = min(BLOCK, flat.numel() - at)
+                torch.mul(block[start : start + n], scale, out=flat[at : at + n])
+
+
 def build(cfg, hf_cfg, budget: str, seed: int):
     """The model with random weights written in place, dispatched under the budget."""
     import accelerate
@@ -65,13 +92,7 @@ def build(cfg, hf_cfg, budget: str, seed: int):
     with accelerate.init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
     model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:  # fan-in scaled, so activations stay O(1) through the layers
-                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    fill_random(model, seed)
     model.eval()
     if not torch.cuda.is_available():
         return model, {"": "cpu"}
