@@ -3,7 +3,6 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-LOCK := constraints.txt
 PIP_VERSION := 26.3
 # pytest-xdist processes for `make test`, each taking whole test files (module fixtures built
 # once); CI has 2 cores
@@ -15,12 +14,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q pip==$(PIP_VERSION)
 
-$(VENV)/.base: pyproject.toml $(LOCK) | $(BIN)/python
-	$(BIN)/pip install -q -c $(LOCK) -e .
+$(VENV)/.base: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install -q -c constraints.txt -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml $(LOCK) | $(BIN)/python
-	$(BIN)/pip install -q -c $(LOCK) -e '.[test]'
+$(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
@@ -42,7 +41,7 @@ lock:
 	.venv-lock/bin/pip install -q -e '.[test]'
 	{ echo "# The pinned environment: every run and test dependency as a fresh resolution gave it"; \
 	  echo "# on $$(date +%F) (Python 3.11, CPU). Regenerate: make lock. Newest: make test-latest."; \
-	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^#'; } > $(LOCK)
+	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt
 	rm -rf .venv-lock
 
 # The tests against today's newest releases, in a venv of their own (the lock is untouched).
