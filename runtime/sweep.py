@@ -336,7 +336,6 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
         log(f"{name}: its keys changed since the row in {jsonl}: it runs again")
         del done[name]
     gpu = jax.default_backend() == "gpu"
-    prepare(sweep, [r for r in runnable(sweep.rungs) if r.name not in done], log)
     if all(r.name in done for r in sweep.rungs):
         log(f"every rung has a row in {jsonl}: nothing to run")
         return [done[r.name] for r in sweep.rungs]
@@ -354,7 +353,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
         if rung.gpu_only and not gpu:
             row = {**head, "skipped": "needs a GPU", "fingerprint": fingerprint}
         else:
-            try:
+            try:  # each checkpoint is written when the first rung that reads it comes up
+                prepare(sweep, [rung], log)
                 result = run_bench(rung.checkpoint, rung.config, rung.settings,
                                    ceilings=ceilings, fingerprint=fingerprint, label=rung.name)
                 row = {**head, **result.summary,
