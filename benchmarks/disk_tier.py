@@ -53,7 +53,8 @@ def decode(ckpt: Path, config: EngineConfig, batch_prompts: list[list[int]], new
         if before_timed is not None:
             before_timed()
         t0 = time.perf_counter()
-        steps = [engine.step().tokens[: len(batch_prompts)] for _ in range(new - 1)]
+        results = [engine.step() for _ in range(new - 1)]
+        steps = [engine.read(r)[: len(batch_prompts)] for r in results]
         stats = engine.stats()
         stats["wall_s"] = time.perf_counter() - t0
         stats["host_slots"] = len(engine.residency.host_key)

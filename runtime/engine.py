@@ -39,6 +39,7 @@ from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.misses import MissRates
 from strata_jax.quant import dequantize_int4_jnp
 from strata_jax.sampling import GREEDY, SamplingParams, row_values
+from strata_jax.scheduler import StepResult
 from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
 from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.host_misses import HostMisses
@@ -257,16 +258,6 @@ def _ledger(reader: CheckpointReader, config: EngineConfig, workspace: int,
         return err.ledger
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """A decode step's new token per row (meaningful for live rows) and the rows that failed
-    during it (row -> reason); failed rows are no longer live."""
-
-    tokens: np.ndarray
-    failed: dict[int, str]
-    logits: jax.Array  # [rows, vocab] float32 on the device: read only if needed
-
-
 @dataclass
 class Share:
     """What one device of the expert axis holds and decides for the experts it owns: its
@@ -345,6 +336,8 @@ class Engine:
             devices=[DeviceCounts(str(d), link) for d, link in zip(self.devices, links,
                                                                    strict=True)])
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
+        self._pending_time = (0.0, False, 0)  # its dispatch time, timed?, live rows
+        self._last_done = 0.0  # when the last observed step was seen finished
         self._request: list[int | None] = [None] * self.capacity  # each row's request id
         self._pending_rows: tuple[np.ndarray, list[int | None]] | None = None  # at dispatch
         # the routing is the same on every process: the first one writes it
@@ -519,7 +512,7 @@ class Engine:
         return token, None
 
     def step(self) -> StepResult:
-        """Decode one token for every live row."""
+        """Dispatch the decode of one token for every live row; `read` gives the tokens."""
         t0 = time.perf_counter()
         sampled = any(not g for g, on in zip(self._greedy, self._live, strict=True) if on)
         plan = self._sampled_plan if sampled else self.plan
@@ -527,15 +520,17 @@ class Engine:
         out, failed = self._run("decode", self._decode, plan, (), sync=self._disk_possible)
         self._observe_pending()  # the previous step's record, while this one runs
         self._pending, self._pending_rows = out, rows
-        tokens = np.asarray(out.tokens)
-        elapsed = time.perf_counter() - t0
-        if plan in self._compiled:
-            self.counters.step_done(elapsed, sum(self._live))
-        else:
-            self._compiled.add(plan)
-            self.counters.compile_s += elapsed
+        self._pending_time = (t0, plan in self._compiled, sum(self._live))
+        self._compiled.add(plan)
         self._end_step()
-        return StepResult(tokens, failed, out.logits)
+        return StepResult(out.tokens, failed, out.logits)
+
+    def read(self, result: StepResult) -> np.ndarray:
+        """The new tokens of a dispatched step, once it has run (the last step dispatched is
+        observed then: its record, its time)."""
+        if self._pending is not None and result.tokens is self._pending.tokens:
+            self._observe_pending()
+        return np.asarray(result.tokens)
 
     def _agreed(self, values: tuple) -> tuple:
         """A row's sampler values, the first process's on all (each process's scheduler draws
@@ -546,7 +541,7 @@ class Engine:
 
     def free(self, row: int) -> None:
         """Row `row` is no longer live (its KV stays until overwritten)."""
-        self.state = _set_live(self.state, row, False)
+        self.state = step.set_live(self.state, row, False)
         self._live[row] = False
 
     # --- one program, with the disk tier -------------------------------------------------------
@@ -682,8 +677,14 @@ class Engine:
     def _observe_pending(self) -> None:
         if self._pending is None:
             return
-        record = jax.device_get(self._pending.record)
+        record = jax.device_get(self._pending.record)  # waits for the step to finish
         self._pending = None
+        done, (t0, timed, rows) = time.perf_counter(), self._pending_time
+        if timed:  # from when the device could start it: its dispatch or the last step's end
+            self.counters.step_done(done - max(t0, self._last_done), rows)
+        else:  # the first call of a plan compiles it
+            self.counters.compile_s += done - t0
+        self._last_done = done
         if self.trace is not None:
             self.trace.add(record.experts, *self._pending_rows)
         self.counters.observe(record, "decode")
@@ -789,7 +790,7 @@ class Engine:
         `sampling` for every prompt, or one per prompt. A request the scheduler refuses (an
         empty prompt, ids outside the vocabulary, more tokens than max_len) gets its error
         and the others run."""
-        from strata_runtime.scheduler import Scheduler
+        from strata_jax.scheduler import Scheduler
 
         sched = Scheduler(self)
         settings = api.per_request(sampling, len(prompts))
@@ -906,5 +907,3 @@ def _dequantize_on_cpu(packed: np.ndarray, scales: np.ndarray) -> jax.Array:
 
 
 _dequant_jit = jax.jit(lambda p, s: dequantize_int4_jnp(p, s, jnp.bfloat16))
-_set_live = jax.jit(lambda state, row, value: state.replace(live=state.live.at[row].set(value)),
-                    donate_argnums=0)

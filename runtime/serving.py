@@ -25,8 +25,8 @@ import jax
 
 from strata_jax.api import check_request
 from strata_jax.sampling import GREEDY, SamplingParams
+from strata_jax.scheduler import Request, Scheduler
 from strata_jax.step import PREFILL_CHUNK, prefill_chunks
-from strata_runtime.scheduler import Request, Scheduler
 
 log = logging.getLogger("strata.serve")
 

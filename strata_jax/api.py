@@ -20,7 +20,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.flax_model import MoEModel
 from strata_jax.model import fuse_qkv
 from strata_jax.moe import ExpertPool
-from strata_jax.sampling import GREEDY, SamplingParams, row_values
+from strata_jax.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -215,11 +215,12 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
              chat: bool = False, ignore_eos: bool = False, batch_capacity: int = 16,
              max_len: int = 256) -> list[str] | list[list[int]]:
     """The continuation of each prompt (up to `max_new_tokens`, ending early at a stop id),
-    through the one compiled step (`step.prefill` per row, then `step.decode` over
-    `batch_capacity` rows of `max_len` positions; groups of at most `batch_capacity` prompts
-    in turn). `sampling`: one SamplingParams for every prompt, or one per prompt. A prompt's
-    tokens do not depend on the others; the offload engine with the same capacity, length
-    and seeds gives the same bits.
+    through the one compiled step and the scheduler's continuous batch (`step.prefill` of a
+    request into a free row, `step.decode` over `batch_capacity` rows of `max_len`
+    positions; a queued prompt takes the row of the first that finishes). `sampling`: one
+    SamplingParams for every prompt, or one per prompt. A prompt's tokens do not depend on
+    the others; the offload engine with the same capacity, length and seeds gives the same
+    bits.
 
     Prompts of token ids give the new ids. Text prompts (every prompt a str; `chat` applies
     the model's chat template) go through the checkpoint's tokenizer and give text: the model's
@@ -252,15 +253,17 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 
 def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_capacity: int,
                   max_len: int) -> list[list[int]]:
+    from strata_jax.resident import ResidentEngine
+    from strata_jax.scheduler import Scheduler
+
     settings = per_request(sampling, len(prompts))
     for i, p in enumerate(prompts):
         check_request(model.config, i, p, max_new_tokens, max_len)
-    out: list[list[int]] = []
-    for first in range(0, len(prompts), batch_capacity):
-        group = slice(first, first + batch_capacity)
-        out += _generate_group(model, prompts[group], settings[group], max_new_tokens,
-                               batch_capacity, max_len)
-    return [until_stop(tokens, s.stop_ids) for tokens, s in zip(out, settings, strict=True)]
+    sched = Scheduler(ResidentEngine(model, batch_capacity, max_len))
+    reqs = [sched.submit(list(p), max_new_tokens, s) for p, s in zip(prompts, settings,
+                                                                     strict=True)]
+    sched.run()
+    return [r.tokens for r in reqs]
 
 
 def per_request(sampling: SamplingParams | Sequence[SamplingParams],
@@ -272,40 +275,3 @@ def per_request(sampling: SamplingParams | Sequence[SamplingParams],
     if len(sampling) != count:
         raise ValueError(f"{len(sampling)} SamplingParams for {count} prompts")
     return [dataclasses.replace(s, seed=s.resolved_seed()) for s in sampling]
-
-
-def until_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
-    """`tokens` up to and including the first stop id."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[: i + 1]
-    return tokens
-
-
-def _generate_group(model: Model, prompts, settings, new: int, capacity: int, max_len: int):
-    cfg = model.config
-    sampled = step.StepPlan(sample=not all(s.greedy for s in settings))
-    decode, prefill, _, tiers = model.programs()
-    args = (cfg, step.StepPlan(), model.params, model.experts, tiers)
-    state = model.init_state(capacity, max_len)
-    for row, (prompt, s) in enumerate(zip(prompts, settings, strict=True)):
-        state = prefill_row(args, state, row, prompt, s, prefill)
-    tokens = [jnp.copy(state.tokens)]  # (decode donates the state)
-    for _ in range(new - 1):
-        state, out, _ = decode(cfg, sampled, *args[2:], state)
-        tokens.append(out.tokens)
-    table = np.stack([_host(t) for t in tokens], axis=1)
-    return table[: len(prompts)].tolist()
-
-
-def prefill_row(args: tuple, state: step.DecodeState, row: int, prompt,
-                sampling: SamplingParams = GREEDY, prefill=step.prefill) -> step.DecodeState:
-    """Prefill `prompt` into `row` by `step.prefill_chunks` with the resident `prefill`
-    program; the row draws by `sampling` (its seed resolved)."""
-    prompt = np.asarray(prompt, np.int32)
-    values = row_values(sampling)
-    for start, size, count in step.prefill_chunks(len(prompt)):
-        chunk = np.zeros(size, np.int32)
-        chunk[:count] = prompt[start : start + count]
-        state, _, _ = prefill(*args, state, row, chunk, start, count, values)
-    return state

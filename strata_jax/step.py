@@ -261,15 +261,18 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
         pick=lambda x: x[:, 0], method="chunk",
         resume=_resume(cfg, plan, resume, state.tokens.shape[0], 1),
         forced=_forced(plan, forced))
+    # a row's sequence takes its input token here, not the token it draws: a step whose
+    # token the scheduler drops (a row stepped once past its stop id) leaves no trace
+    rows = jnp.arange(state.tokens.shape[0])
+    sampler = mark_seen(state.sampler, rows, state.tokens, state.live)
     if plan.sample:
-        nxt = sample(logits, state.sampler, state.positions + 1)
+        nxt = sample(logits, sampler, state.positions + 1)
     else:
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     nxt = jnp.where(state.live, nxt, state.tokens)
-    rows = jnp.arange(nxt.shape[0])
     before = state
     state = state.replace(tokens=nxt, positions=state.positions + state.live.astype(jnp.int32),
-                          k=k, v=v, sampler=mark_seen(state.sampler, rows, nxt, state.live))
+                          k=k, v=v, sampler=sampler)
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
                      start=_start(plan, before))
     return state, out, pool if plan.staging else None
@@ -301,7 +304,6 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     sampler = mark_seen(sampler, jnp.full((t,), row), tokens, real)
     own = jax.tree.map(lambda a: a[row][None], sampler)
     nxt = sample(logits[None], own, jnp.reshape(start + count, (1,)))[0]
-    sampler = mark_seen(sampler, jnp.reshape(row, (1,)), nxt[None], jnp.ones((1,), jnp.bool_))
     before = state
     state = state.replace(tokens=state.tokens.at[row].set(nxt), sampler=sampler,
                           positions=state.positions.at[row].set(start + count),
@@ -321,6 +323,10 @@ decode = _jit(decode_step, donate_argnames=("state",))
 decode_staged = _jit(decode_step, donate_argnames=("state", "pool"))
 prefill = _jit(prefill_step, donate_argnames=("state",))
 prefill_staged = _jit(prefill_step, donate_argnames=("state", "pool"))
+
+set_live = jax.jit(lambda state, row, value: state.replace(live=state.live.at[row].set(value)),
+                   donate_argnums=0)
+"""Row `row` of a DecodeState live or not (its KV stays until overwritten)."""
 
 PREFILL_CHUNK = 64  # tokens per prefill program; shorter tails take a power-of-two bucket
 

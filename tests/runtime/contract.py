@@ -1,4 +1,4 @@
-"""Driving an engine through its contract (prefill / step / free) in the tests, and the
+"""Driving an engine through its contract (prefill / step / read / free) in the tests, and the
 resident forward's routing of requests, which engine records are checked against."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run_rows(engine: Engine, prompts: list[list[int]], new: int):
     for _ in range(new - 1):
         result = engine.step()
         assert not result.failed, result.failed
-        tokens.append(result.tokens[: len(prompts)])
+        tokens.append(engine.read(result)[: len(prompts)])
         logits.append(np.asarray(result.logits)[: len(prompts)])
     for row in range(len(prompts)):
         engine.free(row)

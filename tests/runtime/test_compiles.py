@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from strata_jax.sampling import GREEDY, SamplingParams
+from strata_jax.scheduler import Scheduler
 from strata_runtime.engine import Engine, EngineConfig
-from strata_runtime.scheduler import Scheduler
 from tests.helpers import tiny_config, write_checkpoint
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from strata_jax.sampling import SamplingParams
+from strata_jax.scheduler import Scheduler, StepResult
 from strata_runtime.engine import Engine, EngineConfig
-from strata_runtime.scheduler import Scheduler
 from tests.helpers import tiny_config, write_checkpoint
 
 KEEP_PROGRAMS = True  # every engine here has one layout (tests/runtime/conftest.py)
@@ -118,3 +118,73 @@ def test_only_idle_kept_requests_resume(engine_factory):
     sched.run()
     with pytest.raises(ValueError, match="max_len"):
         sched.resume(kept, [1] * 30, 20)
+
+
+class _LoggingEngine:
+    """A deterministic fake for the loop's order: each live row's next token is its last +1."""
+
+    cfg = tiny_config("olmoe")
+    capacity, max_len = 2, 32
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.last: dict[int, int] = {}
+        self.n = 0
+        self.numbers: dict[int, int] = {}
+
+    def prefill(self, row, tokens, start=0, sampling=None, request=None):
+        self.calls.append(("prefill", row))
+        self.last[row] = tokens[-1] + 1
+        return self.last[row], None
+
+    def step(self) -> StepResult:
+        self.n += 1
+        self.calls.append(("step", self.n))
+        out = np.zeros(self.capacity, np.int32)
+        for row in self.last:
+            self.last[row] += 1
+            out[row] = self.last[row]
+        result = StepResult(out, {}, None)
+        self.numbers[id(result)] = self.n
+        return result
+
+    def read(self, result: StepResult):
+        self.calls.append(("read", self.numbers[id(result)], self.n))
+        return result.tokens
+
+    def free(self, row) -> None:
+        self.calls.append(("free", row))
+        self.last.pop(row)
+
+
+def test_step_n_plus_one_is_dispatched_before_step_n_is_read():
+    engine = _LoggingEngine()
+    sched = Scheduler(engine)
+    a = sched.submit([10], 4)
+    b = sched.submit([50], 5, SamplingParams(stop_ids={52}))
+    sched.run()
+    assert a.tokens == [11, 12, 13, 14] and b.tokens == [51, 52]
+    loop = [c for c in engine.calls if c[0] != "prefill"]
+    # (read, step read, steps dispatched so far): step n + 1 is on its way when n is read;
+    # b stops on 52 in step 1, its token of step 2 is dropped; a's budget needs no step 4
+    assert loop == [("step", 1), ("step", 2), ("read", 1, 2), ("free", 1), ("step", 3),
+                    ("read", 2, 3), ("read", 3, 3), ("free", 0)]
+
+
+def test_a_stopped_kept_request_resumes_as_a_fresh_run_under_repetition_penalty(
+        engine_factory):
+    penalty = SamplingParams(repetition_penalty=1.7)
+    free_run = engine_factory().generate([[4, 8, 15]], 8, penalty)[0]
+    stop = free_run[3]
+    sched = Scheduler(engine_factory())
+    chat = sched.submit([4, 8, 15], 8, SamplingParams(repetition_penalty=1.7,
+                                                      stop_ids={stop}), keep=True)
+    sched.run()  # a step beyond the stop was dispatched and its token dropped
+    assert chat.tokens == free_run[: free_run.index(stop) + 1]
+    turn = len(chat.tokens)
+    history = list(chat.sequence) + [16, 23]
+    sched.resume(chat, [16, 23], 5)
+    sched.run()
+    fresh = engine_factory().generate([history], 5, penalty)[0]
+    assert chat.tokens[turn:] == fresh[: len(chat.tokens) - turn]
+    assert len(chat.tokens) - turn >= 1

@@ -8,6 +8,11 @@ its KV, and `resume` prefills only the new input after it. When a request waits 
 free, the least recently active idle request is evicted (its KV dropped, its tokens kept); a
 later `resume` prefills its whole sequence again. A request whose expert chunk is unreadable
 fails alone.
+
+The host reads step n's tokens after it has dispatched step n + 1 (docs/design.md, "One
+generation loop"), so the device never waits on the host between steps. A row whose token
+limit ends the request is not stepped again; a row that stops on a stop id is stepped once
+more, and that token is dropped (its KV write lands where a resumed turn writes anyway).
 """
 
 from __future__ import annotations
@@ -17,9 +22,23 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from strata_jax.api import check_request
 from strata_jax.sampling import GREEDY, SamplingParams
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A dispatched decode step: the new token per row (meaningful for live rows; on the
+    device until the engine's `read`) and the rows that failed during it (row -> reason;
+    they are no longer live)."""
+
+    tokens: Any
+    failed: dict[int, str]
+    logits: Any  # [rows, vocab] float32 on the device: read only if needed
 
 
 @dataclass(eq=False)
@@ -43,7 +62,8 @@ class Request:
 
 class Scheduler:
     """Runs an engine's rows as a continuous batch. The engine needs `cfg`, `capacity`,
-    `max_len`, `prefill(row, tokens, start, sampling, request)`, `step()` and `free(row)`."""
+    `max_len`, `prefill(row, tokens, start, sampling, request)` -> (token, error), `step()`
+    -> StepResult, `read(result)` -> the tokens as numpy, and `free(row)`."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -54,6 +74,8 @@ class Scheduler:
         self.steps = 0
         self.evictions = 0
         self._ids = itertools.count()
+        self._turn = [0] * self.capacity  # prefills into each row: tells a stale token apart
+        self._flight: tuple[StepResult, list[tuple[int, Request, int]]] | None = None
 
     def submit(self, prompt: list[int], max_new_tokens: int,
                sampling: SamplingParams = GREEDY, keep: bool = False) -> Request:
@@ -83,6 +105,7 @@ class Scheduler:
     def cancel(self, req: Request) -> None:
         """End `req` now (a client went away): its row is freed and nothing more is generated;
         `req.cancelled` says so. A finished request is left as it is."""
+        self._collect()  # the tokens already computed are the request's
         if req.done and not (req.keep and self._row_of(req) is not None):
             return
         if req in self.queue:
@@ -109,22 +132,40 @@ class Scheduler:
 
     def run(self) -> None:
         """Step until every submitted request is finished."""
-        while self.queue or any(r is not None and not r.done for r in self.rows):
+        while (self.queue or self._flight is not None
+               or any(r is not None and not r.done for r in self.rows)):
             self.step()
 
     def step(self) -> None:
+        """Admit queued requests, dispatch a decode step of the running rows, then take the
+        previous step's tokens."""
         self.steps += 1
         self._admit()
-        running = [i for i, r in enumerate(self.rows) if r is not None and not r.done]
-        if not running:
+        ahead = {i for i, _, _ in self._flight[1]} if self._flight else set()
+        running = [i for i, r in enumerate(self.rows)
+                   if r is not None and not r.done and r.budget > (i in ahead)]
+        dispatched = None
+        if running:
+            dispatched = (self.engine.step(),
+                          [(i, self.rows[i], self._turn[i]) for i in running])
+        self._collect()
+        self._flight = dispatched
+
+    def _collect(self) -> None:
+        """Take the tokens of the step in flight: rows still running the same turn emit."""
+        if self._flight is None:
             return
-        result = self.engine.step()
-        for i in running:
+        result, rows = self._flight
+        self._flight = None
+        tokens = np.asarray(self.engine.read(result))
+        for i, req, turn in rows:
+            if self.rows[i] is not req or req.done or self._turn[i] != turn:
+                continue  # finished, cancelled or prefilled again since the dispatch
             self.kv_len[i] += 1
             if i in result.failed:
                 self._fail(i, result.failed[i])
             else:
-                self._emit(i, int(result.tokens[i]))
+                self._emit(i, int(tokens[i]))
 
     def _admit(self) -> None:
         """Prefill queued requests into rows: their own row if they kept one, else a free row
@@ -138,6 +179,7 @@ class Scheduler:
                     return
                 self.rows[row], self.kv_len[row] = req, 0
             self.queue.popleft()
+            self._turn[row] += 1
             start = self.kv_len[row]
             token, error = self.engine.prefill(row, req.sequence[start:], start, req.sampling,
                                                req.id)
