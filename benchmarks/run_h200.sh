@@ -25,7 +25,8 @@
 #                     first, ~35 + 17 GB under /tmp) with --resume from the rows already in
 #                     benchmarks/results/seed_ladder/, then the accelerate peer on the same
 #                     shape and budget (benchmarks/peer_accelerate.py; PEER=0 skips it); LADDER_S
-#                     caps the sweep (default: what is left of BUDGET_S). Rows and checkpoints
+#                     caps the sweep (default: what is left of BUDGET_S); RUNGS="a|b" runs
+#                     only those rungs. Rows and checkpoints
 #                     stay under /tmp of a warm machine, so the next call resumes.
 #                     "ladder-repeat" in PARTS: first the repeat check on the ladder's
 #                     checkpoint (every expert in HBM, then the naive rung's budgets)
@@ -146,10 +147,12 @@ if [[ $PARTS == *ladder* ]]; then
       --checkpoint /tmp/strata_seed6_bf16 --prompts 2 --prompt-len 32 --new 16 --batch 1 \
       2>&1 | grep -v "^[WI]0"
   fi
+  LADDER_RUNGS=(); IFS='|' read -ra names <<< "${RUNGS:-}"  # RUNGS="a|b": only these rungs
+  for n in "${names[@]}"; do LADDER_RUNGS+=(--rung "$n"); done
   cap=$((BUDGET_S - SECONDS - 15)); cap=$((${LADDER_S:-$cap} < cap ? ${LADDER_S:-$cap} : cap))
   echo "== t=${SECONDS}s: seed ladder (cap ${cap}s)"
   timeout -k 10 "$cap" python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml \
-    --out "$ROWS" --resume 2>&1 | grep -v "^[WI]0" | tail -40
+    --out "$ROWS" --resume "${LADDER_RUNGS[@]}" 2>&1 | grep -v "^[WI]0" | tail -40
   cp -r "$ROWS/." "$OUT/seed_ladder/"
   left=$((BUDGET_S - SECONDS - 10))
   if ((left < 60)) || [[ ${PEER:-1} == 0 ]]; then echo "== skipped (t=${SECONDS}s, PEER=${PEER:-1}): accelerate peer"

@@ -738,7 +738,8 @@ def _sweep(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    rows = run_sweep(sweep, out, resume=args.resume, overwrite=args.overwrite, log=log)
+    rows = run_sweep(sweep, out, resume=args.resume, overwrite=args.overwrite,
+                     only=args.rungs, log=log)
     print(finish(rows, out, f"strata sweep {args.sweep}"))
     print(f"wrote {out / 'sweep.jsonl'}, {out / 'sweep.md'}, {out / 'sweep.png'}",
           file=sys.stderr)
@@ -816,6 +817,9 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, common) -> None:
                     help="keep OUT/sweep.jsonl's rows and run only the rungs without one")
     sw.add_argument("--overwrite", action="store_true",
                     help="start OUT/sweep.jsonl afresh")
+    sw.add_argument("--rung", action="append", default=None, metavar="NAME", dest="rungs",
+                    help="run only this rung (repeat the flag for several; the file's order "
+                         "holds, and the other rungs keep their rows)")
     sw.add_argument("--prepare-only", action="store_true",
                     help="write the [synth] / [quantize] checkpoints the rungs need, then stop")
     sw.set_defaults(func=_sweep)

@@ -315,10 +315,16 @@ def _compact(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite: bool = False,
-              log=print) -> list[dict[str, Any]]:
-    """Bench every rung in order (module docstring); returns the rows of sweep.jsonl in rung
-    order. A rung that raises gets a row with its error, and the sweep goes on."""
+              only: list[str] | None = None, log=print) -> list[dict[str, Any]]:
+    """Bench every rung in order (module docstring), or the rungs named in `only` (in the
+    file's order; the others keep whatever rows they have); returns the rows of sweep.jsonl in
+    rung order. A rung that raises gets a row with its error, and the sweep goes on."""
     import jax
+
+    names = [r.name for r in sweep.rungs]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        raise SweepError(f"{sweep.path}: no rung named {unknown}; the rungs: {names}")
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -336,15 +342,18 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
         log(f"{name}: its keys changed since the row in {jsonl}: it runs again")
         del done[name]
     gpu = jax.default_backend() == "gpu"
-    if all(r.name in done for r in sweep.rungs):
+    todo = [r for r in sweep.rungs if only is None or r.name in only]
+    if all(r.name in done for r in todo):
         log(f"every rung has a row in {jsonl}: nothing to run")
-        return [done[r.name] for r in sweep.rungs]
+        return [done[r.name] for r in sweep.rungs if r.name in done]
     ceilings = measure_ceilings()
     fingerprint = hardware_fingerprint(ceilings["pinned_h2d_gbps"])
     log(f"ceilings: pinned h2d {ceilings['pinned_h2d_gbps']:.3g} GB/s, host read "
         f"{ceilings['host_read_gbps']:.3g} GB/s, device read {ceilings['hbm_read_gbps']:.4g} "
         f"GB/s, matmul {ceilings['matmul_tflops']:.3g} TFLOP/s on {fingerprint['gpu']}")
     for i, rung in enumerate(sweep.rungs):
+        if rung not in todo:
+            continue
         if rung.name in done:
             log(f"[{i + 1}/{len(sweep.rungs)}] {rung.name}: kept from {jsonl}")
             continue

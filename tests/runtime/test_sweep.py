@@ -77,6 +77,22 @@ def test_resume_runs_again_a_rung_whose_keys_changed(ladder, tmp_path, capsys):
     assert [(r["rung"], r["settings"]["new"]) for r in rows] == [("a", 4), ("b", 4), ("b", 3)]
 
 
+def test_named_rungs_run_alone_and_the_rest_resume_later(ladder, tmp_path, capsys):
+    _, ckpt, _ = ladder
+    out = tmp_path / "out"
+    sweep = write(tmp_path, BASE.format(ckpt=ckpt) + 'repeats = 1\n[[rung]]\nname = "a"\n'
+                  '[[rung]]\nname = "b"\nfrom = "a"\nnew = 3\n')
+    assert main(["sweep", str(sweep), "--out", str(out), "--rung", "zz"]) == 2
+    assert "no rung named ['zz']" in capsys.readouterr().err
+    assert main(["sweep", str(sweep), "--out", str(out), "--rung", "b"]) == 0
+    assert main(["sweep", str(sweep), "--out", str(out), "--resume"]) == 0
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    assert [(r["rung"], r["settings"]["new"]) for r in rows] == [("b", 3), ("a", 4)]
+    assert "[2/2] b: kept" in capsys.readouterr().err
+    table = (out / "sweep.md").read_text()
+    assert table.index("| a |") < table.index("| b |")  # the file's order
+
+
 def write(tmp_path, text: str) -> Path:
     path = tmp_path / "s.toml"
     path.write_text(text)
