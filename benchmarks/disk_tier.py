@@ -27,7 +27,7 @@ import numpy as np
 from strata_jax import synth
 from strata_jax.checkpoint import CheckpointReader
 from strata_runtime.bench import disk_read_gbps, drop_page_cache
-from strata_runtime.engine import Engine, EngineConfig, _link_rate
+from strata_runtime.engine import Engine, EngineConfig, link_rate
 
 
 def expert_bytes(reader: CheckpointReader) -> int:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     reader = CheckpointReader(args.ckpt)
     cfg = reader.config
     rates = {"disk_gbps": disk_read_gbps(reader, EngineConfig().fetch_threads),
-             "link_gbps": _link_rate(jax.devices()[0])}
+             "link_gbps": link_rate(jax.devices()[0])}
     print(f"rates {rates}", flush=True)
     meta = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "commit": os.popen("git rev-parse --short HEAD").read().strip(),

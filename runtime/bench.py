@@ -65,7 +65,7 @@ import numpy as np
 
 from strata_jax.checkpoint import CheckpointReader
 from strata_runtime.cost_model import HardwareProfile, ModelCost, model_cost, predict, profile
-from strata_runtime.engine import Engine, EngineConfig, _link_rate
+from strata_runtime.engine import Engine, EngineConfig, link_rate
 from strata_runtime.stats import DeviceCounts, PhaseCounts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,13 +173,13 @@ def git_commit(repo: Path = REPO) -> dict[str, object] | None:
 def hardware_fingerprint(link_gbps: float | None = None) -> dict[str, object]:
     """Where a number was measured: device, jax / jaxlib, host cores and NUMA nodes, the
     pinned host -> device rate (GPU only; `link_gbps` if already measured, else
-    `engine._link_rate`), nvidia-smi's PCIe generation, the git commit, python."""
+    `engine.link_rate`), nvidia-smi's PCIe generation, the git commit, python."""
     import jaxlib
 
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     if gpu and link_gbps is None:
-        link_gbps = max(_link_rate(dev) for _ in range(3))
+        link_gbps = max(link_rate(dev) for _ in range(3))
     smi = nvidia_smi() if gpu else None
     try:
         usable = len(os.sched_getaffinity(0))
@@ -243,14 +243,14 @@ def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int) -> float:
 
 def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
     """The rates the bound divides by, measured now on the default device: pinned host ->
-    device (`engine._link_rate`, best of 3 single copies), host read (`host_read_gbps`),
+    device (`engine.link_rate`, best of 3: eight copies in flight), host read (`host_read_gbps`),
     device-memory read (a jitted sum, best wall time), matmul (a jitted square matmul, bf16 on
     a GPU, float32 on a CPU). `quick` (default: on a CPU backend) uses small arrays: the CPU
     figures only make the bound's arithmetic run, they are not a GPU's."""
     dev = jax.devices()[0]
     quick = dev.platform == "cpu" if quick is None else quick
     big, n, reps = (64 << 20, 512, 3) if quick else (1 << 30, 8192, 10)
-    link = max(_link_rate(dev, min(big, 64 << 20)) for _ in range(3))
+    link = max(link_rate(dev, min(big, 64 << 20)) for _ in range(3))
     host = host_read_gbps(big)
     hbm = _device_read_gbps(dev, 2 * big, reps)  # 2 GiB on a GPU: dispatch < 5 % of a read
     dtype = jnp.float32 if dev.platform == "cpu" else jnp.bfloat16

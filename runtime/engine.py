@@ -437,7 +437,7 @@ class Engine:
             return [None] * len(self.devices)
         rates = np.zeros(len(self.devices))
         for d in self.local:
-            rates[d] = _link_rate(self.devices[d])
+            rates[d] = link_rate(self.devices[d])
         return [float(r) for r in _process_sum(rates, self.processes)]
 
     def _replicated(self, tree):
@@ -877,15 +877,18 @@ def _summed_moves(counters: EngineStats, tiers: list[int], processes: int
     return out, total[len(cells):]
 
 
-def _link_rate(device: jax.Device, nbytes: int = 64 << 20) -> float:
-    """Pinned host -> device GB/s of one copy (the link-busy figures' denominator)."""
+def link_rate(device: jax.Device, nbytes: int = 64 << 20, pieces: int = 8) -> float:
+    """Pinned host -> device GB/s of `nbytes` moved as `pieces` copies in flight together, as a
+    step moves a layer's misses (one copy alone leaves the link part idle): the link-busy
+    figures' and the bound's denominator."""
     pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    x = jax.device_put(np.ones(nbytes // 4, np.float32), pinned)
-    jax.block_until_ready(jax.device_put(x, on_device))
+    xs = [jax.device_put(np.full(nbytes // pieces // 4, i, np.float32), pinned)
+          for i in range(pieces)]
+    jax.block_until_ready(jax.device_put(xs, on_device))
     t0 = time.perf_counter()
-    jax.block_until_ready(jax.device_put(x, on_device))
-    return nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9
+    jax.block_until_ready(jax.device_put(xs, on_device))
+    return nbytes // pieces * pieces / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
 def _spliced(done, record, layer: int):

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from strata_jax.checkpoint import EXPERT_KINDS
 from strata_jax.expert_parallel import AXIS, place
-from strata_jax.pool import ExpertPool, tile_major
+from strata_jax.pool import ExpertPool, host_view, tile_major
 from strata_jax.step import Tiers
 
 Key = tuple[int, int]  # (layer, expert)
@@ -37,14 +37,6 @@ def _pull(pool: ExpertPool, slot, host: ExpertPool, host_slot) -> ExpertPool:
         return jax.lax.dynamic_update_index_in_dim(buf, piece, slot, 0)
 
     return ExpertPool(*(one(b, s) for b, s in zip(pool, host, strict=True)))
-
-
-def _put_host(host: ExpertPool, slot, arrays: ExpertPool) -> ExpertPool:
-    """Write one expert's arrays into host slot `slot`, in place (donated)."""
-    def one(buf, new):
-        return None if buf is None else jax.lax.dynamic_update_index_in_dim(buf, new, slot, 0)
-
-    return ExpertPool(*(one(b, n) for b, n in zip(host, arrays, strict=True)))
 
 
 class Residency:
@@ -82,9 +74,10 @@ class Residency:
             for s, key in enumerate(host_keys):
                 if key not in self.broken:
                     self.host_key[s], self.host_page[key] = key, s
-        self._put = jax.jit(_put_host, donate_argnums=0,
-                            out_shardings=None if self.host is None
-                            else jax.tree.map(lambda a: a.sharding, self.host))
+        # the host pool's own buffers as numpy arrays: a disk load is written through them
+        self._host_views = (None if self.host is None else
+                            {n: host_view(a) for n, a in self.host._asdict().items()
+                             if a is not None})
         self._tiers: tuple[int, Tiers] | None = None  # the tables uploaded, at a version
 
     def _stack(self, read, load, keys: list[Key], slots: int, sharding) -> ExpertPool:
@@ -175,12 +168,13 @@ class Residency:
         else:
             slot = int(self.host_page[victim])
             self.host_page[victim] = -1
-        # On the GPU a program reading pinned host memory may start before a transfer or a
-        # write into it has landed (docs/design.md, "Disk stalls"): the arrays are in place
-        # before the write is dispatched, and the write is done before anything reads it.
-        new = jax.block_until_ready(ExpertPool(**{n: jax.device_put(a, self.host.w1.sharding)
-                                                  for n, a in arrays.items()}))
-        self.host = jax.block_until_ready(self._put(self.host, np.int32(slot), new))
+        # A memcpy into the pool's buffer (docs/design.md, "Disk stalls"): synchronous, so
+        # nothing reads the slot before it has landed, and at the host memory's rate where an
+        # update program over pinned memory is far slower. Nothing that reads tier 1 is in
+        # flight: a disk load follows a step the host has waited for, and the victim holds no
+        # device slot that a pending copy could be filling from.
+        for name, view in self._host_views.items():
+            np.copyto(view[slot], arrays[name], casting="no")
         self.host_key[slot], self.host_page[key] = key, slot
         self.version += 1
 

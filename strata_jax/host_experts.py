@@ -15,7 +15,6 @@ rounds differently from the device's kernels (docs/design.md: a tested tolerance
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import threading
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from strata_jax import host_kernel
-from strata_jax.pool import ExpertPool
+from strata_jax.pool import ExpertPool, host_view
 
 KINDS = ("w1", "w3", "w2")
 SCALES = ("w1_scale", "w3_scale", "w2_scale")
@@ -52,17 +51,6 @@ def check_pool(pool: ExpertPool) -> None:
     name = str(np.dtype(pool.w1.dtype))
     if name not in FLOAT_DTYPES:
         raise ValueError(f"host compute takes float experts, got {name}")
-
-
-def _view(array) -> np.ndarray:
-    """A numpy array over a host-resident jax array's own buffer (no copy). The pointer is
-    taken once the buffer is written: a transfer or a donated update into it may still be in
-    flight, and `unsafe_buffer_pointer` does not wait for it."""
-    array.block_until_ready()
-    dtype = np.dtype(array.dtype)
-    raw = (ctypes.c_uint8 * (array.size * dtype.itemsize)).from_address(
-        array.unsafe_buffer_pointer())
-    return np.frombuffer(raw, dtype).reshape(array.shape)
 
 
 @dataclass
@@ -130,7 +118,7 @@ def register(pool: ExpertPool) -> int:
     host_kernel.library()  # compiled now, not in the step's first callback
     tier_id = next(_IDS)
     kinds = KINDS + (SCALES if pool.quantized else ())
-    _TIERS[tier_id] = HostTier(pool, {k: _view(getattr(pool, k)) for k in kinds})
+    _TIERS[tier_id] = HostTier(pool, {k: host_view(getattr(pool, k)) for k in kinds})
     return tier_id
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from strata_jax.quant import dequantize_int4_jnp
 
@@ -82,3 +84,15 @@ def row_major(tiled: jax.Array) -> jax.Array:
     n = len(lead)
     return tiled.transpose(*range(n), n, n + 2, n + 1, n + 3).reshape(
         *lead, blocks * rows, steps * width)
+
+
+def host_view(array: jax.Array) -> np.ndarray:
+    """A numpy array over a host-resident jax array's own buffer (no copy): the host kernel
+    reads tier 1 through it and a disk load writes into it. The pointer is taken once the
+    buffer is written: a transfer into it may still be in flight, and
+    `unsafe_buffer_pointer` does not wait for it."""
+    array.block_until_ready()
+    dtype = np.dtype(array.dtype)
+    raw = (ctypes.c_uint8 * (array.size * dtype.itemsize)).from_address(
+        array.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype).reshape(array.shape)
