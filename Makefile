@@ -30,7 +30,7 @@ lint: $(VENV)/.test
 
 test: $(VENV)/.test
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
 
 # Re-resolve every dependency at its newest release into the lock (review the diff, then
 # `make test`): the lock changes only when someone asks for it.
