@@ -121,6 +121,10 @@ class EngineConfig:
     (dequantized to bf16 when loaded into tier 1: 4x the bytes per copy)."""
     fetch_threads: int = 4
     """Threads reading tier 2 (disk) and filling tier 1, bound to the GPU's NUMA node."""
+    disk_lookahead: bool = True
+    """On a disk stall, also load the later layers' disk experts that the stalled step routed
+    to, where tier 1 has room outside the step's routed experts: most steps then stall once,
+    not at layer after layer. False: only the stalled layer's (ablations)."""
     resident_experts: int | None = None
     """Override the ledger's count of experts with HBM slots, each device's (ablations)."""
     host_experts: int | None = None
@@ -581,8 +585,10 @@ class Engine:
                 return out, failed
             layer = int(disk[:, 0].min())  # the later layers ran on a wrong input
             keys = [(layer, int(e)) for e in disk[disk[:, 0] == layer, 1]]
+            ahead = ([(int(lr), int(e)) for lr, e in disk if lr > layer]
+                     if self.config.disk_lookahead else [])
             self.counters.phase(phase).resumed_layers += self.cfg.num_layers - layer
-            failed.update(self._from_disk(keys, record, args, phase))
+            failed.update(self._from_disk(keys, record, args, phase, ahead))
             if args and failed:  # the prefilled row itself failed (it is freed): no re-run
                 return out, failed
             tokens, positions, sampler = out.start  # the step's input, run again
@@ -607,27 +613,46 @@ class Engine:
             self._starts[shape] = self._replicated(step.from_start(self.cfg, *shape))
         return self._starts[shape]
 
-    def _from_disk(self, keys: list[Key], record, args, phase: str) -> dict[int, str]:
+    def _from_disk(self, keys: list[Key], record, args, phase: str,
+                   ahead: list[Key] = ()) -> dict[int, str]:
         """Load `keys` (one layer's, the record's: the same on every process) into their
         owners' tier-1 shares, each by the process that drives the owner (the coldest host
         experts of each outside the layer's routed ones make room); rows routed to an expert
         whose chunk fails verification, on whichever process, fail and leave the batch. The
-        loads and the stall count in `phase`."""
+        later layers' disk experts `ahead` (routed on an input that lacked the stalled
+        layer's experts, so most of them are the re-run's too) load in the same stall where
+        tier 1 has room outside the step's routed experts, so a step stalls once where it
+        would stall at layer after layer (docs/design.md, "Disk stalls"); one that fails to
+        read is left for the stall that needs it. The loads and the stall count in `phase`."""
         t0 = time.perf_counter()
+        counts = np.asarray(record.counts)
         layer = keys[0][0]
-        routed = {(layer, int(e)) for e in np.nonzero(np.asarray(record.counts)[layer] > 0)[0]}
+        routed = {(layer, int(e)) for e in np.nonzero(counts[layer] > 0)[0]}
+        step_routed = {(int(lr), int(e)) for lr, e in np.argwhere(counts > 0)}
         mine = [k for k in keys if self._share(k) is not None]
-        victims = {s.device: self._host_victims(s, sum(self._share(k) is s for k in mine),
-                                                routed) for s in self.shares}
+        victims: dict[Key, Key | None] = {}  # each load's victim (None: a free slot)
+        extra: list[Key] = []
+        for share in self.shares:
+            need = [k for k in mine if self._share(k) is share]
+            want = [k for k in dict.fromkeys(ahead) if self._share(k) is share]
+            free = sum(k is None for k in share.residency.host_key)
+            spare = self._host_victims(share, len(need), routed)
+            rest = [v for v in self._host_victims(share, len(share.residency.host_key) + free,
+                                                  step_routed) if v not in spare]
+            room = iter([None] * free + spare + rest)
+            victims.update((k, next(room)) for k in need)
+            for key in want[: max(0, free - len(need)) + len(rest)]:
+                victims[key] = next(room)
+                extra.append(key)
         errors: dict[Key, str] = {}
-        for key, arrays in zip(mine, self._threads.map(self._try_load, mine), strict=True):
+        loads = mine + extra
+        for key, arrays in zip(loads, self._threads.map(self._try_load, loads), strict=True):
             if isinstance(arrays, str):
-                errors[key] = arrays
+                if key in mine:
+                    errors[key] = arrays
                 continue
             share = self._share(key)
-            full = None not in share.residency.host_key
-            share.residency.admit_host(key, arrays,
-                                       victims[share.device].pop(0) if full else None)
+            share.residency.admit_host(key, arrays, victims[key])
             self.counters.moved(phase, "disk_loads", share.device)
         failed: dict[int, str] = {}
         for key, error in self._agreed_errors(keys, errors).items():

@@ -157,6 +157,28 @@ def test_experts_only_on_disk_give_the_same_bits(ckpt, reference):
     assert stats["disk_loads"] > 10 and stats["disk_bytes"] > 0
 
 
+def test_a_stall_loads_the_later_layers_disk_experts_too(tmp_path):
+    """With `disk_lookahead` a stalled step also loads the disk experts its later layers
+    routed to (on the stalled layer's incomplete output): fewer layers run again, no more
+    disk loads, the resident bits either way."""
+    path = tmp_path / "deep"
+    write_checkpoint(tiny_config("qwen2_moe", num_layers=4, num_experts=8), path, seed=5)
+    with Engine.from_checkpoint(path, EngineConfig(**SHAPE)) as engine:
+        ref_tokens, ref_logits = run_rows(engine, PROMPTS, 6)
+    stats = {}
+    for lookahead in (False, True):
+        config = EngineConfig(**SHAPE, resident_experts=4, host_experts=20, policy="static",
+                              disk_lookahead=lookahead)
+        with Engine.from_checkpoint(path, config) as engine:
+            tokens, logits = run_rows(engine, PROMPTS, 6)
+            stats[lookahead] = engine.stats()
+        np.testing.assert_array_equal(tokens, ref_tokens)
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(logits, ref_logits)
+    assert stats[False]["resumed_layers"] > stats[True]["resumed_layers"] > 0
+    assert stats[False]["disk_loads"] >= stats[True]["disk_loads"] > 0
+
+
 def test_corrupt_chunk_fails_only_the_requests_that_need_it(ckpt, reference, tmp_path):
     ref_tokens = reference[0].tolist()
     touched = _touched(ckpt, ref_tokens)
