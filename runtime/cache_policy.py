@@ -3,6 +3,13 @@
 `static`: no cache (misses are staged for one use). `lru`: least recently used. `lfu`: least
 frequently used (counts since admission). `lfru`: least frequently used among the older half
 by recency, so a burst of new experts cannot flush the frequently used ones.
+
+Admission (`ExpertCache.offer`), when the slots are full: `always` evicts the policy's victim
+for every expert copied on demand; `hotter` admits only an expert whose routing heat exceeds
+the victim's. Each admission is a second copy over the link (the step used the expert from
+staging; `Residency.promote` copies it into the slot), so when a step routes to more experts
+than the cache holds, as at large batches, admitting them all copies each twice and evicts
+experts the next steps route to again (docs/design.md, "Cache slots").
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections import OrderedDict
 import numpy as np
 
 POLICIES = ("static", "lru", "lfu", "lfru")
+ADMITS = ("always", "hotter")
 Key = tuple[int, int]
 
 
@@ -21,12 +29,18 @@ def check_policy(kind: str) -> None:
         raise ValueError(f"policy must be one of {POLICIES}, got {kind!r}")
 
 
+def check_admit(kind: str) -> None:
+    if kind not in ADMITS:
+        raise ValueError(f"cache admission must be one of {ADMITS}, got {kind!r}")
+
+
 class ExpertCache:
     """Bookkeeping of the cache slots: recency order and use counts of the cached experts."""
 
-    def __init__(self, policy: str, capacity: int) -> None:
+    def __init__(self, policy: str, capacity: int, admit: str = "always") -> None:
         check_policy(policy)
-        self.policy = policy
+        check_admit(admit)
+        self.policy, self.admit = policy, admit
         self.capacity = capacity if policy != "static" else 0
         self._order: OrderedDict[Key, None] = OrderedDict()
         self._uses: dict[Key, int] = {}
@@ -48,6 +62,19 @@ class ExpertCache:
     def remove(self, key: Key) -> None:
         del self._order[key]
         del self._uses[key]
+
+    def offer(self, key: Key, heat: np.ndarray) -> tuple[bool, Key | None]:
+        """Admit `key` (routed, not cached) by the admission rule, `heat` [L, E] the routing
+        heat: (admitted, the expert it evicted or None)."""
+        if len(self) < self.capacity:
+            self.add(key)
+            return True, None
+        victim = self.victim()
+        if self.admit == "hotter" and heat[key] <= heat[victim]:
+            return False, None
+        self.remove(victim)
+        self.add(key)
+        return True, victim
 
     def victim(self) -> Key:
         # min() keeps the first of equal keys, so ties go to the least recent: O(capacity)
@@ -74,8 +101,12 @@ class HeatEstimate:
         self.counts[layer] += counts
 
     def end_step(self) -> None:
-        self.heat = self.decay * self.heat + (1 - self.decay) * self._step
+        self.heat = self.current()
         self._step[:] = 0
+
+    def current(self) -> np.ndarray:
+        """The heat with the step observed so far folded in (what `end_step` will make it)."""
+        return self.decay * self.heat + (1 - self.decay) * self._step
 
 
 def rebalance(heat: np.ndarray, pinned: set[Key], hysteresis: float) -> list[tuple[Key, Key]]:

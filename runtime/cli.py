@@ -586,9 +586,11 @@ def _simulate(args: argparse.Namespace) -> int:
         trace.num_experts, trace.top_k * int(trace.live_rows().max(initial=1)))
     pinned = pinned_by_heat(trace, pinned_n)
     results, opt = compare(trace, args.policy or POLICIES, pinned=pinned, cache=cache,
-                           staging=staging, admission=args.admission)
+                           staging=staging, admission=args.admission,
+                           cache_admit=args.cache_admit)
     print(f"{args.trace} on {hw.name}: {len(pinned)} pinned (hottest of the trace), {cache} "
-          f"cache slots, {staging} staging slots, {args.admission} admission, "
+          f"cache slots, {staging} staging slots, {args.admission} admission "
+          f"({args.cache_admit}), "
           f"{model.bytes_per_expert / 1e6:.3g} MB per expert, {model.dense_bytes / 1e9:.3g} GB "
           f"dense, {trace.num_steps} steps\n")
     print("| policy | hits | hit rate | Belady hit rate | perfect-prefetch bound | copies/step "
@@ -613,7 +615,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _add_trace_parsers(sub: argparse._SubParsersAction, common) -> None:
     """`strata trace stats`, `strata trace synth` and `strata simulate`."""
-    from strata_runtime.cache_policy import POLICIES
+    from strata_runtime.cache_policy import ADMITS, POLICIES
     from strata_runtime.cost_model import PROFILES
     from strata_runtime.ledger import parse_bytes
     from strata_runtime.simulate import ADMISSIONS
@@ -669,6 +671,9 @@ def _add_trace_parsers(sub: argparse._SubParsersAction, common) -> None:
     sim.add_argument("--admission", choices=ADMISSIONS, default="engine",
                      help="engine: a step's experts enter the cache after the next step "
                           "(the engine's lag); demand: at their miss (Belady's model)")
+    sim.add_argument("--cache-admit", choices=ADMITS, default="always",
+                     help="a routed expert takes a full cache's victim's slot always, or only "
+                          "if hotter (EngineConfig.cache_admit)")
     sim.add_argument("--miss", choices=("fetch", "host", "auto"), default="fetch",
                      help="the engine's remedy for a miss (EngineConfig.miss): copied, "
                           "computed on the host, or each layer's split by the profile's rates")

@@ -40,7 +40,13 @@ from strata_jax.misses import MissRates
 from strata_jax.quant import dequantize_int4_jnp
 from strata_jax.sampling import GREEDY, SamplingParams, row_values
 from strata_jax.scheduler import StepResult
-from strata_runtime.cache_policy import ExpertCache, HeatEstimate, check_policy, rebalance
+from strata_runtime.cache_policy import (
+    ExpertCache,
+    HeatEstimate,
+    check_admit,
+    check_policy,
+    rebalance,
+)
 from strata_runtime.heat import load_heat, ranked, save_heat
 from strata_runtime.host_misses import HostMisses
 from strata_runtime.ledger import (
@@ -98,6 +104,10 @@ class EngineConfig:
     """Cache slots' eviction: "static" (no cache slots), "lru", "lfu", "lfru"."""
     cache_fraction: float = 0.25
     """Share of the HBM expert slots run as a cache (the rest: the pinned hottest experts)."""
+    cache_admit: str = "hotter"
+    """When the cache slots are full, an expert copied on demand takes the policy's victim's
+    slot "always", or only if its routing heat exceeds the victim's ("hotter"): an admission
+    copies the expert over the link a second time (`runtime/cache_policy.py`)."""
     rebalance_every: int = 0
     """Decode steps between re-rankings of the pinned set by routing heat (0: never)."""
     hysteresis: float = 0.1
@@ -155,6 +165,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        check_admit(self.cache_admit)
         if self.predictor not in step.PREDICTORS:
             raise ValueError(f"predictor must be one of {step.PREDICTORS}, "
                              f"got {self.predictor!r}")
@@ -381,7 +392,7 @@ class Engine:
                                   read=self._read)
             self._refuse_broken(residency.broken)
             shares.append(Share(d, residency, set(pinned) - residency.broken.keys(),
-                                ExpertCache(config.policy, cache)))
+                                ExpertCache(config.policy, cache, config.cache_admit)))
         return shares
 
     def _refuse_broken(self, broken: dict[Key, str]) -> None:
@@ -724,6 +735,7 @@ class Engine:
         if not any(s.cache.capacity for s in self.shares):
             return
         used = np.argwhere(counts > 0)
+        heat = self.heat.current()
         for layer, e in map(tuple, used):
             key = (int(layer), int(e))
             share = self._share(key)
@@ -732,20 +744,19 @@ class Engine:
             if key in share.cache:
                 share.cache.touch(key)
             elif share.residency.slot_of(key) is None and share.residency.on_host(key):
-                self._cache_insert(share, key, phase)
+                self._cache_insert(share, key, heat, phase)
 
-    def _cache_insert(self, share: Share, key: Key, phase: str) -> None:
+    def _cache_insert(self, share: Share, key: Key, heat: np.ndarray, phase: str) -> None:
         residency, cache = share.residency, share.cache
-        slots = range(len(share.pinned), len(share.pinned) + cache.capacity)
-        free = [s for s in slots if residency.slot_key[s] is None]
-        if free:
-            slot = free[0]
+        admitted, victim = cache.offer(key, heat)
+        if not admitted:
+            return
+        if victim is None:  # the cache is not full: a free cache slot
+            slots = range(len(share.pinned), len(share.pinned) + cache.capacity)
+            slot = next(s for s in slots if residency.slot_key[s] is None)
         else:
-            victim = cache.victim()
             slot = residency.slot_of(victim)
-            cache.remove(victim)
         residency.promote(key, slot)
-        cache.add(key)
         self.counters.moved(phase, "admissions", share.device)
 
     def _end_step(self) -> None:

@@ -18,14 +18,14 @@ from collections.abc import Callable
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.step import PREDICTORS
-from strata_runtime.cache_policy import POLICIES
+from strata_runtime.cache_policy import ADMITS, POLICIES
 from strata_runtime.engine import DEQUANT, LAYOUTS, EngineConfig
 from strata_runtime.ledger import parse_bytes
 
 FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host", "heat_file": "--heat"}
 """Fields whose flag is not `--field-name`."""
-CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "dequant": DEQUANT,
-           "weight_layout": LAYOUTS, "miss": MISS_MODES}
+CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "cache_admit": ADMITS,
+           "dequant": DEQUANT, "weight_layout": LAYOUTS, "miss": MISS_MODES}
 WITHOUT_HBM = ("batch_capacity", "max_len", "expert_devices")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
 METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",

@@ -5,8 +5,9 @@ The access sequence: per step (in order), per layer (in order), the distinct exp
 step's live rows routed to, experts ascending; a key is (layer, expert). Pinned experts are
 always hits and never leave. The other hits come from `cache` slots run by
 `strata_runtime.cache_policy.ExpertCache`, the engine's own class, fed as `Engine._admit`
-feeds it: for each routed key, `touch` if cached, else (not pinned) insert, evicting
-`victim()` when the slots are full.
+feeds it: for each routed key, `touch` if cached, else (not pinned) `offer` it under the
+admission rule (`cache_admit`), with the routing heat of the steps so far, the current one
+included (`HeatEstimate`, decay 0.9, fed the step's routing counts as the engine feeds it).
 
 When the cache learns of a step (`admission`):
 - "engine": as the engine does: a decode step's record is admitted after the next step was
@@ -31,7 +32,7 @@ import numpy as np
 
 from strata_jax.config import ModelConfig
 from strata_jax.misses import MissRates, split
-from strata_runtime.cache_policy import POLICIES, ExpertCache, check_policy
+from strata_runtime.cache_policy import POLICIES, ExpertCache, HeatEstimate, check_policy
 from strata_runtime.cost_model import HardwareProfile, ModelCost, Prediction, predict
 from strata_runtime.heat import ranked
 from strata_runtime.trace import RoutingTrace
@@ -112,18 +113,25 @@ def prefetch_hidden(layer_misses: np.ndarray, staging: int) -> int:
 
 
 def simulate(trace: RoutingTrace, policy: str, *, pinned: Sequence[Key], cache: int,
-             staging: int, admission: str = "engine",
+             staging: int, admission: str = "engine", cache_admit: str = "always",
              keys: list[list[Key]] | None = None) -> CacheResult:
-    """Replay `trace` through `policy` with `pinned` experts and `cache` cache slots
-    (`keys`: `step_keys(trace)`, if already computed)."""
+    """Replay `trace` through `policy` with `pinned` experts and `cache` cache slots, admitting
+    by `cache_admit` (`keys`: `step_keys(trace)`, if already computed)."""
     check_policy(policy)
     if admission not in ADMISSIONS:
         raise ValueError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
     keys = step_keys(trace) if keys is None else keys
-    replay = _Replay(ExpertCache(policy, cache), set(pinned))
+    heat = HeatEstimate(trace.num_layers, trace.num_experts)
+    replay = _Replay(ExpertCache(policy, cache, cache_admit), set(pinned), heat)
     misses = np.zeros((trace.num_steps, trace.num_layers), np.int64)
     pending: list[Key] = []
     for s, step in enumerate(keys):
+        if cache_admit != "always":  # the heat only decides admissions
+            heat.end_step()
+            picks = trace.step_experts(s)  # [L, n, k]
+            for layer in range(trace.num_layers):
+                heat.observe(layer, np.bincount(picks[layer].ravel(),
+                                                minlength=trace.num_experts))
         if admission == "engine" and trace.prefill[s]:
             replay.admit(pending)
             pending = []
@@ -147,8 +155,8 @@ def simulate(trace: RoutingTrace, policy: str, *, pinned: Sequence[Key], cache: 
 class _Replay:
     """The pinned set and an ExpertCache, driven as `Engine._admit` drives them."""
 
-    def __init__(self, cache: ExpertCache, pinned: set[Key]) -> None:
-        self.cache, self.pinned = cache, pinned
+    def __init__(self, cache: ExpertCache, pinned: set[Key], heat: HeatEstimate) -> None:
+        self.cache, self.pinned, self.heat = cache, pinned, heat
         self.hits = self.pinned_hits = self.admissions = 0
 
     def lookup(self, key: Key, admit: bool) -> bool:
@@ -166,10 +174,7 @@ class _Replay:
             if key in self.cache:
                 self.cache.touch(key)
             elif key not in self.pinned:
-                if len(self.cache) >= self.cache.capacity:
-                    self.cache.remove(self.cache.victim())
-                self.cache.add(key)
-                self.admissions += 1
+                self.admissions += self.cache.offer(key, self.heat.current())[0]
 
 
 def belady(trace: RoutingTrace, *, pinned: Sequence[Key], cache: int, staging: int,
@@ -228,11 +233,13 @@ def _next_uses(ids: list[int]) -> list[int]:
 
 def compare(trace: RoutingTrace, policies: Sequence[str] = POLICIES, *,
             pinned: Sequence[Key], cache: int, staging: int,
-            admission: str = "engine") -> tuple[list[CacheResult], CacheResult]:
+            admission: str = "engine",
+            cache_admit: str = "always") -> tuple[list[CacheResult], CacheResult]:
     """Every policy's replay and Belady's, on one access sequence."""
     keys = step_keys(trace)
     results = [simulate(trace, p, pinned=pinned, cache=cache, staging=staging,
-                        admission=admission, keys=keys) for p in policies]
+                        admission=admission, cache_admit=cache_admit, keys=keys)
+               for p in policies]
     return results, belady(trace, pinned=pinned, cache=cache, staging=staging, keys=keys)
 
 

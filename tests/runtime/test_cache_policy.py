@@ -39,10 +39,37 @@ def test_lfru_evicts_the_least_used_of_the_older_half():
     assert c2.victim() == (1, 1)
 
 
+def test_offer_fills_free_slots_then_admits_by_the_rule():
+    heat = np.zeros((2, 4))
+    heat[0] = [5.0, 1.0, 3.0, 0.5]
+    for rule, admitted in (("always", [True, True]), ("hotter", [False, True])):
+        c = ExpertCache("lru", 2, rule)
+        assert c.offer((0, 1), heat) == (True, None) and c.offer((0, 2), heat) == (True, None)
+        # full: the victim is the least recent, (0, 1) with heat 1.0
+        got = c.offer((0, 3), heat)  # heat 0.5: colder than the victim
+        assert got == ((True, (0, 1)) if admitted[0] else (False, None))
+        assert ((0, 3) in c) == admitted[0] and len(c) == 2
+        victim = c.victim()
+        assert c.offer((0, 0), heat) == (admitted[1], victim)  # heat 5.0: hotter
+        assert (0, 0) in c and victim not in c
+
+
+def test_current_heat_folds_in_the_step_so_far():
+    h = HeatEstimate(1, 3, decay=0.5)
+    h.observe(0, np.array([2.0, 0.0, 0.0]))
+    h.end_step()
+    h.observe(0, np.array([0.0, 4.0, 0.0]))
+    np.testing.assert_allclose(h.current(), [[0.5, 2.0, 0.0]])
+    h.end_step()
+    np.testing.assert_allclose(h.heat, [[0.5, 2.0, 0.0]])
+
+
 def test_static_has_no_capacity_and_bad_names_fail():
     assert ExpertCache("static", 5).capacity == 0
     with pytest.raises(ValueError, match="policy must be one of"):
         check_policy("fifo")
+    with pytest.raises(ValueError, match="cache admission must be one of"):
+        ExpertCache("lru", 2, "never")
 
 
 def test_heat_is_an_ema_of_counts():

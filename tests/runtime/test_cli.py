@@ -56,6 +56,7 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "predictor": (["--predictor", "none"], "none"),
     "policy": (["--policy", "lru"], "lru"),
     "cache_fraction": (["--cache-fraction", "0.5"], 0.5),
+    "cache_admit": (["--cache-admit", "always"], "always"),
     "rebalance_every": (["--rebalance-every", "7"], 7),
     "hysteresis": (["--hysteresis", "0.3"], 0.3),
     "heat_decay": (["--heat-decay", "0.5"], 0.5),

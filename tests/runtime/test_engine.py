@@ -66,6 +66,19 @@ def test_budgets_are_bit_identical_to_unlimited(ckpt, reference, predictor, poli
             assert stats["admissions"] > 0
 
 
+def test_cache_admission_rules_keep_the_bits(ckpt, reference):
+    """"hotter" admits a subset of what "always" admits when the cache is full; neither
+    changes a bit (which slot holds an expert is not in the math)."""
+    admitted = {}
+    for rule in ("always", "hotter"):
+        with _engine(ckpt, resident_experts=4, cache_fraction=0.5, cache_admit=rule) as engine:
+            tokens, logits = run_rows(engine, PROMPTS, 6)
+            admitted[rule] = engine.stats()["admissions"]
+        np.testing.assert_array_equal(tokens, reference[0])
+        np.testing.assert_array_equal(logits, reference[1])
+    assert 0 < admitted["hotter"] <= admitted["always"]
+
+
 @pytest.mark.parametrize("staging", [1, 2, 3])
 def test_fewer_staging_slots_than_a_layer_needs(ckpt, reference, staging):
     with _engine(ckpt, resident_experts=3, policy="static", staging_slots=staging) as engine:

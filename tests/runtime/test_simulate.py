@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_runtime.cache_policy import POLICIES
+from strata_runtime.cache_policy import ADMITS, POLICIES
 from strata_runtime.cost_model import (
     PROFILES,
     HardwareProfile,
@@ -131,6 +131,17 @@ def test_engine_admission_lags_one_step_and_prefill_admits_at_once():
     assert prefilled.hits == 2  # prefill flushes step 0's record, then admits its own
 
 
+def test_admitting_only_hotter_experts_halves_the_copies_of_a_large_batch():
+    """At 16 rows a step routes to more experts than the cache holds: admitting each one
+    copies it a second time and evicts what the next steps route to again."""
+    t = synthetic_trace(6, 64, 4, 40, 16, 1.0, seed=0)
+    pinned = pinned_by_heat(t, 100)
+    always, hotter = (simulate(t, "lfru", pinned=pinned, cache=35, staging=16, cache_admit=a)
+                      for a in ADMITS)
+    assert hotter.copies < 0.6 * always.copies
+    assert hotter.admissions < always.admissions and hotter.misses <= always.misses
+
+
 def test_static_uses_only_the_pinned_slots():
     t = SYNTHETIC["skewed"]
     pinned = pinned_by_heat(t, 6)
@@ -190,9 +201,9 @@ def test_belady_bounds_every_policy_on_tiny_traces(trace, capacity, pinned_n):
     """Demand admission: Belady hits at least as often. Engine admission: Belady's misses
     are at most the policy's copies (misses + admissions)."""
     pinned = pinned_by_heat(trace, pinned_n)
-    for admission in ("demand", "engine"):
+    for admission, rule in itertools.product(("demand", "engine"), ADMITS):
         results, opt = compare(trace, pinned=pinned, cache=capacity, staging=1,
-                               admission=admission)
+                               admission=admission, cache_admit=rule)
         for r in results:
             assert opt.misses <= r.copies
             if admission == "demand":
@@ -204,9 +215,9 @@ def test_belady_hits_at_least_every_policy_on_synthetic_traces(name):
     t = SYNTHETIC[name]
     for pinned_n, capacity in itertools.product([0, 4], [0, 1, 3, 6, 12, 40]):
         pinned = pinned_by_heat(t, pinned_n)
-        for admission in ("engine", "demand"):
+        for admission, rule in itertools.product(("engine", "demand"), ADMITS):
             results, opt = compare(t, POLICIES, pinned=pinned, cache=capacity, staging=2,
-                                   admission=admission)
+                                   admission=admission, cache_admit=rule)
             assert [r.name for r in results] == list(POLICIES)
             for r in results:
                 assert opt.hits >= r.hits and opt.misses <= r.copies, (r.name, admission)
