@@ -8,24 +8,24 @@ One decode step of B live rows takes, in seconds,
     t_host    = hosted * bytes_per_expert / host_kernel
     t_admit   = admissions * bytes_per_expert / link
     t_disk    = disk_loads * bytes_per_expert / disk
-    base      = max(max(t_hbm, t_compute) + max((1 - h) * t_copy, t_host), t_copy)
-                + t_admit + overhead
-    step      = base * (1 + rerun) + t_disk
+    base      = max(max(t_hbm, t_compute) + max((1 - h) * t_copy, t_host), t_copy) + overhead
+    step      = base * (1 + rerun) + t_admit + t_disk
 
-and tok/s = B / step. `routed`, `misses`, `hosted`, `admissions` and `disk_loads` are
-experts per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are
-copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the
-share of the copied misses prefetched in time, whose copies overlap the step's HBM reads and
-math, while the others stall it, beside the host's share (the longer of the two stalls), and
-the link is busy t_copy whatever overlaps; admissions are copies between steps (the engine's
-cache fills, after the step). A step that routes to an expert found only on disk waits for its
-read (nothing overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled
-layer: `rerun` is the share of a step's layers run again, per step. The binding resource is
-the one busy longest: hbm (t_hbm), compute (t_compute), the host kernel (t_host,
-"host-compute"), the disk (t_disk) or the link (t_copy + t_admit), named "pcie" or "host-read"
-by the slower of the two. Not modelled: the KV cache read (pass it in `extra_hbm_bytes`), host
-round trips and launch gaps (`overhead_s`), the link's and the host kernel's share of DRAM,
-and layers whose split is uneven (the step's sums are split, not each layer's).
+and tok/s = B / step. `routed`, `misses`, `hosted`, `admissions` and `disk_loads` are experts
+per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are copied,
+`hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the share of
+the copied misses prefetched in time, whose copies overlap the step's HBM reads and math, while
+the others stall it, beside the host's share (the longer of the two stalls), and the link is
+busy t_copy whatever overlaps; admissions are copies between steps (the engine's cache fills,
+after the step: once per step, however many of its layers ran again). A step that routes to an
+expert found only on disk waits for its read (nothing overlaps it: docs/design.md, "Disk
+stalls") and runs again from the stalled layer: `rerun` is the share of a step's layers run
+again, per step. The binding resource is the one busy longest: hbm (t_hbm), compute
+(t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the link (t_copy +
+t_admit), named "pcie" or "host-read" by the slower of the two. Not modelled: the KV cache read
+(pass it in `extra_hbm_bytes`), host round trips and launch gaps (`overhead_s`), the link's and
+the host kernel's share of DRAM, and layers whose split is uneven (the step's sums are split,
+not each layer's).
 """
 
 from __future__ import annotations
@@ -174,9 +174,8 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
              "t_admit": admissions * bpe / link,
              "t_disk": disk_loads * bpe / (hw.disk_gbps * 1e9) if disk_loads else 0.0}
     stall = max((1.0 - hidden) * terms["t_copy"], terms["t_host"])
-    base = (max(max(terms["t_hbm"], terms["t_compute"]) + stall, terms["t_copy"])
-            + terms["t_admit"] + overhead_s)
-    step = base * (1.0 + rerun) + terms["t_disk"]
+    base = max(max(terms["t_hbm"], terms["t_compute"]) + stall, terms["t_copy"]) + overhead_s
+    step = base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"]
     link_name = "pcie" if hw.pcie_gbps <= hw.host_read_gbps else "host-read"
     busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
             "host-compute": terms["t_host"], "disk": terms["t_disk"],
