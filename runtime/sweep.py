@@ -423,6 +423,22 @@ def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
             f"{row['disk_stall_s']:.3g} ({row['disk_loads']:g}) |")
 
 
+def _provenance(rows: list[dict[str, Any]]) -> list[str]:
+    """A line naming each row's run, when the rows come from more than one (a --resume or
+    --rung run keeps the rows of earlier ones)."""
+    runs = {}
+    for r in rows:
+        if "tok_s" in r:
+            fp = r["fingerprint"]
+            commit = ((fp.get("git") or {}).get("commit") or "-")[:12]
+            dirty = " (dirty)" if (fp.get("git") or {}).get("dirty") else ""
+            runs[r["rung"]] = f"{commit}{dirty} on {fp['gpu']}, {fp['date'][:16]}"
+    if len(set(runs.values())) <= 1:
+        return []
+    return ["Rows of more than one run (the header is the first's): "
+            + "; ".join(f"{name}: {run}" for name, run in runs.items()) + ".", ""]
+
+
 def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
     first = _first_ok(rows)
     lines = [f"# {title}", ""]
@@ -435,6 +451,7 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
             f"{fp['pcie_gen'] or '-'}, python {fp['python']}, commit {commit[:12]}, "
             f"{fp['date']}.",
             "",
+            *_provenance(rows),
             f"Ceilings measured at the start: pinned host->device {c['pinned_h2d_gbps']:.3g} "
             f"GB/s, host read {c['host_read_gbps']:.3g} GB/s, device read "
             f"{c['hbm_read_gbps']:.4g} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s "

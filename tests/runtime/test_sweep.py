@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from strata_runtime.cli import main
-from strata_runtime.sweep import SweepError, load_sweep
+from strata_runtime.sweep import SweepError, _provenance, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "sweeps" / "tiny_ladder.toml"
@@ -91,6 +91,22 @@ def test_named_rungs_run_alone_and_the_rest_resume_later(ladder, tmp_path, capsy
     assert "[2/2] b: kept" in capsys.readouterr().err
     table = (out / "sweep.md").read_text()
     assert table.index("| a |") < table.index("| b |")  # the file's order
+
+
+def test_rows_of_several_runs_are_named_in_the_table():
+    def row(name, commit, gpu, date, dirty=False):
+        return {"rung": name, "tok_s": {"median": 1.0},
+                "fingerprint": {"gpu": gpu, "date": date,
+                                "git": {"commit": commit, "dirty": dirty}}}
+    same = [row("a", "c0ffee" * 4, "H200", "2026-12-05T07:28:30"),
+            row("b", "c0ffee" * 4, "H200", "2026-12-05T07:28:59")]
+    assert _provenance(same) == []
+    mixed = [*same, row("c", "beef" * 6, "H100", "2026-12-05T15:15:00", dirty=True),
+             {"rung": "d", "error": "x"}]
+    (line, blank) = _provenance(mixed)
+    assert blank == "" and "d:" not in line
+    assert "a: c0ffeec0ffee on H200, 2026-12-05T07:28" in line
+    assert "c: beefbeefbeef (dirty) on H100, 2026-12-05T15:15" in line
 
 
 def write(tmp_path, text: str) -> Path:
