@@ -34,7 +34,10 @@ term. `roofline_tok_s` is the looser bound with every term overlapped (max of al
 The cost model (`cost_model.predict`) predicts decode tok/s from the decode steps' counters
 (the engine counts decode steps and prefill chunks apart) as means per decode step
 (`prediction`), on the ceilings measured in the run (profile "measured") or a shipped profile;
-compare it with the engine's decode tok/s, which leaves prefill out too.
+compare it with the engine's decode tok/s, which leaves prefill out too. With the measured
+profile the routed experts' bytes count at the rate the engine's own expert kernel reads them
+(`expert_kernel_gbps`, timed on the engine's pool after it is built: a quantized kernel
+dequantizes as it reads, below the plain read); the bound keeps the plain read.
 
 The median's 95 % interval is a percentile bootstrap of the median over the repeats (10,000
 resamples drawn from the bench seed): it cannot be wider than the repeats' range, so it is
@@ -64,6 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.checkpoint import CheckpointReader
+from strata_jax.expert_kernels import grouped_swiglu
+from strata_jax.pool import ExpertPool
 from strata_runtime.cost_model import HardwareProfile, ModelCost, model_cost, predict, profile
 from strata_runtime.engine import Engine, EngineConfig, link_rate
 from strata_runtime.stats import DeviceCounts, PhaseCounts
@@ -239,6 +244,23 @@ def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int) -> float:
     a = jax.device_put(jnp.ones((n, n), dtype), dev)
     mm = jax.jit(lambda m: m @ m)
     return 2 * n**3 / _best(lambda: mm(a).block_until_ready(), reps) / 1e12
+
+
+def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts: int,
+                      int4_tiles=None, reps: int = 5) -> float:
+    """GB/s of expert bytes the engine's expert kernel (`expert_kernels.grouped_swiglu`, the
+    path it picks for `rows` rows and the pool's format) reads applying `experts` slots of
+    `pool` to `rows` rows: best wall time of `reps` (each a layer's worth of experts, as a
+    decode step reads them)."""
+    experts = max(1, min(experts, pool.num_slots))
+    x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((rows, hidden)),
+                                   dtype), pool.w1.sharding)
+    slots = jax.device_put(jnp.arange(experts, dtype=jnp.int32), pool.w1.sharding)
+    apply = jax.jit(lambda x, s, p: grouped_swiglu(x, s, p, None, int4_tiles))
+    apply(x, slots, pool).block_until_ready()  # compiles it
+    per_slot = sum(a.nbytes for a in pool if a is not None) / pool.num_slots
+    return experts * per_slot / _best(lambda: apply(x, slots, pool).block_until_ready(),
+                                      reps) / 1e9
 
 
 def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
@@ -484,7 +506,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
             "inputs": {**inputs, "bytes_per_expert": sizes.bytes_per_expert,
                        "dense_bytes": sizes.dense_bytes,
                        "flops_per_token": sizes.flops_per_token,
-                       "disk_gbps": hw.disk_gbps if disk else None},
+                       "disk_gbps": hw.disk_gbps if disk else None,
+                       "expert_read_gbps": hw.expert_read_gbps or None},
             "compare_with": "decode_tok_s"}
 
 
@@ -614,6 +637,10 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         if engine.host_misses is not None and hw.host_kernel_gbps <= 0:  # the engine's own
             hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
                                      host_row_cost=engine.host_misses.rates.row_cost)
+        if settings.hardware == "measured":  # the rate of this checkpoint's expert kernel
+            hw = dataclasses.replace(hw, expert_read_gbps=expert_kernel_gbps(
+                engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, config.batch_capacity,
+                min(cfg.num_experts, cfg.top_k * config.batch_capacity), config.int4_tiles))
         t0 = time.perf_counter()
         engine.generate(prompts, settings.warmup_new or settings.new)  # compiles them all
         warmup_s = time.perf_counter() - t0
@@ -659,6 +686,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
                                 if total.decode_s > 0 else None),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
+        "expert_read_gbps": hw.expert_read_gbps or None,
         "ceilings": ceilings,
         "sizes": dataclasses.asdict(sizes), "build_s": build_s, "warmup_s": warmup_s,
         "compile_s": compile_s, "tokens_sha256": rows[0]["tokens_sha256"],

@@ -2,7 +2,7 @@
 
 One decode step of B live rows takes, in seconds,
 
-    t_hbm     = (dense_bytes + routed * bytes_per_expert) / hbm
+    t_hbm     = dense_bytes / hbm + routed * bytes_per_expert / expert_read
     t_compute = B * flops_per_token / matmul
     t_copy    = misses * bytes_per_expert / link          link = min(pcie, host_read)
     t_host    = hosted * bytes_per_expert / host_kernel
@@ -58,6 +58,9 @@ class HardwareProfile:
     decode rows, GB/s; 0: no host compute of misses."""
     host_row_cost: float = 0.0
     """Each further row multiplies the host kernel's one-row time by (1 + this)."""
+    expert_read_gbps: float = 0.0
+    """Expert bytes per second the device's expert kernel reads at decode rows, GB/s (a
+    quantized kernel dequantizes as it reads, below the plain read rate); 0: `hbm_gbps`."""
     disk_gbps: float = 0.0
     """Expert bytes per second read from tier 2 (the checkpoint on disk) by the engine's fetch
     threads during a stall, GB/s; 0: no disk reads can be modelled."""
@@ -167,7 +170,9 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
     if disk_loads > 0 and hw.disk_gbps <= 0:
         raise ValueError(f"profile {hw.name} has no disk rate: disk loads cannot be modelled")
     bpe, link = model.bytes_per_expert, hw.link_gbps * 1e9
-    terms = {"t_hbm": (model.dense_bytes + extra_hbm_bytes + routed * bpe) / (hw.hbm_gbps * 1e9),
+    experts = hw.expert_read_gbps or hw.hbm_gbps
+    terms = {"t_hbm": ((model.dense_bytes + extra_hbm_bytes) / (hw.hbm_gbps * 1e9)
+                       + routed * bpe / (experts * 1e9)),
              "t_compute": batch * model.flops_per_token / (hw.matmul_tflops * 1e12),
              "t_copy": misses * bpe / link,
              "t_host": hosted * bpe / (hw.host_kernel_gbps * 1e9) if hosted else 0.0,

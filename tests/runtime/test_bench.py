@@ -5,14 +5,18 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from strata_jax.pool import ExpertPool
+from strata_runtime import bench as bench_module
 from strata_runtime.bench import (
     Counts,
     Sizes,
     bound,
     device_figures,
+    expert_kernel_gbps,
     hardware_fingerprint,
     median_interval,
     prediction,
@@ -83,6 +87,9 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
     assert s["tok_s"]["values"] == [r["tok_s"] for r in rows[:3]]
     for key in ("pinned_h2d_gbps", "host_read_gbps", "hbm_read_gbps", "matmul_tflops"):
         assert s["ceilings"][key] > 0
+    assert s["expert_read_gbps"] > 0  # the engine's expert kernel, timed on its pool
+    assert all(r["predicted"]["inputs"]["expert_read_gbps"] == s["expert_read_gbps"]
+               for r in rows)
     assert set(s["predicted"]["inputs"]) >= {"batch", "routed", "misses", "hidden",
                                              "bytes_per_expert", "flops_per_token"}
     # the summary's prediction is made from the repeats' summed counts: read against the
@@ -123,6 +130,23 @@ def test_same_seed_same_tokens_another_seed_other_prompts(ckpt, rows, tmp_path, 
     assert "cost model (profile measured)" in printed
     assert synthetic_prompts(97, 3, 5, 7) == synthetic_prompts(97, 3, 5, 7)
     assert synthetic_prompts(97, 3, 5, 7) != synthetic_prompts(97, 3, 5, 8)
+
+
+def test_expert_kernel_rate_counts_the_slots_it_reads(monkeypatch):
+    """The rate is the bytes of the slots applied (at most the pool's) over the kernel's best
+    time: with the clock fixed at one second, the bytes themselves."""
+    cfg = tiny_config()
+    rng = np.random.default_rng(0)
+    d, f, slots = cfg.hidden_size, cfg.expert_intermediate_size, 6
+    pool = ExpertPool(*(jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                        for shape in ((slots, d, f), (slots, d, f), (slots, f, d))))
+    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) > 0  # really timed
+    timed = []
+    monkeypatch.setattr(bench_module, "_best", lambda fn, reps: timed.append(fn()) or 1.0)
+    per_slot = 3 * d * f * 4
+    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) == 4 * per_slot / 1e9
+    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=99) == 6 * per_slot / 1e9
+    assert timed[0].shape[:2] == (4, 1)  # [C, S, N, D]: the kernel ran on the four slots
 
 
 def test_the_bound_by_hand():

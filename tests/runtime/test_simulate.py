@@ -264,6 +264,10 @@ def test_the_cost_formula_by_hand():
     assert compute.binding == "compute" and compute.tok_s == pytest.approx(1000 / 0.02)
     hbm = predict(ROUND, MODEL, batch=1, routed=40, misses=0.5, hidden=1.0)  # t_copy 1 ms
     assert hbm.binding == "hbm" and hbm.step_s == pytest.approx(1.2e-3)
+    # an expert kernel reading at 1,000 GB/s: 40 x 1e8 / 1e12 = 4 ms beside the dense 0.4 ms
+    slow_kernel = HardwareProfile(**{**ROUND.__dict__, "expert_read_gbps": 1000.0})
+    assert predict(slow_kernel, MODEL, batch=1, routed=40, misses=0).terms["t_hbm"] == (
+        pytest.approx(4.4e-3))
     slow_host = HardwareProfile(**{**ROUND.__dict__, "host_read_gbps": 20.0})
     assert predict(slow_host, MODEL, batch=8, routed=40, misses=10).binding == "host-read"
     with pytest.raises(ValueError, match="hidden"):
