@@ -637,10 +637,17 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         if engine.host_misses is not None and hw.host_kernel_gbps <= 0:  # the engine's own
             hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
                                      host_row_cost=engine.host_misses.rates.row_cost)
+        kernel_error = None
         if settings.hardware == "measured":  # the rate of this checkpoint's expert kernel
-            hw = dataclasses.replace(hw, expert_read_gbps=expert_kernel_gbps(
-                engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, config.batch_capacity,
-                min(cfg.num_experts, cfg.top_k * config.batch_capacity), config.int4_tiles))
+            try:
+                hw = dataclasses.replace(hw, expert_read_gbps=expert_kernel_gbps(
+                    engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype,
+                    config.batch_capacity, min(cfg.num_experts, cfg.top_k * config.batch_capacity),
+                    config.int4_tiles))
+            except Exception as e:  # noqa: BLE001  (the prediction falls back to the HBM rate)
+                kernel_error = f"{type(e).__name__}: {e}"
+                print(f"warning: expert kernel rate not measured ({kernel_error}): the "
+                      "prediction reads the experts at the device read rate", file=sys.stderr)
         t0 = time.perf_counter()
         engine.generate(prompts, settings.warmup_new or settings.new)  # compiles them all
         warmup_s = time.perf_counter() - t0
@@ -687,6 +694,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
                                 if total.decode_s > 0 else None),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
         "expert_read_gbps": hw.expert_read_gbps or None,
+        **({"expert_read_error": kernel_error} if kernel_error else {}),
         "ceilings": ceilings,
         "sizes": dataclasses.asdict(sizes), "build_s": build_s, "warmup_s": warmup_s,
         "compile_s": compile_s, "tokens_sha256": rows[0]["tokens_sha256"],
