@@ -671,7 +671,7 @@ def _add_trace_parsers(sub: argparse._SubParsersAction, common) -> None:
     sim.add_argument("--admission", choices=ADMISSIONS, default="engine",
                      help="engine: a step's experts enter the cache after the next step "
                           "(the engine's lag); demand: at their miss (Belady's model)")
-    sim.add_argument("--cache-admit", choices=ADMITS, default="always",
+    sim.add_argument("--cache-admit", choices=ADMITS, default="hotter",
                      help="a routed expert takes a full cache's victim's slot always, or only "
                           "if hotter (EngineConfig.cache_admit)")
     sim.add_argument("--miss", choices=("fetch", "host", "auto"), default="fetch",

@@ -113,7 +113,7 @@ def prefetch_hidden(layer_misses: np.ndarray, staging: int) -> int:
 
 
 def simulate(trace: RoutingTrace, policy: str, *, pinned: Sequence[Key], cache: int,
-             staging: int, admission: str = "engine", cache_admit: str = "always",
+             staging: int, admission: str = "engine", cache_admit: str = "hotter",
              keys: list[list[Key]] | None = None) -> CacheResult:
     """Replay `trace` through `policy` with `pinned` experts and `cache` cache slots, admitting
     by `cache_admit` (`keys`: `step_keys(trace)`, if already computed)."""
@@ -234,7 +234,7 @@ def _next_uses(ids: list[int]) -> list[int]:
 def compare(trace: RoutingTrace, policies: Sequence[str] = POLICIES, *,
             pinned: Sequence[Key], cache: int, staging: int,
             admission: str = "engine",
-            cache_admit: str = "always") -> tuple[list[CacheResult], CacheResult]:
+            cache_admit: str = "hotter") -> tuple[list[CacheResult], CacheResult]:
     """Every policy's replay and Belady's, on one access sequence."""
     keys = step_keys(trace)
     results = [simulate(trace, p, pinned=pinned, cache=cache, staging=staging,

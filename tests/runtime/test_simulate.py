@@ -107,7 +107,8 @@ def test_lru_replay_equals_a_plain_lru(name, admission):
     keys = step_keys(t)
     for pinned_n, capacity in itertools.product([0, 5], [0, 1, 4, 9, 30]):
         pinned = pinned_by_heat(t, pinned_n)
-        r = simulate(t, "lru", pinned=pinned, cache=capacity, staging=2, admission=admission)
+        r = simulate(t, "lru", pinned=pinned, cache=capacity, staging=2, admission=admission,
+                     cache_admit="always")
         assert r.hits == tiny_lru(keys, set(pinned), capacity, admission)
         assert r.misses == r.layer_misses.sum()
 
@@ -117,17 +118,19 @@ def test_demand_lru_hits_are_the_reuse_distances_below_capacity():
     flat = np.array([k * t.num_experts + e for step in step_keys(t) for k, e in step])
     distances = reuse_distances(flat)
     for capacity in (1, 6, 15, 40):
-        r = simulate(t, "lru", pinned=[], cache=capacity, staging=1, admission="demand")
+        r = simulate(t, "lru", pinned=[], cache=capacity, staging=1, admission="demand",
+                     cache_admit="always")
         assert r.hits == ((distances >= 0) & (distances < capacity)).sum()
 
 
 def test_engine_admission_lags_one_step_and_prefill_admits_at_once():
     a, b = 0, 1
     steps = [[[a]], [[b]], [[a, b]]]
-    lagged = simulate(hand_trace(steps, 2), "lru", pinned=[], cache=2, staging=1)
+    lagged = simulate(hand_trace(steps, 2), "lru", pinned=[], cache=2, staging=1,
+                      cache_admit="always")
     assert lagged.hits == 1  # step 2 sees a (step 0) but not yet b (step 1)
     prefilled = simulate(hand_trace(steps, 2, prefill=[False, True, False]), "lru",
-                         pinned=[], cache=2, staging=1)
+                         pinned=[], cache=2, staging=1, cache_admit="always")
     assert prefilled.hits == 2  # prefill flushes step 0's record, then admits its own
 
 
@@ -228,7 +231,7 @@ def test_a_lagged_policy_can_out_hit_belady_only_by_copying_again():
     """Capacity 1, steps a, b, a, b: the engine's LRU re-admits each expert a step late and
     hits twice; Belady (no late copies) hits once, with fewer copies."""
     t = hand_trace([[[0]], [[1]], [[0]], [[1]]], 2)
-    lru = simulate(t, "lru", pinned=[], cache=1, staging=1)
+    lru = simulate(t, "lru", pinned=[], cache=1, staging=1, cache_admit="always")
     opt = belady(t, pinned=[], cache=1, staging=1)
     assert (lru.hits, lru.admissions, lru.copies) == (2, 3, 5)
     assert (opt.hits, opt.copies) == (1, 3)
