@@ -751,9 +751,9 @@ class Engine:
         admitted, victim = cache.offer(key, heat)
         if not admitted:
             return
-        if victim is None:  # the cache is not full: a free cache slot
-            slots = range(len(share.pinned), len(share.pinned) + cache.capacity)
-            slot = next(s for s in slots if residency.slot_key[s] is None)
+        if victim is None:  # the cache is not full: a device slot holds nothing (slots =
+            # pinned + cache capacity; a pinned expert whose chunk is broken leaves one free)
+            slot = residency.slot_key.index(None)
         else:
             slot = residency.slot_of(victim)
         residency.promote(key, slot)

@@ -22,12 +22,13 @@ HW = HardwareProfile(name="test", pcie_gbps=10.0, host_read_gbps=20.0, hbm_gbps=
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """3 of the 12 experts in HBM (one as a cache slot), tier 1 only what one layer's disk
-    misses need: prefill chunks and decode steps both stall on disk and admit to the cache."""
+    """3 of the 12 experts in HBM (one as a cache slot, admitting every demand copy), tier 1
+    only what one layer's disk misses need: prefill chunks and decode steps both stall on
+    disk and admit to the cache."""
     path = tmp_path_factory.mktemp("stats") / "ck"
     write_checkpoint(tiny_config("qwen2_moe"), path, seed=5)
     config = EngineConfig(batch_capacity=4, max_len=32, resident_experts=3, host_experts=0,
-                          cache_fraction=0.34)
+                          cache_fraction=0.34, cache_admit="always")
     with Engine.from_checkpoint(path, config) as engine:
         out = engine.generate(PROMPTS, NEW)
         stats = engine.stats()  # observes the last step's record
