@@ -26,7 +26,9 @@
 #                     benchmarks/results/seed_ladder/, then the accelerate peer on the same
 #                     shape and budget (benchmarks/peer_accelerate.py; PEER=0 skips it); LADDER_S
 #                     caps the sweep (default: what is left of BUDGET_S); RUNGS="a|b" runs
-#                     only those rungs. Rows and checkpoints
+#                     only those rungs; FRESH=1: none of the committed rows (every rung runs
+#                     again: the machine keeps its own rows, so a later call resumes them).
+#                     Rows and checkpoints
 #                     stay under /tmp of a warm machine, so the next call resumes.
 #                     "ladder-repeat" in PARTS: first the repeat check on the ladder's
 #                     checkpoint (every expert in HBM, then the naive rung's budgets)
@@ -138,8 +140,9 @@ if [[ $PARTS == *ladder* ]]; then
   # The rows live on the device's disk beside the checkpoints, so the next call of a warm machine
   # resumes from them; a fresh machine starts from the rows committed in the repo.
   ROWS=/tmp/strata_ladder_rows; mkdir -p "$ROWS" "$OUT/seed_ladder"
-  [[ ! -f $ROWS/sweep.jsonl && -f benchmarks/results/seed_ladder/sweep.jsonl ]] && \
-    cp benchmarks/results/seed_ladder/sweep.jsonl "$ROWS/"
+  [[ ${FRESH:-0} == 1 && ! -f $ROWS/.fresh ]] && rm -f "$ROWS/sweep.jsonl" && touch "$ROWS/.fresh"
+  [[ ! -f $ROWS/sweep.jsonl && ! -f $ROWS/.fresh && -f benchmarks/results/seed_ladder/sweep.jsonl ]] \
+    && cp benchmarks/results/seed_ladder/sweep.jsonl "$ROWS/"
   if [[ $PARTS == *ladder-repeat* ]]; then  # the repeat check on the ladder's own checkpoint
     echo "== t=${SECONDS}s: ladder checkpoints, then the repeat check on them"
     python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml --prepare-only 2>&1 | tail -3
