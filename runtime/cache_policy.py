@@ -9,7 +9,7 @@ for every expert copied on demand; `hotter` admits only an expert whose routing 
 the victim's. Each admission is a second copy over the link (the step used the expert from
 staging; `Residency.promote` copies it into the slot), so when a step routes to more experts
 than the cache holds, as at large batches, admitting them all copies each twice and evicts
-experts the next steps route to again (docs/design.md, "Cache slots").
+experts the next steps route to again (docs/design.md, "One generation loop").
 """
 
 from __future__ import annotations
