@@ -10,16 +10,19 @@ TEST_WORKERS ?= 2
 
 .PHONY: demo test lint lock test-latest clean
 
+# The build backend comes from the lock too: the package builds in the venv (no isolated
+# build environment, which would fetch the newest setuptools of the day).
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q pip==$(PIP_VERSION)
+	$(BIN)/pip install -q -c constraints.txt setuptools
 
 $(VENV)/.base: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e .
+	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e .
 	touch $@
 
 $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[test]'
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
@@ -38,10 +41,13 @@ lock:
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/pip install -q pip==$(PIP_VERSION)
-	.venv-lock/bin/pip install -q -e '.[test]'
-	{ echo "# The pinned environment: every run and test dependency as a fresh resolution gave it"; \
-	  echo "# on $$(date +%F) (Python 3.11, CPU). Regenerate: make lock. Newest: make test-latest."; \
-	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt
+	.venv-lock/bin/pip install -q setuptools
+	.venv-lock/bin/pip install -q --no-build-isolation -e '.[test]'
+	{ echo "# The pinned environment: every run and test dependency and the build backend"; \
+	  echo "# (setuptools) as a fresh resolution gave it on $$(date +%F) (Python 3.11, CPU)."; \
+	  echo "# Regenerate: make lock. Newest: make test-latest."; \
+	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip=='; } \
+	  > constraints.txt
 	rm -rf .venv-lock
 
 # The tests against today's newest releases, in a venv of their own (the lock is untouched).
