@@ -37,7 +37,9 @@ The cost model (`cost_model.predict`) predicts decode tok/s from the decode step
 compare it with the engine's decode tok/s, which leaves prefill out too. With the measured
 profile the routed experts' bytes count at the rate the engine's own expert kernel reads them
 (`expert_kernel_gbps`, timed on the engine's pool after it is built: a quantized kernel
-dequantizes as it reads, below the plain read); the bound keeps the plain read.
+dequantizes as it reads, below the plain read); the bound keeps the plain read. Its link is
+the one the decode steps use (`step_link`: copies the size of an expert, as many in flight as
+a layer copied in the warm-up), which the bound uses too where it is faster than the ceiling's.
 
 The median's 95 % interval is a percentile bootstrap of the median over the repeats (10,000
 resamples drawn from the bench seed): it cannot be wider than the repeats' range, so it is
@@ -263,6 +265,23 @@ def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts:
                                       reps) / 1e9
 
 
+def step_link(engine: Engine, layers: int, reps: int = 3) -> dict[str, Any] | None:
+    """The link as the engine's decode steps use it (None when they copied nothing): pinned
+    host -> device GB/s of copies the size of one of its experts, as many in flight as a
+    decode step's layer copied in the engine's counters so far (the warm-up's), best of
+    `reps`. The ceiling's small copies run below the rate of expert-sized ones, and a few
+    copies in flight below that of many (docs/design.md, "Benchmarks and sweeps")."""
+    d = engine.counters.decode
+    copies = d.fetched + d.prefetched
+    if engine.resident or not d.calls or not copies:
+        return None
+    per_link = copies / d.calls / layers / len(engine.devices)  # the devices copy side by side
+    in_flight = int(np.clip(round(per_link), 1, 16))
+    nbytes = in_flight * int(engine.counters.bytes_per_expert)
+    gbps = max(link_rate(engine.devices[0], nbytes, in_flight) for _ in range(reps))
+    return {"gbps": gbps, "copy_bytes": nbytes // in_flight, "in_flight": in_flight}
+
+
 def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
     """The rates the bound divides by, measured now on the default device: pinned host ->
     device (`engine.link_rate`, best of 3: eight copies in flight), host read (`host_read_gbps`),
@@ -439,25 +458,28 @@ def link_name(ceilings: dict[str, Any]) -> str:
     return "pcie" if ceilings["pinned_h2d_gbps"] <= ceilings["host_read_gbps"] else "host-read"
 
 
-def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any],
-          disk_gbps: float | None) -> dict[str, Any]:
+def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any], disk_gbps: float | None,
+          link_gbps: float | None = None) -> dict[str, Any]:
     """The run's bound from its counted bytes and FLOPs and the measured ceilings (module
     docstring); a disk term only where disk loads happened and a disk rate was measured. Over
-    several devices the links copy side by side: the link term is the busiest device's."""
-    link = min(ceilings["pinned_h2d_gbps"], ceilings["host_read_gbps"]) * 1e9
+    several devices the links copy side by side: the link term is the busiest device's.
+    `link_gbps`: the fastest pinned copy rate measured (default: the ceiling's)."""
+    pcie = link_gbps or ceilings["pinned_h2d_gbps"]
+    link = min(pcie, ceilings["host_read_gbps"]) * 1e9
+    name = "pcie" if pcie <= ceilings["host_read_gbps"] else "host-read"
     t = c.total
     h2d = max((d.h2d_bytes(sizes.bytes_per_expert) for d in c.devices),
               default=sizes.h2d_bytes(t))
     seconds = {"hbm": sizes.hbm_bytes(c) / (ceilings["hbm_read_gbps"] * 1e9),
                "compute": sizes.flops(c) / (ceilings["matmul_tflops"] * 1e12),
-               link_name(ceilings): h2d / link}
+               name: h2d / link}
     disk = sizes.disk_bytes(t)
     if disk and disk_gbps:
         seconds["disk"] = disk / (disk_gbps * 1e9)
     beside = 0.0  # the host's misses run beside the link's copies
     if t.hosted:
         seconds["host-compute"] = sizes.hosted_bytes(t) / (ceilings["host_read_gbps"] * 1e9)
-        beside = min(seconds["host-compute"], seconds[link_name(ceilings)])
+        beside = min(seconds["host-compute"], seconds[name])
     serial = max(seconds["hbm"], seconds["compute"]) + sum(
         t for k, t in seconds.items() if k not in ("hbm", "compute")) - beside
     roof = max(seconds.values())
@@ -507,7 +529,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
                        "dense_bytes": sizes.dense_bytes,
                        "flops_per_token": sizes.flops_per_token,
                        "disk_gbps": hw.disk_gbps if disk else None,
-                       "expert_read_gbps": hw.expert_read_gbps or None},
+                       "expert_read_gbps": hw.expert_read_gbps or None,
+                       "link_gbps": hw.link_gbps},
             "compare_with": "decode_tok_s"}
 
 
@@ -652,6 +675,10 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         engine.generate(prompts, settings.warmup_new or settings.new)  # compiles them all
         warmup_s = time.perf_counter() - t0
         compile_s = engine.stats()["compile_s"]
+        link = step_link(engine, layers) if settings.hardware == "measured" else None
+        if link is not None:
+            hw = dataclasses.replace(hw, pcie_gbps=link["gbps"])
+        link_gbps = max(ceilings["pinned_h2d_gbps"] or 0.0, link["gbps"] if link else 0.0)
         engine.reset_stats()
         for r in range(settings.repeats):
             t0 = time.perf_counter()
@@ -663,7 +690,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
             engine.reset_stats()
             disk = _disk_rate(ceilings, reader, config) if c.total.disk_loads else None
             row = {"kind": "repeat", **head, "repeat": r, **_figures(c, sizes, run_steps),
-                   "bound": bound(c, sizes, ceilings, disk),
+                   "bound": bound(c, sizes, ceilings, disk, link_gbps),
                    "predicted": prediction(c, sizes, hw, layers),
                    "tokens_sha256": tokens_digest(out),
                    "stats": stats, "fingerprint": fingerprint}
@@ -678,7 +705,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
     figures = _figures(total, sizes, steps_s)
     per_repeat = {k: median_interval([r[k] for r in rows], settings.seed)
                   for k in ("tok_s", "decode_tok_s") if all(r[k] is not None for r in rows)}
-    b = bound(total, sizes, ceilings, disk)
+    b = bound(total, sizes, ceilings, disk, link_gbps)
     tok = per_repeat["tok_s"]["median"]
     b["ratio"] = tok / b["bound_tok_s"] if b["bound_tok_s"] else None  # of the median
     summary = {
@@ -693,7 +720,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
                                 if total.decode_s > 0 else None),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
-        "expert_read_gbps": hw.expert_read_gbps or None,
+        "expert_read_gbps": hw.expert_read_gbps or None, "step_link": link,
         **({"expert_read_error": kernel_error} if kernel_error else {}),
         "ceilings": ceilings,
         "sizes": dataclasses.asdict(sizes), "build_s": build_s, "warmup_s": warmup_s,

@@ -3,6 +3,7 @@ for the same seed, a median inside its interval, the bound's arithmetic."""
 
 import dataclasses
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from strata_runtime.bench import (
     median_interval,
     prediction,
     prediction_error,
+    step_link,
     synthetic_prompts,
 )
 from strata_runtime.cli import main
@@ -90,6 +92,11 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
     assert s["expert_read_gbps"] > 0  # the engine's expert kernel, timed on its pool
     assert all(r["predicted"]["inputs"]["expert_read_gbps"] == s["expert_read_gbps"]
                for r in rows)
+    link = s["step_link"]  # the link as the decode steps use it: expert-sized copies
+    assert link["copy_bytes"] == s["sizes"]["bytes_per_expert"] and link["gbps"] > 0
+    assert 1 <= link["in_flight"] <= 16
+    assert all(r["predicted"]["inputs"]["link_gbps"]
+               == min(link["gbps"], s["ceilings"]["host_read_gbps"]) for r in rows)
     assert set(s["predicted"]["inputs"]) >= {"batch", "routed", "misses", "hidden",
                                              "bytes_per_expert", "flops_per_token"}
     # the summary's prediction is made from the repeats' summed counts: read against the
@@ -149,6 +156,23 @@ def test_expert_kernel_rate_counts_the_slots_it_reads(monkeypatch):
     assert timed[0].shape[:2] == (4, 1)  # [C, S, N, D]: the kernel ran on the four slots
 
 
+def test_the_step_link_copies_experts_as_many_in_flight_as_a_layer_did(monkeypatch):
+    timed = []
+    monkeypatch.setattr(bench_module, "link_rate",
+                        lambda dev, nbytes, pieces: timed.append((nbytes, pieces)) or 7.0)
+    decode = PhaseCounts(calls=2, fetched=17, prefetched=7)  # 24 copies, 2 steps, 3 layers
+    engine = types.SimpleNamespace(resident=False, devices=["gpu0"], counters=types.SimpleNamespace(
+        decode=decode, bytes_per_expert=1000))
+    assert step_link(engine, layers=3) == {"gbps": 7.0, "copy_bytes": 1000, "in_flight": 4}
+    assert timed == [(4000, 4)] * 3  # best of three
+    engine.devices = ["gpu0", "gpu1"]  # two links copy side by side: half each
+    assert step_link(engine, layers=3)["in_flight"] == 2
+    engine.counters.decode = PhaseCounts(calls=2)
+    assert step_link(engine, layers=3) is None  # nothing copied: no link to measure
+    engine.counters.decode, engine.resident = decode, True
+    assert step_link(engine, layers=3) is None
+
+
 def test_the_bound_by_hand():
     c = Counts(wall_s=2.0, new_tokens=100, decode_steps=10, decode_tokens=90,
                prefill_tokens=10, prefill=PhaseCounts(calls=2, routed=8, fetched=1),
@@ -170,6 +194,10 @@ def test_the_bound_by_hand():
     assert b["ratio"] == pytest.approx(serial / 2.0)
     assert b["binds"] == "pcie"
     assert bound(c, sizes, ceilings, disk_gbps=None)["disk_unbounded"]
+    faster = bound(c, sizes, ceilings, disk_gbps=0.5, link_gbps=1.5)  # the step link's rate
+    assert faster["seconds"]["pcie"] == pytest.approx(12e6 / 1.5e9)
+    capped = bound(c, sizes, ceilings, disk_gbps=0.5, link_gbps=3.0)  # a copy's source DRAM
+    assert capped["seconds"]["host-read"] == pytest.approx(12e6 / 2e9)
     # 8 misses computed on the host (4 ms at 2 GB/s) beside the 12 ms of copies: hidden
     hosted = bound(dataclasses.replace(c, decode=dataclasses.replace(c.decode, hosted=8)),
                    sizes, ceilings, disk_gbps=0.5)
