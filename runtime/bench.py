@@ -249,7 +249,7 @@ def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int) -> float:
 
 
 def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts: int,
-                      int4_tiles=None, reps: int = 5) -> float:
+                      int4_tiles=None, reps: int = 20) -> float:
     """GB/s of expert bytes the engine's expert kernel (`expert_kernels.grouped_swiglu`, the
     path it picks for `rows` rows and the pool's format) reads applying `experts` slots of
     `pool` to `rows` rows: best wall time of `reps` (each a layer's worth of experts, as a
@@ -503,8 +503,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
     rate, disk loads count at the rate the decode steps' own loads achieved (their bytes /
     their stall seconds; every call's, if the decode stalls took no measurable time): how much
     of the checkpoint the page cache holds and how many loads a stall overlaps decide it,
-    which no ceiling measured apart knows. Prefetches issued but not used are not
-    modelled."""
+    which no ceiling measured apart knows; unused = the prefetches issued that no layer
+    used (they hold the link)."""
     d = c.decode
     if not c.decode_steps or not d.calls:
         return None
@@ -519,6 +519,7 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
     inputs = {"batch": c.decode_tokens / c.decode_steps, "routed": d.routed / steps,
               "misses": need / steps, "hosted": d.hosted / steps,
               "admissions": d.admissions / steps, "disk_loads": disk / steps,
+              "unused": max(d.issued - d.prefetched, 0) / steps,
               "rerun": d.resumed_layers / (layers * steps) if disk else 0.0,
               "hidden": d.prefetched / need if need else 0.0,
               "extra_hbm_bytes": float(sizes.kv_bytes)}

@@ -6,26 +6,28 @@ One decode step of B live rows takes, in seconds,
     t_compute = B * flops_per_token / matmul
     t_copy    = misses * bytes_per_expert / link          link = min(pcie, host_read)
     t_host    = hosted * bytes_per_expert / host_kernel
+    t_unused  = unused * bytes_per_expert / link
     t_admit   = admissions * bytes_per_expert / link
     t_disk    = disk_loads * bytes_per_expert / disk
-    base      = max(max(t_hbm, t_compute) + max((1 - h) * t_copy, t_host), t_copy) + overhead
+    base      = max(max(t_hbm, t_compute) + max((1 - h) * t_copy, t_host),
+                    t_copy + t_unused) + overhead
     step      = base * (1 + rerun) + t_admit + t_disk
 
-and tok/s = B / step. `routed`, `misses`, `hosted`, `admissions` and `disk_loads` are experts
-per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are copied,
-`hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the share of
-the copied misses prefetched in time, whose copies overlap the step's HBM reads and math, while
-the others stall it, beside the host's share (the longer of the two stalls), and the link is
-busy t_copy whatever overlaps; admissions are copies between steps (the engine's cache fills,
-after the step: once per step, however many of its layers ran again). A step that routes to an
-expert found only on disk waits for its read (nothing overlaps it: docs/design.md, "Disk
-stalls") and runs again from the stalled layer: `rerun` is the share of a step's layers run
-again, per step. The binding resource is the one busy longest: hbm (t_hbm), compute
-(t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the link (t_copy +
-t_admit), named "pcie" or "host-read" by the slower of the two. Not modelled: the KV cache read
-(pass it in `extra_hbm_bytes`), host round trips and launch gaps (`overhead_s`), the link's and
-the host kernel's share of DRAM, and layers whose split is uneven (the step's sums are split,
-not each layer's).
+and tok/s = B / step. `routed`, `misses`, `hosted`, `unused`, `admissions` and `disk_loads` are
+experts per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are
+copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the share
+of the copied misses prefetched in time, whose copies overlap the step's HBM reads and math, while
+the others stall it, beside the host's share (the longer of the two stalls), and the link is busy
+t_copy whatever overlaps, and t_unused longer for the prefetches issued that no layer used;
+admissions are copies between steps (the engine's cache fills, after the step: once per step,
+however many of its layers ran again). A step that routes to an expert found only on disk waits for
+its read (nothing overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled layer:
+`rerun` is the share of a step's layers run again, per step. The binding resource is the one busy
+longest: hbm (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk
+(t_disk) or the link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the
+two. Not modelled: the KV cache read (pass it in `extra_hbm_bytes`), host round trips and launch
+gaps (`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split is
+uneven (the step's sums are split, not each layer's).
 """
 
 from __future__ import annotations
@@ -151,20 +153,22 @@ class Prediction:
     """The resource busy longest: "hbm", "compute", "host-compute", "disk", "pcie" or
     "host-read"."""
     terms: dict[str, float]
-    """Seconds per step of each term: t_hbm, t_compute, t_copy, t_host, t_admit, t_disk."""
+    """Seconds per step of each term: t_hbm, t_compute, t_copy, t_host, t_unused, t_admit,
+    t_disk."""
 
 
 def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: float,
             misses: float, admissions: float = 0.0, hidden: float = 0.0,
             hosted: float = 0.0, disk_loads: float = 0.0, rerun: float = 0.0,
+            unused: float = 0.0,
             extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0) -> Prediction:
     """Decode tok/s by the module docstring's formula; `routed`, `misses` (copied), `hosted`
     (computed on the host), `admissions`, `disk_loads` (read from disk in a stall) are
     experts per step, `hidden` the share of the copied misses prefetched in time, `rerun`
     the share of a step's layers run again after stalls."""
-    if batch <= 0 or not 0.0 <= hidden <= 1.0 or rerun < 0:
-        raise ValueError(f"need batch > 0, 0 <= hidden <= 1 and rerun >= 0, got {batch}, "
-                         f"{hidden}, {rerun}")
+    if batch <= 0 or not 0.0 <= hidden <= 1.0 or rerun < 0 or unused < 0:
+        raise ValueError(f"need batch > 0, 0 <= hidden <= 1, rerun >= 0 and unused >= 0, got "
+                         f"{batch}, {hidden}, {rerun}, {unused}")
     if hosted > 0 and hw.host_kernel_gbps <= 0:
         raise ValueError(f"profile {hw.name} has no host kernel rate: nothing can be hosted")
     if disk_loads > 0 and hw.disk_gbps <= 0:
@@ -176,14 +180,16 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
              "t_compute": batch * model.flops_per_token / (hw.matmul_tflops * 1e12),
              "t_copy": misses * bpe / link,
              "t_host": hosted * bpe / (hw.host_kernel_gbps * 1e9) if hosted else 0.0,
+             "t_unused": unused * bpe / link,
              "t_admit": admissions * bpe / link,
              "t_disk": disk_loads * bpe / (hw.disk_gbps * 1e9) if disk_loads else 0.0}
     stall = max((1.0 - hidden) * terms["t_copy"], terms["t_host"])
-    base = max(max(terms["t_hbm"], terms["t_compute"]) + stall, terms["t_copy"]) + overhead_s
+    busy_link = terms["t_copy"] + terms["t_unused"]
+    base = max(max(terms["t_hbm"], terms["t_compute"]) + stall, busy_link) + overhead_s
     step = base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"]
     link_name = "pcie" if hw.pcie_gbps <= hw.host_read_gbps else "host-read"
     busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
             "host-compute": terms["t_host"], "disk": terms["t_disk"],
-            link_name: terms["t_copy"] + terms["t_admit"]}
+            link_name: busy_link + terms["t_admit"]}
     return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
                       terms=terms)

@@ -254,6 +254,7 @@ def test_the_prediction_reads_the_decode_steps_by_hand():
     assert got["misses"] == pytest.approx(3.0)  # (24 + 6) / 10
     assert got["hidden"] == pytest.approx(0.2)  # 6 / 30
     assert got["admissions"] == pytest.approx(0.5)
+    assert got["unused"] == pytest.approx(0.2)  # (8 issued - 6 used) / 10
     assert got["disk_loads"] == pytest.approx(0.4)  # all calls: 2.0
     assert got["rerun"] == pytest.approx(6 / (3 * 10))
     assert got["hosted"] == 0.0

@@ -260,7 +260,8 @@ def test_the_cost_formula_by_hand():
     # t_copy = 10 x 1e8 / 5e10 = 20 ms; t_admit = 2 x 1e8 / 5e10 = 4 ms
     # step = max(1.2, 0.16, 0.5 x 20) + 0.5 x 20 + 4 = 24 ms -> 8 / 0.024 = 333.3 tok/s
     assert p.terms == pytest.approx({"t_hbm": 1.2e-3, "t_compute": 1.6e-4, "t_copy": 0.02,
-                                     "t_host": 0.0, "t_admit": 0.004, "t_disk": 0.0})
+                                     "t_host": 0.0, "t_unused": 0.0, "t_admit": 0.004,
+                                     "t_disk": 0.0})
     assert p.step_s == pytest.approx(0.024) and p.tok_s == pytest.approx(8 / 0.024)
     assert p.binding == "pcie"
     compute = predict(ROUND, MODEL, batch=1000, routed=40, misses=0)
@@ -275,6 +276,14 @@ def test_the_cost_formula_by_hand():
     assert predict(slow_host, MODEL, batch=8, routed=40, misses=10).binding == "host-read"
     with pytest.raises(ValueError, match="hidden"):
         predict(ROUND, MODEL, batch=8, routed=40, misses=10, hidden=1.5)
+    # 3 prefetches no layer used (6 ms) hold the link beside the 20 ms of copies: the link
+    # (26 ms) outlasts the HBM reads and the stalled half of the copies (1.2 + 10 ms)
+    waste = predict(ROUND, MODEL, batch=8, routed=40, misses=10, admissions=2, hidden=0.5,
+                    unused=3)
+    assert waste.terms["t_unused"] == pytest.approx(0.006)
+    assert waste.step_s == pytest.approx(0.026 + 0.004) and waste.binding == "pcie"
+    with pytest.raises(ValueError, match="unused"):
+        predict(ROUND, MODEL, batch=8, routed=40, misses=10, unused=-1)
 
 
 def test_hosted_misses_run_beside_the_copies():
