@@ -1,8 +1,9 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv on a fresh machine and
-# installs from the pinned environment in constraints.txt.
+# installs from the pinned environment in requirements.lock (pip constraints format).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+LOCK := requirements.lock
 PIP_VERSION := 26.3
 # pytest-xdist processes for `make test`, each taking whole test files (module fixtures built
 # once); CI has 2 cores
@@ -15,14 +16,14 @@ TEST_WORKERS ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q pip==$(PIP_VERSION)
-	$(BIN)/pip install -q -c constraints.txt setuptools
+	$(BIN)/pip install -q -c $(LOCK) setuptools
 
-$(VENV)/.base: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e .
+$(VENV)/.base: pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q --no-build-isolation -c $(LOCK) -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install -q --no-build-isolation -c constraints.txt -e '.[test]'
+$(VENV)/.test: pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q --no-build-isolation -c $(LOCK) -e '.[test]'
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
@@ -47,7 +48,7 @@ lock:
 	  echo "# (setuptools) as a fresh resolution gave it on $$(date +%F) (Python 3.11, CPU)."; \
 	  echo "# Regenerate: make lock. Newest: make test-latest."; \
 	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip=='; } \
-	  > constraints.txt
+	  > $(LOCK)
 	rm -rf .venv-lock
 
 # The tests against today's newest releases, in a venv of their own (the lock is untouched).
