@@ -71,7 +71,14 @@ import numpy as np
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.expert_kernels import grouped_swiglu
 from strata_jax.pool import ExpertPool
-from strata_runtime.cost_model import HardwareProfile, ModelCost, model_cost, predict, profile
+from strata_runtime.cost_model import (
+    HardwareProfile,
+    ModelCost,
+    link_name,
+    model_cost,
+    predict,
+    profile,
+)
 from strata_runtime.engine import Engine, EngineConfig, link_rate
 from strata_runtime.stats import DeviceCounts, PhaseCounts
 
@@ -454,10 +461,6 @@ def _counts(engine: Engine, wall_s: float, new_tokens: int) -> Counts:
                   devices=tuple(dataclasses.replace(d) for d in c.devices))
 
 
-def link_name(ceilings: dict[str, Any]) -> str:
-    return "pcie" if ceilings["pinned_h2d_gbps"] <= ceilings["host_read_gbps"] else "host-read"
-
-
 def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any], disk_gbps: float | None,
           link_gbps: float | None = None) -> dict[str, Any]:
     """The run's bound from its counted bytes and FLOPs and the measured ceilings (module
@@ -466,7 +469,7 @@ def bound(c: Counts, sizes: Sizes, ceilings: dict[str, Any], disk_gbps: float | 
     `link_gbps`: the fastest pinned copy rate measured (default: the ceiling's)."""
     pcie = link_gbps or ceilings["pinned_h2d_gbps"]
     link = min(pcie, ceilings["host_read_gbps"]) * 1e9
-    name = "pcie" if pcie <= ceilings["host_read_gbps"] else "host-read"
+    name = link_name(pcie, ceilings["host_read_gbps"])
     t = c.total
     h2d = max((d.h2d_bytes(sizes.bytes_per_expert) for d in c.devices),
               default=sizes.h2d_bytes(t))

@@ -107,6 +107,12 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
 )}
 
 
+def link_name(pcie_gbps: float, host_read_gbps: float) -> str:
+    """The link's name by its slower side: "pcie", or "host-read" where host DRAM feeds the
+    copies slower than the bus carries them."""
+    return "pcie" if pcie_gbps <= host_read_gbps else "host-read"
+
+
 def profile(name: str) -> HardwareProfile:
     try:
         return PROFILES[name]
@@ -163,9 +169,10 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
             unused: float = 0.0,
             extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0) -> Prediction:
     """Decode tok/s by the module docstring's formula; `routed`, `misses` (copied), `hosted`
-    (computed on the host), `admissions`, `disk_loads` (read from disk in a stall) are
-    experts per step, `hidden` the share of the copied misses prefetched in time, `rerun`
-    the share of a step's layers run again after stalls."""
+    (computed on the host), `unused` (prefetches issued that no layer used), `admissions`,
+    `disk_loads` (read from disk in a stall) are experts per step, `hidden` the share of the
+    copied misses prefetched in time, `rerun` the share of a step's layers run again after
+    stalls."""
     if batch <= 0 or not 0.0 <= hidden <= 1.0 or rerun < 0 or unused < 0:
         raise ValueError(f"need batch > 0, 0 <= hidden <= 1, rerun >= 0 and unused >= 0, got "
                          f"{batch}, {hidden}, {rerun}, {unused}")
@@ -187,9 +194,8 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
     busy_link = terms["t_copy"] + terms["t_unused"]
     base = max(max(terms["t_hbm"], terms["t_compute"]) + stall, busy_link) + overhead_s
     step = base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"]
-    link_name = "pcie" if hw.pcie_gbps <= hw.host_read_gbps else "host-read"
     busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
             "host-compute": terms["t_host"], "disk": terms["t_disk"],
-            link_name: busy_link + terms["t_admit"]}
+            link_name(hw.pcie_gbps, hw.host_read_gbps): busy_link + terms["t_admit"]}
     return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
                       terms=terms)

@@ -54,11 +54,11 @@ from strata_runtime.bench import (
     config_doc,
     hardware_fingerprint,
     interval_text,
-    link_name,
     measure_ceilings,
     prediction_error,
     run_bench,
 )
+from strata_runtime.cost_model import link_name
 from strata_runtime.engine import EngineConfig
 from strata_runtime.ledger import parse_bytes
 
@@ -519,7 +519,8 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
         disk.append(d)
         copy.append(c)
         rest.append(max(per["ms_engine"] - d - c, 0.0))
-    name = link_name(ok[0]["ceilings"]) if ok else "pcie"
+    name = (link_name(ok[0]["ceilings"]["pinned_h2d_gbps"], ok[0]["ceilings"]["host_read_gbps"])
+            if ok else "pcie")
     right.bar(x, rest, color="tab:green",
               label="compute + the rest (measured minus the others; dequant and host\n"
                     "round trips are not split out by the stats)")
