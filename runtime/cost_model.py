@@ -9,18 +9,22 @@ One decode step of B live rows takes, in seconds,
     t_unused  = unused * bytes_per_expert / link
     t_admit   = admissions * bytes_per_expert / link
     t_disk    = disk_loads * bytes_per_expert / disk
-    base      = max(max(t_hbm, t_compute) + max((1 - h) * t_copy, t_host),
-                    t_copy + t_unused) + overhead
+    d         = (1 - h) * t_copy              the demand copies
+    p         = h * t_copy + t_unused         the prefetches
+    m         = min(d, p)
+    base      = max(d + m, t_host) + max(max(t_hbm, t_compute), p - m) + overhead
     step      = base * (1 + rerun) + t_admit + t_disk
 
 and tok/s = B / step. `routed`, `misses`, `hosted`, `unused`, `admissions` and `disk_loads` are
 experts per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are
 copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the share
-of the copied misses prefetched in time, whose copies overlap the step's HBM reads and math, while
-the others stall it, beside the host's share (the longer of the two stalls), and the link is busy
-t_copy whatever overlaps, and t_unused longer for the prefetches issued that no layer used;
-admissions are copies between steps (the engine's cache fills, after the step: once per step,
-however many of its layers ran again). A step that routes to an expert found only on disk waits for
+of the copied misses prefetched. A layer waits for its demand copies (beside the host's share: the
+longer of the two), then reads and computes. The next layer's prefetches, with those no layer used,
+are issued as soon as this layer's router gives their ids, so they share the link with this
+layer's demand copies (each at half the rate while both run: `m`) and only what is left of them
+overlaps the layer's reads and math (docs/design.md, "The cost model"); admissions are copies
+between steps (the engine's cache fills, after the step: once per step, however many of its layers
+ran again). A step that routes to an expert found only on disk waits for
 its read (nothing overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled layer:
 `rerun` is the share of a step's layers run again, per step. The binding resource is the one busy
 longest: hbm (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk
@@ -190,9 +194,12 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
              "t_unused": unused * bpe / link,
              "t_admit": admissions * bpe / link,
              "t_disk": disk_loads * bpe / (hw.disk_gbps * 1e9) if disk_loads else 0.0}
-    stall = max((1.0 - hidden) * terms["t_copy"], terms["t_host"])
+    demand = (1.0 - hidden) * terms["t_copy"]
+    ahead = hidden * terms["t_copy"] + terms["t_unused"]
+    shared = min(demand, ahead)  # both on the link, each at half its rate
+    base = (max(demand + shared, terms["t_host"])
+            + max(terms["t_hbm"], terms["t_compute"], ahead - shared) + overhead_s)
     busy_link = terms["t_copy"] + terms["t_unused"]
-    base = max(max(terms["t_hbm"], terms["t_compute"]) + stall, busy_link) + overhead_s
     step = base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"]
     busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
             "host-compute": terms["t_host"], "disk": terms["t_disk"],

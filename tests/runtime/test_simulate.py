@@ -258,11 +258,19 @@ def test_the_cost_formula_by_hand():
     p = predict(ROUND, MODEL, batch=8, routed=40, misses=10, admissions=2, hidden=0.5)
     # t_hbm = (2e9 + 40 x 1e8) / 5e12 = 1.2 ms; t_compute = 8 x 1e10 / 5e14 = 0.16 ms;
     # t_copy = 10 x 1e8 / 5e10 = 20 ms; t_admit = 2 x 1e8 / 5e10 = 4 ms
-    # step = max(1.2, 0.16, 0.5 x 20) + 0.5 x 20 + 4 = 24 ms -> 8 / 0.024 = 333.3 tok/s
+    # the 10 ms of demand copies share the link with the 10 ms prefetched for the next layer:
+    # they land after 20 ms, then the layer reads (1.2 ms); step = 21.2 + 4 = 25.2 ms
     assert p.terms == pytest.approx({"t_hbm": 1.2e-3, "t_compute": 1.6e-4, "t_copy": 0.02,
                                      "t_host": 0.0, "t_unused": 0.0, "t_admit": 0.004,
                                      "t_disk": 0.0})
-    assert p.step_s == pytest.approx(0.024) and p.tok_s == pytest.approx(8 / 0.024)
+    assert p.step_s == pytest.approx(0.0252) and p.tok_s == pytest.approx(8 / 0.0252)
+    # a quarter prefetched: 15 ms of demand copies land after 20 ms, the layer reads (1.2 ms)
+    # beside nothing left of the prefetches
+    assert predict(ROUND, MODEL, batch=8, routed=40, misses=10, hidden=0.25).step_s == (
+        pytest.approx(0.0212))
+    # a few prefetches, none needed on demand: they run behind the reads (the longer counts)
+    assert predict(ROUND, MODEL, batch=8, routed=40, misses=0.5, hidden=1.0, unused=0.2
+                   ).step_s == pytest.approx(1.4e-3)
     assert p.binding == "pcie"
     compute = predict(ROUND, MODEL, batch=1000, routed=40, misses=0)
     assert compute.binding == "compute" and compute.tok_s == pytest.approx(1000 / 0.02)
@@ -276,8 +284,8 @@ def test_the_cost_formula_by_hand():
     assert predict(slow_host, MODEL, batch=8, routed=40, misses=10).binding == "host-read"
     with pytest.raises(ValueError, match="hidden"):
         predict(ROUND, MODEL, batch=8, routed=40, misses=10, hidden=1.5)
-    # 3 prefetches no layer used (6 ms) hold the link beside the 20 ms of copies: the link
-    # (26 ms) outlasts the HBM reads and the stalled half of the copies (1.2 + 10 ms)
+    # 3 prefetches no layer used (6 ms) hold the link too: the demand half lands after 20 ms
+    # (sharing it with the prefetches), the prefetches' other 6 ms outlast the reads (1.2 ms)
     waste = predict(ROUND, MODEL, batch=8, routed=40, misses=10, admissions=2, hidden=0.5,
                     unused=3)
     assert waste.terms["t_unused"] == pytest.approx(0.006)
