@@ -38,8 +38,9 @@ compare it with the engine's decode tok/s, which leaves prefill out too. With th
 profile the routed experts' bytes count at the rate the engine's own expert kernel reads them
 (`expert_kernel_gbps`, timed on the engine's pool after it is built: a quantized kernel
 dequantizes as it reads, below the plain read); the bound keeps the plain read. Its link is
-the one the decode steps use (`step_link`: copies the size of an expert, as many in flight as
-a layer copied in the warm-up), which the bound uses too where it is faster than the ceiling's.
+the one the decode steps use (`step_link`: as many experts as a layer copied in the warm-up,
+by the step's own copy out of the engine's tier 1), which the bound uses too where it is faster
+than the ceiling's.
 
 The median's 95 % interval is a percentile bootstrap of the median over the repeats (10,000
 resamples drawn from the bench seed): it cannot be wider than the repeats' range, so it is
@@ -70,6 +71,7 @@ import numpy as np
 
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.expert_kernels import grouped_swiglu
+from strata_jax.model import copy_in
 from strata_jax.pool import ExpertPool
 from strata_runtime.cost_model import (
     HardwareProfile,
@@ -273,20 +275,43 @@ def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts:
 
 
 def step_link(engine: Engine, layers: int, reps: int = 3) -> dict[str, Any] | None:
-    """The link as the engine's decode steps use it (None when they copied nothing): pinned
-    host -> device GB/s of copies the size of one of its experts, as many in flight as a
-    decode step's layer copied in the engine's counters so far (the warm-up's), best of
-    `reps`. The ceiling's small copies run below the rate of expert-sized ones, and a few
-    copies in flight below that of many (docs/design.md, "Benchmarks and sweeps")."""
+    """The link as the engine's decode steps use it (None when they copied nothing): GB/s of as
+    many of its experts as a decode step's layer copied in the engine's counters so far (the
+    warm-up's), copied out of its tier-1 pool by the step's own copy (`copy_in_gbps`), best of
+    `reps`. Copies made apart (`engine.link_rate`) may run faster than the step's, and a
+    layer's few copies below the rate of many (docs/design.md, "Benchmarks and sweeps")."""
     d = engine.counters.decode
     copies = d.fetched + d.prefetched
-    if engine.resident or not d.calls or not copies:
+    host = None if engine.resident else engine.shares[0].residency.host
+    if host is None or not d.calls or not copies:
         return None
     per_link = copies / d.calls / layers / len(engine.devices)  # the devices copy side by side
-    in_flight = int(np.clip(round(per_link), 1, 16))
-    nbytes = in_flight * int(engine.counters.bytes_per_expert)
-    gbps = max(link_rate(engine.devices[0], nbytes, in_flight) for _ in range(reps))
-    return {"gbps": gbps, "copy_bytes": nbytes // in_flight, "in_flight": in_flight}
+    count = int(np.clip(round(per_link), 1, host.w1.shape[0]))
+    gbps = max(copy_in_gbps(host, count) for _ in range(reps))
+    return {"gbps": gbps, "copy_bytes": _slot_bytes(host), "copies": count}
+
+
+def copy_in_gbps(host: ExpertPool, count: int) -> float:
+    """GB/s of `count` experts of the pinned-host pool `host` copied into device memory the way
+    a step copies a layer's misses (`model.copy_in`: a dynamic slice of the pinned-host arrays
+    into `device_put`, one expert after another, in one program), from slots spread over the
+    pool; timed after a compiling call."""
+    dev = next(iter(host.w1.devices()))
+    slots = host.w1.shape[0]
+    scratch = ExpertPool(*(None if a is None else
+                           jnp.zeros((count, *a.shape[1:]), a.dtype, device=dev) for a in host))
+    ids = jax.device_put(np.linspace(0, slots - 1, count).astype(np.int32), dev)
+    run = jax.jit(lambda pool, pinned, src: copy_in(pool, pinned, src, 0, count),
+                  donate_argnums=0)
+    scratch = jax.block_until_ready(run(scratch, host, ids))
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(scratch, host, ids))
+    return count * _slot_bytes(host) / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
+def _slot_bytes(pool: ExpertPool) -> int:
+    """Bytes of one slot of `pool` (every array's)."""
+    return sum(a.nbytes // a.shape[0] for a in pool if a is not None)
 
 
 def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
@@ -374,6 +399,7 @@ class Counts:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     swaps: int = 0
+    read_ahead: int = 0
     decode: PhaseCounts = dataclasses.field(default_factory=PhaseCounts)
     """The decode steps' counters, which the cost model's prediction reads."""
     prefill: PhaseCounts = dataclasses.field(default_factory=PhaseCounts)
@@ -457,6 +483,7 @@ def _counts(engine: Engine, wall_s: float, new_tokens: int) -> Counts:
     return Counts(wall_s=wall_s, new_tokens=new_tokens, decode_steps=c.decode_steps,
                   decode_tokens=c.decode_tokens, decode_s=c.decode_s,
                   prefill_tokens=c.prefill_tokens, prefill_s=c.prefill_s, swaps=c.swaps,
+                  read_ahead=c.read_ahead,
                   decode=dataclasses.replace(c.decode), prefill=dataclasses.replace(c.prefill),
                   devices=tuple(dataclasses.replace(d) for d in c.devices))
 

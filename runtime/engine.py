@@ -59,6 +59,7 @@ from strata_runtime.ledger import (
     plan_ledger,
 )
 from strata_runtime.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
+from strata_runtime.read_ahead import ReadAhead
 from strata_runtime.residency import Key, Residencies, Residency, as_held, local_devices
 from strata_runtime.stats import PHASES, DeviceCounts, EngineStats
 from strata_runtime.timeline import Timeline
@@ -135,6 +136,12 @@ class EngineConfig:
     """On a disk stall, also load the later layers' disk experts that the stalled step routed
     to, where tier 1 has room outside the step's routed experts: most steps then stall once,
     not at layer after layer. False: only the stalled layer's (ablations)."""
+    read_ahead: int = 0
+    """Experts found only on disk that tier 1 may read ahead of need, by routing heat, in the
+    background between decode steps (at most this many reading at once; each replaces a tier-1
+    expert colder by the hysteresis: `runtime/read_ahead.py`). 0: tier 1 takes disk experts
+    only in stalls, which already keep it ranked by the same heat (docs/design.md,
+    "Read-ahead")."""
     resident_experts: int | None = None
     """Override the ledger's count of experts with HBM slots, each device's (ablations)."""
     host_experts: int | None = None
@@ -180,6 +187,8 @@ class EngineConfig:
             MissRates.parse(self.miss_rates)
         if self.expert_devices < 1:
             raise ValueError(f"expert_devices must be >= 1, got {self.expert_devices}")
+        if self.read_ahead < 0:
+            raise ValueError(f"read_ahead must be >= 0, got {self.read_ahead}")
         if self.batch_capacity < 1 or self.max_len < 8:
             raise ValueError(f"need batch_capacity >= 1 and max_len >= 8, got "
                              f"{self.batch_capacity}, {self.max_len}")
@@ -284,6 +293,8 @@ class Share:
     residency: Residency
     pinned: set[Key]
     cache: ExpertCache
+    ahead: ReadAhead
+    """Its disk experts read ahead into its tier 1."""
 
 
 class Engine:
@@ -391,8 +402,11 @@ class Engine:
                                   None if self.resident else host_keys, host_slots,
                                   read=self._read)
             self._refuse_broken(residency.broken)
+            ahead = ReadAhead(config.read_ahead if self._disk_possible else 0,
+                              config.hysteresis, self._try_load,
+                              functools.partial(bind_current_thread, self.numa))
             shares.append(Share(d, residency, set(pinned) - residency.broken.keys(),
-                                ExpertCache(config.policy, cache, config.cache_admit)))
+                                ExpertCache(config.policy, cache, config.cache_admit), ahead))
         return shares
 
     def _refuse_broken(self, broken: dict[Key, str]) -> None:
@@ -479,6 +493,8 @@ class Engine:
             self.trace.close()
         if self.host_misses is not None:
             self.host_misses.close()
+        for share in self.shares:
+            share.ahead.close()
         self._threads.shutdown(wait=True)
 
     def __enter__(self) -> Engine:
@@ -761,6 +777,10 @@ class Engine:
 
     def _end_step(self) -> None:
         self.heat.end_step()
+        if self._disk_possible:  # the step was read (`_run`'s sync): nothing reads tier 1
+            for share in self.shares:
+                heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)
+                self.counters.read_ahead += share.ahead.between_steps(share.residency, heat)
         every = self.config.rebalance_every
         if not every or self.counters.decode_steps % every or not self.counters.decode_steps:
             return
@@ -899,12 +919,14 @@ def _process_sum(local: np.ndarray, processes: int) -> np.ndarray:
 def _summed_moves(counters: EngineStats, tiers: list[int], processes: int
                   ) -> tuple[EngineStats, list[int]]:
     """`counters` and the tier counts `tiers` with the host's moves (cache admissions, disk
-    loads, rebalancing swaps: each process counts those of its own devices) and the tiers'
-    experts summed over the processes; the record's counts are already every device's."""
+    loads, rebalancing swaps, reads ahead: each process counts those of its own devices) and
+    the tiers' experts summed over the processes; the record's counts are already every
+    device's."""
     if processes == 1:
         return counters, tiers
     out = copy.deepcopy(counters)
-    cells = [(out.phase(p), m) for p in PHASES for m in MOVES] + [(out, "swaps")]
+    cells = [(out.phase(p), m) for p in PHASES for m in MOVES]
+    cells += [(out, "swaps"), (out, "read_ahead")]
     cells += [(d, m) for d in out.devices for m in MOVES]
     local = [getattr(o, m) for o, m in cells] + tiers
     total = [int(v) for v in _process_sum(np.array(local, np.int32), processes)]

@@ -25,6 +25,7 @@ ENGINE_COUNTERS = {  # Engine.stats() key -> (metric name, help)
     "disk_stall_s": ("disk_stall_seconds", "Seconds steps waited on disk reads"),
     "admissions": ("cache_admissions", "Tier 1 -> cache slot copies"),
     "rebalance_swaps": ("rebalance_swaps", "Rebalancing swaps of pinned experts"),
+    "read_ahead_loads": ("read_ahead_loads", "Experts read from disk into tier 1 ahead of need"),
     "failed_requests": ("expert_failed_rows", "Rows failed by unreadable experts"),
     "compile_s": ("decode_compile_seconds", "Seconds of the decode program's first call"),
 }

@@ -1,10 +1,10 @@
 """Engine statistics, all derived from the records the step returns (docs/design.md, "Stats").
 
 The step reports per layer what it routed and moved; the host adds what it did between steps
-(disk loads, cache admissions, rebalancing swaps) and the wall time of each step. The work of
-each program call is counted in its phase, decode step or prefill chunk (`PhaseCounts`); the
-totals are the two summed. Compilation and warm-up are kept apart: the first call of each
-program is counted as compile time.
+(disk loads, cache admissions, rebalancing swaps, reads ahead) and the wall time of each step.
+The work of each program call is counted in its phase, decode step or prefill chunk
+(`PhaseCounts`); the totals are the two summed. Compilation and warm-up are kept apart: the
+first call of each program is counted as compile time.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ class EngineStats:
     decode: PhaseCounts = field(default_factory=PhaseCounts)
     prefill: PhaseCounts = field(default_factory=PhaseCounts)
     swaps: int = 0  # rebalancing swaps (between decode steps)
+    read_ahead: int = 0  # tier 2 -> tier 1 reads ahead of need (between decode steps)
     failed_requests: int = 0
     per_layer: dict[str, np.ndarray] = field(default_factory=dict)  # both phases, per layer
 
@@ -204,6 +205,8 @@ class EngineStats:
             "resumed_layers": self.resumed_layers,
             "admissions": self.admissions,
             "rebalance_swaps": self.swaps,
+            "read_ahead_loads": self.read_ahead,
+            "read_ahead_bytes": self.read_ahead * bpe,
             "failed_requests": self.failed_requests,
             "link_gbps": self.link_gbps,
             "link_busy": None,

@@ -399,7 +399,7 @@ def _first_ok(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 HEADER = ("| rung | tok/s median [95 % CI] | x first | bound tok/s | achieved / bound (binds) "
           "| decode tok/s | predicted decode tok/s (binds, vs measured) | tier-0 hit "
-          "| prefetch hit | h2d GB/step | step link GB/s (in flight) | disk stalls s (loads) |")
+          "| prefetch hit | h2d GB/step | step link GB/s (copies) | disk stalls s (loads) |")
 
 
 def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
@@ -417,7 +417,7 @@ def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     link = row.get("step_link")
-    link_text = "-" if not link else f"{link['gbps']:.3g} ({link['in_flight']})"
+    link_text = "-" if not link else f"{link['gbps']:.3g} ({link['copies']})"
 
     return (f"| {row['rung']} | {interval_text(row['tok_s'])} | "
             f"{'-' if x is None else f'{x:.2f}x'} | {b['bound_tok_s']:.4g} | {ratio} | "
@@ -467,8 +467,9 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
             f"interval is a {first['tok_s']['method']}. Bound = generated tokens / (max(HBM "
             "bytes / device read, FLOPs / matmul) + host->device bytes / link + disk bytes / "
             "the faster of the cold and warm expert reads), from the bytes counted in the run; "
-            "link = the faster of the ceiling and the rung's step link (copies the size of its "
-            "experts, as many in flight as a layer of its warm-up copied); binds = the largest "
+            "link = the faster of the ceiling and the rung's step link (as many of its experts "
+            "as a layer of its warm-up copied, by the step's own copy out of its tier 1); "
+            "binds = the largest "
             "term. Predicted = the cost model (runtime/cost_model.py) on the measured ceilings, "
             "the step link and the rate of the rung's expert kernel, from the decode steps' "
             "counts of every repeat (disk loads at the rate those loads achieved, with the "

@@ -175,7 +175,7 @@ def _first(mask: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     return order, mask[order]
 
 
-def _copy_in(pool: ExpertPool, host: ExpertPool, host_slots: jax.Array, first_slot,
+def copy_in(pool: ExpertPool, host: ExpertPool, host_slots: jax.Array, first_slot,
              count) -> ExpertPool:
     """Copy host slots `host_slots[:count]` into pool slots first_slot, first_slot + 1, ...
     One dynamic slice of the pinned-host arrays straight into `device_put` per expert: only
@@ -242,7 +242,7 @@ def _offload_picks(plan: StepPlan, h, routing, pool, host, slot_of, missing, hos
         ids = jax.lax.dynamic_slice_in_dim(padded, p * m, m)
         real = (p * m + jnp.arange(m)) < n
         count = jnp.clip(n - p * m, 0, m)
-        pool = _copy_in(pool, host, host_row[jnp.minimum(ids, e - 1)], base, count)
+        pool = copy_in(pool, host, host_row[jnp.minimum(ids, e - 1)], base, count)
         staged = _slot_row(ids, real, base, e)
         take = (staged >= 0) | ((p == 0) & (slot_of >= 0))
         row = jnp.maximum(jnp.where(staged >= 0, staged, slot_of), 0)
@@ -271,7 +271,7 @@ def prefetch(cfg: ModelConfig, plan: StepPlan, pool, host, x_attn, next_lp, next
     ids, real = _first(wanted, plan.staging)
     base = pool.num_slots - 2 * plan.staging + half * plan.staging
     count = jnp.sum(real, dtype=jnp.int32)
-    pool = _copy_in(pool, host, next_host[ids], base, count)
+    pool = copy_in(pool, host, next_host[ids], base, count)
     return pool, jnp.where(real, ids, -1)
 
 

@@ -92,9 +92,9 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
     assert s["expert_read_gbps"] > 0  # the engine's expert kernel, timed on its pool
     assert all(r["predicted"]["inputs"]["expert_read_gbps"] == s["expert_read_gbps"]
                for r in rows)
-    link = s["step_link"]  # the link as the decode steps use it: expert-sized copies
+    link = s["step_link"]  # the link as the decode steps use it: the step's copies
     assert link["copy_bytes"] == s["sizes"]["bytes_per_expert"] and link["gbps"] > 0
-    assert 1 <= link["in_flight"] <= 16
+    assert link["copies"] >= 1
     assert all(r["predicted"]["inputs"]["link_gbps"]
                == min(link["gbps"], s["ceilings"]["host_read_gbps"]) for r in rows)
     assert set(s["predicted"]["inputs"]) >= {"batch", "routed", "misses", "hidden",
@@ -156,17 +156,22 @@ def test_expert_kernel_rate_counts_the_slots_it_reads(monkeypatch):
     assert timed[0].shape[:2] == (4, 1)  # [C, S, N, D]: the kernel ran on the four slots
 
 
-def test_the_step_link_copies_experts_as_many_in_flight_as_a_layer_did(monkeypatch):
-    timed = []
-    monkeypatch.setattr(bench_module, "link_rate",
-                        lambda dev, nbytes, pieces: timed.append((nbytes, pieces)) or 7.0)
+def test_the_step_link_copies_as_many_experts_as_a_layer_did_by_the_steps_copy():
+    cpu = jax.devices("cpu")[0]
+    pinned = jax.sharding.SingleDeviceSharding(cpu, memory_kind="pinned_host")
+    rng = np.random.default_rng(0)
+    host = ExpertPool(*(jax.device_put(rng.standard_normal((6, 8, 16)).astype(np.float32),
+                                       pinned) for _ in range(3)))
     decode = PhaseCounts(calls=2, fetched=17, prefetched=7)  # 24 copies, 2 steps, 3 layers
-    engine = types.SimpleNamespace(resident=False, devices=["gpu0"], counters=types.SimpleNamespace(
-        decode=decode, bytes_per_expert=1000))
-    assert step_link(engine, layers=3) == {"gbps": 7.0, "copy_bytes": 1000, "in_flight": 4}
-    assert timed == [(4000, 4)] * 3  # best of three
-    engine.devices = ["gpu0", "gpu1"]  # two links copy side by side: half each
-    assert step_link(engine, layers=3)["in_flight"] == 2
+    share = types.SimpleNamespace(residency=types.SimpleNamespace(host=host))
+    engine = types.SimpleNamespace(resident=False, devices=[cpu], shares=[share],
+                                   counters=types.SimpleNamespace(decode=decode))
+    link = step_link(engine, layers=3)
+    assert link["copies"] == 4 and link["copy_bytes"] == 3 * 8 * 16 * 4 and link["gbps"] > 0
+    engine.devices = [cpu, cpu]  # two links copy side by side: half each
+    assert step_link(engine, layers=3)["copies"] == 2
+    engine.counters.decode = PhaseCounts(calls=2, fetched=90)  # more than the pool holds
+    assert step_link(engine, layers=3)["copies"] == 6
     engine.counters.decode = PhaseCounts(calls=2)
     assert step_link(engine, layers=3) is None  # nothing copied: no link to measure
     engine.counters.decode, engine.resident = decode, True

@@ -155,10 +155,13 @@ def _touched(ckpt, tokens):
             for r in routing(strata_jax.load(ckpt), seqs)]
 
 
-def test_experts_only_on_disk_give_the_same_bits(ckpt, reference):
+@pytest.mark.parametrize("read_ahead", [0, 4])
+def test_experts_only_on_disk_give_the_same_bits(ckpt, reference, read_ahead):
     """Tier 1 holds one layer's experts (6 of the 10 not in HBM): steps stall on disk at
-    a layer and resume there, experts are read again after eviction, the bits stay."""
-    with _engine(ckpt, resident_experts=2, host_experts=0, policy="static") as engine:
+    a layer and resume there, experts are read again after eviction (and ahead of need by
+    heat, in the background), the bits stay."""
+    with _engine(ckpt, resident_experts=2, host_experts=0, policy="static",
+                 read_ahead=read_ahead) as engine:
         assert engine.plan.resume and len(engine.residency.host_key) == 6
         tokens, logits = run_rows(engine, PROMPTS, 6)
         stats = engine.stats()
@@ -168,6 +171,10 @@ def test_experts_only_on_disk_give_the_same_bits(ckpt, reference):
     else:  # the resume's selects change the GPU's fusion of f32 layers (docs/design.md)
         np.testing.assert_allclose(logits, reference[1], rtol=1e-4, atol=1e-5)
     assert stats["disk_loads"] > 10 and stats["disk_bytes"] > 0
+    bpe = engine.counters.bytes_per_expert
+    assert stats["read_ahead_bytes"] == stats["read_ahead_loads"] * bpe
+    if not read_ahead:
+        assert stats["read_ahead_loads"] == 0
 
 
 def test_a_stall_loads_the_later_layers_disk_experts_too(tmp_path):
