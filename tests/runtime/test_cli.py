@@ -65,6 +65,7 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "dequant": (["--dequant", "host"], "host"),
     "fetch_threads": (["--fetch-threads", "2"], 2),
     "disk_lookahead": (["--no-disk-lookahead"], False),
+    "read_ahead": (["--read-ahead", "3"], 3),
     "resident_experts": (["--resident-experts", "5"], 5),
     "host_experts": (["--host-experts", "6"], 6),
     "heat_file": (["--heat", "HEAT"], "HEAT"),
