@@ -1,9 +1,8 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv on a fresh machine and
-# installs from the pinned environment in requirements.lock (pip constraints format).
+# installs from the pinned environment in requirements.txt, the lock (every package pinned).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-LOCK := requirements.lock
 PIP_VERSION := 26.3
 # pytest-xdist processes for `make test`, each taking whole test files (module fixtures built
 # once); CI has 2 cores
@@ -16,14 +15,17 @@ TEST_WORKERS ?= 2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q pip==$(PIP_VERSION)
-	$(BIN)/pip install -q -c $(LOCK) setuptools
+	$(BIN)/pip install -q -c requirements.txt setuptools
 
-$(VENV)/.base: pyproject.toml $(LOCK) | $(BIN)/python
-	$(BIN)/pip install -q --no-build-isolation -c $(LOCK) -e .
+# demo: the package's run dependencies at the lock's versions (the lock also pins the test
+# extras, which the demo does not need)
+$(VENV)/.base: pyproject.toml requirements.txt | $(BIN)/python
+	$(BIN)/pip install -q --no-build-isolation -c requirements.txt -e .
 	touch $@
 
-$(VENV)/.test: pyproject.toml $(LOCK) | $(BIN)/python
-	$(BIN)/pip install -q --no-build-isolation -c $(LOCK) -e '.[test]'
+# test: exactly the lock, and the package on top of it
+$(VENV)/.test: pyproject.toml requirements.txt | $(BIN)/python
+	$(BIN)/pip install -q --no-build-isolation -r requirements.txt -e '.[test]'
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
@@ -44,11 +46,11 @@ lock:
 	.venv-lock/bin/pip install -q pip==$(PIP_VERSION)
 	.venv-lock/bin/pip install -q setuptools
 	.venv-lock/bin/pip install -q --no-build-isolation -e '.[test]'
-	{ echo "# The pinned environment: every run and test dependency and the build backend"; \
+	{ echo "# The lock: every run and test dependency and the build backend"; \
 	  echo "# (setuptools) as a fresh resolution gave it on $$(date +%F) (Python 3.11, CPU)."; \
 	  echo "# Regenerate: make lock. Newest: make test-latest."; \
 	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip=='; } \
-	  > $(LOCK)
+	  > requirements.txt
 	rm -rf .venv-lock
 
 # The tests against today's newest releases, in a venv of their own (the lock is untouched).
