@@ -777,7 +777,8 @@ class Engine:
 
     def _end_step(self) -> None:
         self.heat.end_step()
-        if self._disk_possible:  # the step was read (`_run`'s sync): nothing reads tier 1
+        # with a disk tier the step was read (`_run`'s sync): nothing reads tier 1 now
+        if self._disk_possible and self.config.read_ahead:
             for share in self.shares:
                 heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)
                 self.counters.read_ahead += share.ahead.between_steps(share.residency, heat)
