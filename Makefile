@@ -7,6 +7,10 @@ PIP_VERSION := 26.3
 # pytest-xdist processes for `make test`, each taking whole test files (module fixtures built
 # once); CI has 2 cores
 TEST_WORKERS ?= 2
+# Most of the suite's time is XLA compiling small CPU programs: without LLVM's optimizations
+# it compiles in about half the time. The tests compare programs compiled alike (subprocesses
+# inherit the flag: tests/helpers.py `xla_flags`), and the GPU runs use XLA's defaults.
+TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 .PHONY: demo test lint lock test-latest clean
 
@@ -36,7 +40,7 @@ lint: $(VENV)/.test
 
 test: $(VENV)/.test
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
+	XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
 
 # Re-resolve every dependency at its newest release into the lock (review the diff, then
 # `make test`): the lock changes only when someone asks for it.

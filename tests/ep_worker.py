@@ -35,12 +35,20 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 4, 90, 3, 17]]
 NEW = 8
 
 
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a test's subprocess of `devices` CPU devices: this process's flags (so
+    both compile alike: `make test` lowers the LLVM optimization level) with the device count
+    set, not added to one already there."""
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*keep, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def launch(*jobs: list[str]) -> subprocess.Popen:
     """This worker in a subprocess of its own (the repository first on its path), running
     `jobs` (each [CKPT, MODE, ARGS...]) in turn."""
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    env.pop("XLA_FLAGS", None)
     args = [a for i, job in enumerate(jobs) for a in ([SEP] if i else []) + list(job)]
     return subprocess.Popen([sys.executable, "-m", "tests.ep_worker", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -309,8 +317,7 @@ if __name__ == "__main__":
     distributed = any(job[1] in ("process", "engine-process") for job in jobs)
     assert not distributed or len(jobs) == 1, "a process job runs alone"
     count = 2 if distributed else 4
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={count}")
+    os.environ["XLA_FLAGS"] = xla_flags(count)
     import jax
 
     jax.config.update("jax_platforms", "cpu")

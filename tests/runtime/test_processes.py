@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from strata_runtime.cli import main
+from tests.ep_worker import xla_flags
 from tests.helpers import tiny_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ def _free_port() -> int:
 def _strata(args: list[str], devices: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        "XLA_FLAGS": xla_flags(devices)}
     return subprocess.Popen([sys.executable, "-m", "strata_runtime.cli", "generate", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
