@@ -81,7 +81,10 @@ class Residency:
         self._tiers: tuple[int, Tiers] | None = None  # the tables uploaded, at a version
 
     def _stack(self, read, load, keys: list[Key], slots: int, sharding) -> ExpertPool:
-        """`slots` slots of which the first hold `keys` (a corrupt chunk: zeros, recorded)."""
+        """`slots` slots of which the first hold `keys` (a corrupt chunk: zeros, recorded). The
+        reading threads write each expert into its slot as it arrives, so a pool of many
+        gigabytes is never held twice nor copied slot by slot on one thread; a pinned-host
+        pool is allocated first and written in place, through its own buffer."""
         def safe(key):
             try:
                 return load(key)
@@ -89,18 +92,31 @@ class Residency:
                 self.broken[key] = str(err)
                 return None
 
-        loaded = read(safe, keys)
-        sample = next((a for a in loaded if a is not None), None) or self._sample(load)
-        stacks = {}
-        for name, arr in sample.items():
-            buf = np.zeros((slots, *arr.shape), arr.dtype)
-            for i, arrays in enumerate(loaded):
-                if arrays is not None:
-                    buf[i] = arrays[name]
-            stacks[name] = jax.device_put(buf, sharding)
+        head = safe(keys[0]) if keys else None
+        sample = head or self._sample(load)
+        bufs = {n: np.zeros((slots, *a.shape), a.dtype) for n, a in sample.items()}
+        pool = None
+        if sharding.memory_kind == "pinned_host":
+            pool = self._placed(bufs, sharding)
+            bufs = {n: host_view(getattr(pool, n)) for n in bufs}
+
+        def fill(job: tuple[int, Key]) -> None:
+            slot, key = job
+            arrays = head if slot == 0 else safe(key)
+            if arrays is not None:
+                for n, a in arrays.items():
+                    bufs[n][slot] = a
+
+        read(fill, list(enumerate(keys)))
+        return pool or self._placed(bufs, sharding)
+
+    @staticmethod
+    def _placed(bufs: dict[str, np.ndarray], sharding) -> ExpertPool:
         # waited for: a program over pinned host memory may read it before the transfer has
-        # landed, and `buf` is freed when the loop moves on (docs/design.md, "Disk stalls")
-        return jax.block_until_ready(ExpertPool(**stacks))
+        # landed, and the numpy buffers may be freed once this returns (docs/design.md, "Disk
+        # stalls")
+        return jax.block_until_ready(
+            ExpertPool(**{n: jax.device_put(b, sharding) for n, b in bufs.items()}))
 
     def _sample(self, load) -> Arrays:
         """Any readable expert's arrays: the shapes of a pool whose own experts all failed."""

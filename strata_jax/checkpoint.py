@@ -243,6 +243,10 @@ def _expert_spec(path: Path, shape: tuple[int, ...], dtype: str, create: bool) -
     return spec
 
 
+DENSE_CHUNK_BYTES = 64 << 20
+"""The most bytes of one stored chunk of a dense array."""
+
+
 class CheckpointWriter:
     """Streams a checkpoint layer by layer into a temporary directory, swapped in on `commit`.
 
@@ -313,7 +317,10 @@ class CheckpointWriter:
 
     def _save_dense(self, name: str, tree: dict[str, np.ndarray], dtypes: dict[str, str]) -> None:
         tree = {k: np.asarray(v, dtype=numpy_dtype(dtypes[k])) for k, v in tree.items()}
-        self._checkpointer.save(self.tmp / "dense" / name, tree)
+        # chunked, so that a read decodes the chunks of one large array (an embedding) on all
+        # cores at once instead of the whole array on one
+        chunks = {k: ocp.SaveArgs(chunk_byte_size=DENSE_CHUNK_BYTES) for k in tree}
+        self._checkpointer.save(self.tmp / "dense" / name, tree, save_args=chunks)
         self._checkpointer.wait_until_finished()
         self.bytes_written += sum(v.nbytes for v in tree.values())
 
