@@ -16,6 +16,7 @@ record, so the processes never diverge.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -297,6 +298,16 @@ class Share:
     """Its disk experts read ahead into its tier 1."""
 
 
+@contextlib.contextmanager
+def _phase(phases: dict[str, float], name: str):
+    """Time the block into phases[name] (seconds)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = time.perf_counter() - t0
+
+
 class Engine:
     """Rows of requests decoded by the one compiled step over a budget smaller than the model."""
 
@@ -321,18 +332,23 @@ class Engine:
         self._threads = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="strata-io",
                                            initializer=bind_current_thread,
                                            initargs=(self.numa,))
-        self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
-        self.shares = self._shares(heat)  # this process's devices' only
+        self.startup: dict[str, float] = {}  # seconds of each start-up phase
+        with _phase(self.startup, "ledger"):  # compiles the step programs to size the workspace
+            self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
+        with _phase(self.startup, "pools"):  # tiers 0 and 1 read from disk
+            self.shares = self._shares(heat)  # this process's devices' only
         self.residency = Residencies([s.residency for s in self.shares], self.mesh,
                                      None if self.mesh is None else self.owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
-        if self.mesh is None:
-            self.params = api.read_dense_params(reader)
-        else:  # read on the host: each device receives its copy, the first no second one
-            with jax.default_device(_cpu()):
-                self.params = expert_parallel.place(api.read_dense_params(reader),
-                                                    self._everyone)
-        links = self._links()
+        with _phase(self.startup, "dense"):
+            if self.mesh is None:
+                self.params = api.read_dense_params(reader)
+            else:  # read on the host: each device receives its copy, the first no second one
+                with jax.default_device(_cpu()):
+                    self.params = expert_parallel.place(api.read_dense_params(reader),
+                                                        self._everyone)
+        with _phase(self.startup, "links"):
+            links = self._links()
         self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
             self.device, self.shares[0].residency.host, None if config.miss_rates is None
             else MissRates.parse(config.miss_rates), config.host_threads)

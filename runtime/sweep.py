@@ -386,8 +386,10 @@ def _progress(row: dict[str, Any]) -> str:
     if "skipped" in row:
         return f"skipped: {row['skipped']}"
     b = row["bound"]
+    phases = ", ".join(f"{k} {v:.0f}" for k, v in row.get("build_phases_s", {}).items())
     return (f"{interval_text(row['tok_s'])} tok/s, bound {b['bound_tok_s']:.4g} "
-            f"({b['ratio']:.2f} of it, {b['binds']})")
+            f"({b['ratio']:.2f} of it, {b['binds']}); engine built in {row['build_s']:.0f} s "
+            f"({phases}), warm-up {row['warmup_s']:.0f} s")
 
 
 # --- the table and the plot -----------------------------------------------------------------

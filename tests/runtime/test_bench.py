@@ -87,6 +87,9 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
     assert s["config"]["resident_experts"] == 3 and s["config"]["batch_capacity"] == 2
     assert s["tokens_equal_across_repeats"]
     assert s["tok_s"]["values"] == [r["tok_s"] for r in rows[:3]]
+    phases = s["build_phases_s"]  # where the engine's start-up went
+    assert set(phases) == {"ledger", "pools", "dense", "links"} and min(phases.values()) >= 0
+    assert sum(phases.values()) <= s["build_s"]
     for key in ("pinned_h2d_gbps", "host_read_gbps", "hbm_read_gbps", "matmul_tflops"):
         assert s["ceilings"][key] > 0
     assert s["expert_read_gbps"] > 0  # the engine's expert kernel, timed on its pool
