@@ -9,7 +9,7 @@ PIP_VERSION := 26.3
 TEST_WORKERS ?= 2
 # Most of the suite's time is XLA compiling small CPU programs: without LLVM's optimizations
 # it compiles in about half the time. The tests compare programs compiled alike (subprocesses
-# inherit the flag: tests/helpers.py `xla_flags`), and the GPU runs use XLA's defaults.
+# inherit the flag: tests/ep_worker.py `xla_flags`), and the GPU runs use XLA's defaults.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 .PHONY: demo test lint lock test-latest clean

@@ -108,7 +108,7 @@ class Residency:
                     bufs[n][slot] = a
 
         read(fill, list(enumerate(keys)))
-        return pool or self._placed(bufs, sharding)
+        return self._placed(bufs, sharding) if pool is None else pool
 
     @staticmethod
     def _placed(bufs: dict[str, np.ndarray], sharding) -> ExpertPool:
