@@ -1,5 +1,6 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv on a fresh machine and
-# installs from the pinned environment in requirements.txt, the lock (every package pinned).
+# installs the lock, requirements.txt (every run and test dependency and the build backend,
+# each at one exact version), and nothing else.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,31 +15,27 @@ TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
 .PHONY: demo test lint lock test-latest clean
 
-# The build backend comes from the lock too: the package builds in the venv (no isolated
-# build environment, which would fetch the newest setuptools of the day).
+# Both entry points install exactly the lock and nothing else: --no-deps, so pip resolves
+# nothing (a package the lock lacks fails `pip check` instead of arriving at the newest
+# release of the day), then the package itself on top, built in the venv by the lock's
+# setuptools (no isolated build environment, which would fetch the newest setuptools).
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q pip==$(PIP_VERSION)
-	$(BIN)/pip install -q -c requirements.txt setuptools
 
-# demo: the package's run dependencies at the lock's versions (the lock also pins the test
-# extras, which the demo does not need)
-$(VENV)/.base: pyproject.toml requirements.txt | $(BIN)/python
-	$(BIN)/pip install -q --no-build-isolation -c requirements.txt -e .
+$(VENV)/.installed: pyproject.toml requirements.txt | $(BIN)/python
+	$(BIN)/pip install -q --no-deps -r requirements.txt
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $@
 
-# test: exactly the lock, and the package on top of it
-$(VENV)/.test: pyproject.toml requirements.txt | $(BIN)/python
-	$(BIN)/pip install -q --no-build-isolation -r requirements.txt -e '.[test]'
-	touch $@ $(VENV)/.base
-
-demo: $(VENV)/.base
+demo: $(VENV)/.installed
 	$(BIN)/python -m strata_runtime.demo
 
-lint: $(VENV)/.test
+lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 
-test: $(VENV)/.test
+test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
 
