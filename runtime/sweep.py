@@ -41,6 +41,7 @@ import difflib
 import gc
 import itertools
 import json
+import os
 import sys
 import time
 import tomllib
@@ -286,9 +287,11 @@ def prepare(sweep: Sweep, rungs: list[Rung], log=print) -> None:
     q, s = sweep.quantize, sweep.synth
     if q is not None and str(Path(q["src"])) not in used and str(Path(q["path"])) in used:
         used.add(str(Path(q["src"])))
+    wrote = False
     if s is not None and str(Path(s["path"])) in used and not _has_checkpoint(s["path"]):
         from strata_jax.synth import synthesize
 
+        wrote = True
         t0 = time.perf_counter()
         kw = {k: v for k, v in s.items() if k not in ("path", "shape")}
         synthesize(s["shape"], s["path"], progress=False, **kw)
@@ -296,10 +299,21 @@ def prepare(sweep: Sweep, rungs: list[Rung], log=print) -> None:
     if q is not None and str(Path(q["path"])) in used and not _has_checkpoint(q["path"]):
         from strata_jax.quantize import quantize_checkpoint
 
+        wrote = True
         t0 = time.perf_counter()
         kw = {k: v for k, v in q.items() if k not in ("path", "src")}
         quantize_checkpoint(q["src"], q["path"], progress=False, **kw)
         log(f"wrote the quantized checkpoint {q['path']} in {time.perf_counter() - t0:.1f} s")
+    if wrote:
+        _flush(log)
+
+
+def _flush(log) -> None:
+    """Wait for the kernel to write the new checkpoints' dirty pages to disk: otherwise its
+    write-back of many GB runs beside the next timed rungs and slows their host side."""
+    t0 = time.perf_counter()
+    os.sync()
+    log(f"flushed the written checkpoints to disk in {time.perf_counter() - t0:.1f} s")
 
 
 def _read_rows(jsonl: Path) -> list[dict[str, Any]]:
