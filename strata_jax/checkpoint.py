@@ -491,8 +491,15 @@ class CheckpointReader:
         return array
 
     def iter_layer_experts(self, layer: int) -> Iterator[tuple[str, np.ndarray]]:
-        """(kind, [E, ...]) for each stored expert array of one layer, verified."""
-        for kind in self.expert_specs:
-            yield kind, np.stack(
-                [self.read_expert(layer, e, kind) for e in range(self.config.num_experts)]
-            )
+        """(kind, [E, ...]) for each stored expert array of one layer, verified. The chunks are
+        read and hashed on threads (both release the GIL), into one array per kind."""
+        num = self.config.num_experts
+        with ThreadPoolExecutor(min(16, os.cpu_count() or 1, num)) as pool:
+            for kind, (shape, dtype) in self.expert_specs.items():
+                out = np.empty((num, *shape), numpy_dtype(dtype))
+
+                def one(e: int, kind: str = kind, out: np.ndarray = out) -> None:
+                    out[e] = self.read_expert(layer, e, kind)
+
+                list(pool.map(one, range(num)))
+                yield kind, out
