@@ -254,7 +254,8 @@ def main() -> None:
                "equal_to_resident": [o == reference for o in outs],
                "first_difference": [first_difference(o, reference) for o in outs],
                "equal_across_repeats": all(o == outs[0] for o in outs),
-               "disk_loads": stats.get("disk_loads"), "seconds": time.perf_counter() - t0}
+               "disk_loads": stats.get("disk_loads"), "seconds": time.perf_counter() - t0,
+               "startup_s": engine.startup}
         if tiers is not None:
             row["tier_mismatches"] = tiers
         if logits:  # per repeat, per decode step: the largest |logit - resident's|
