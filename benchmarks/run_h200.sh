@@ -39,6 +39,8 @@
 #                     as is; DUMP: also dump the prefill programs' optimized HLO), each run cut
 #                     at EXACT_S (240) seconds; EXACT_ENGINES: repeat_check.py's engine names,
 #                     EXACT_ARGS: more of its flags (--check-tiers)
+#   "ledger-compile" in PARTS  benchmarks/ledger_compile.py on the checkpoint of "exact": the
+#                     ledger's three compiles one after another against on threads (LEDGER_S)
 #   "pinned" in PARTS  benchmarks/pinned_put_probe.py: programs over pinned host memory right
 #                     after an unwaited device_put (PINNED_ARGS)
 #   "flags" in PARTS  issue 17: the step rows FLAG_ROWS (int4-8g,resident-bf16) at FLAG_BATCH (1)
@@ -190,6 +192,12 @@ if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Dis
   if [[ -d /tmp/hlo ]]; then
     tar czf "$OUT/hlo_prefill.tgz" -C /tmp/hlo $(cd /tmp/hlo && ls | grep after_optimizations.txt)
   fi
+fi
+if [[ $PARTS == *ledger-compile* ]]; then
+  # the ledger's compiles one after another against side by side, on the ladder's checkpoint
+  echo "== t=${SECONDS}s: ledger compiles"
+  timeout -k 5 "${LEDGER_S:-150}" python3 -m benchmarks.ledger_compile --out "$OUT" \
+    --checkpoint /tmp/strata_seed6_bf16 --max-len 128 --batch 8 2>&1 | grep -v "^[WI]0"
 fi
 if [[ $PARTS == *pinned* ]]; then  # does a program see an unwaited put into pinned host memory?
   echo "== t=${SECONDS}s: pinned put probe"

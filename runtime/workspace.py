@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,17 @@ def compiled_workspace(reader: CheckpointReader, plan: step.StepPlan, *, batch: 
 @functools.lru_cache(maxsize=64)
 def _measure(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_len: int,
              shapes: tuple, device: jax.Device) -> int:
+    lowered = lowered_programs(cfg, dense, plan, batch, max_len, shapes, device)
+    # XLA compiles without holding the GIL: the programs compile side by side on the host cores
+    with ThreadPoolExecutor(len(lowered)) as threads:
+        compiled = list(threads.map(lambda lo: lo.compile(), lowered))
+    return max(int(c.memory_analysis().temp_size_in_bytes) for c in compiled)
+
+
+def lowered_programs(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int,
+                     max_len: int, shapes: tuple, device: jax.Device) -> list[jax.stages.Lowered]:
+    """The decode (greedy, sampled) and largest prefill programs of `plan`, lowered on abstract
+    arguments; `shapes` as `compiled_workspace` keys them."""
     shapes = {n: (shape, dtype) for n, shape, dtype in shapes}
     params = jax.eval_shape(lambda: api.init_params(cfg, jax.random.key(0), dense))
     slots = max(1, 2 * plan.staging + 1)
@@ -76,4 +88,4 @@ def _measure(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_
                for p in (plan, dataclasses.replace(plan, sample=True))]
     lowered.append(prefill.lower(cfg, plan, params, pool, tiers, state, scalar, chunk, scalar,
                                  scalar, values))
-    return max(int(lo.compile().memory_analysis().temp_size_in_bytes) for lo in lowered)
+    return lowered
