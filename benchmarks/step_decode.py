@@ -59,7 +59,7 @@ from benchmarks.common import device_kernel_times, hbm_bandwidth, machine, pinne
 from strata_jax import host_experts, host_kernel, int4_kernel, step
 from strata_jax.config import ModelConfig
 from strata_jax.misses import HostWork, MissRates
-from strata_jax.pool import ExpertPool
+from strata_jax.pool import ExpertPool, free
 from strata_jax.quant import GROUP
 from strata_jax.synth import synth_config
 from strata_runtime.ledger import ModelBytes, default_staging_slots
@@ -225,13 +225,6 @@ def live_state(cfg: ModelConfig, batch: int, max_len: int, seed: int = 1) -> ste
         k=_normal(kk, shape, 1.0, dtype), v=_normal(kv, shape, 1.0, dtype),
         live=jnp.ones((batch,), jnp.bool_))
     return jax.device_put(state, jax.devices()[0])  # committed, as init_state's and outputs
-
-
-def free(*trees: Any) -> None:
-    """Delete the device (and pinned-host) buffers of `trees` now."""
-    for leaf in jax.tree.leaves(trees):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
 
 
 # --- tiers ----------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
 from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.misses import MissRates
+from strata_jax.pool import free
 from strata_jax.quant import dequantize_int4_jnp
 from strata_jax.sampling import GREEDY, SamplingParams, row_values
 from strata_jax.scheduler import StepResult
@@ -360,6 +361,7 @@ class Engine:
         self.replay = None if config.replay_trace is None else TraceReplay(
             load_trace(config.replay_trace), num_layers=cfg.num_layers,
             num_experts=cfg.num_experts, top_k=cfg.top_k, source=config.replay_trace)
+        self.closed = False  # close() has freed the engine's memory
         self._starts: dict[tuple[int, int], step.Resume] = {}  # per (rows, tokens)
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
@@ -504,6 +506,11 @@ class Engine:
         return cls(CheckpointReader(path), config)
 
     def close(self) -> None:
+        """Finish the last step's accounting, stop the engine's threads and free its device and
+        pinned-host memory now (a process that builds another engine gets it back at once).
+        The engine cannot step afterwards; its stats stay readable. Closing twice is fine."""
+        if self.closed:
+            return
         self._observe_pending()
         if self.trace is not None:
             self.trace.close()
@@ -512,6 +519,14 @@ class Engine:
         for share in self.shares:
             share.ahead.close()
         self._threads.shutdown(wait=True)
+        self.closed = True
+        self.residency.release()
+        free(self.params, self.state, self._starts)
+        self._starts.clear()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed: build a new one to generate again")
 
     def __enter__(self) -> Engine:
         return self
@@ -528,6 +543,7 @@ class Engine:
         draws its tokens by `sampling` (a seed of None draws a new one: fix it per request);
         `request` names it in the routing trace. Returns (its next token, None), or (None,
         the reason) if an expert it needs could not be read (the row is then free)."""
+        self._check_open()
         if not 0 <= row < self.capacity:
             raise ValueError(f"row {row} is outside [0, {self.capacity})")
         if not tokens or start + len(tokens) > self.max_len:
@@ -560,6 +576,7 @@ class Engine:
 
     def step(self) -> StepResult:
         """Dispatch the decode of one token for every live row; `read` gives the tokens."""
+        self._check_open()
         t0 = time.perf_counter()
         sampled = any(not g for g, on in zip(self._greedy, self._live, strict=True) if on)
         plan = self._sampled_plan if sampled else self.plan

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from strata_jax.checkpoint import EXPERT_KINDS
 from strata_jax.expert_parallel import AXIS, place
-from strata_jax.pool import ExpertPool, host_view, tile_major
+from strata_jax.pool import ExpertPool, free, host_view, tile_major
 from strata_jax.step import Tiers
 
 Key = tuple[int, int]  # (layer, expert)
@@ -126,6 +126,13 @@ class Residency:
             except Exception:  # noqa: BLE001, S112
                 continue
         raise ValueError(f"no expert of the checkpoint could be read: {self.broken}")
+
+    def release(self) -> None:
+        """Free the pool, tier 1 and the uploaded tables now. The host views go first: they
+        are raw pointers into tier 1's buffers. Nothing may use the residency afterwards."""
+        self._host_views = None
+        free(self.pool, self.host, self._tiers)
+        self._tiers = None
 
     # --- page tables ---------------------------------------------------------------------------
 
@@ -252,6 +259,13 @@ class Residencies:
             self._tiers = (versions, Tiers(page=page, host=host, host_page=host_page,
                                            owner=self._owner))
         return self._tiers[1]
+
+    def release(self) -> None:
+        """Free every part's buffers and the tables uploaded over the mesh (`Residency.release`)."""
+        for part in self.parts:
+            part.release()
+        free(self._tiers, self._owner)
+        self._tiers = None
 
     @property
     def slot_key(self) -> list[Key | None]:

@@ -389,7 +389,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
             f.write(json.dumps(row, default=str) + "\n")
         log(f"[{i + 1}/{len(sweep.rungs)}] {rung.name}: {_progress(row)} "
             f"({time.perf_counter() - t0:.1f} s)")
-        gc.collect()  # the engine's device buffers go before the next one is built
+        gc.collect()  # a rung whose engine failed to build leaves its buffers to the collector
     by_name = {r["rung"]: r for r in _read_rows(jsonl)}  # the latest row of each rung
     return [by_name[r.name] for r in sweep.rungs if r.name in by_name]
 

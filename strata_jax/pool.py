@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -84,6 +84,15 @@ def row_major(tiled: jax.Array) -> jax.Array:
     n = len(lead)
     return tiled.transpose(*range(n), n, n + 2, n + 1, n + 3).reshape(
         *lead, blocks * rows, steps * width)
+
+
+def free(*trees: Any) -> None:
+    """Delete the device (and pinned-host) buffers of `trees` now, not when the garbage
+    collector reaches them: engines built one after another in one process (a sweep, a
+    notebook) would otherwise hold two engines' memory at once."""
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
 
 
 def host_view(array: jax.Array) -> np.ndarray:

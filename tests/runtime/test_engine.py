@@ -177,6 +177,26 @@ def test_experts_only_on_disk_give_the_same_bits(ckpt, reference, read_ahead):
         assert stats["read_ahead_loads"] == 0
 
 
+def test_close_frees_the_engine_memory_at_once(ckpt, reference):
+    """A process that builds engines one after another (a sweep, a notebook) gets an engine's
+    device slots, tier 1, params and KV back when it is closed, not when the collector runs;
+    its stats stay readable and it refuses to step again."""
+    before = {id(a) for a in jax.live_arrays()}
+    engine = _engine(ckpt, resident_experts=2, host_experts=0, policy="static")
+    tokens, _ = run_rows(engine, PROMPTS, 6)
+    np.testing.assert_array_equal(tokens, reference[0])
+    held = [a for a in jax.live_arrays() if id(a) not in before]
+    kinds = {a.sharding.memory_kind for a in held}
+    assert len(held) > 5 and "pinned_host" in kinds, kinds  # the pools, params, KV, tables
+    engine.close()
+    assert all(a.is_deleted() for a in held)
+    assert not [a for a in jax.live_arrays() if id(a) not in before]
+    assert engine.stats()["disk_loads"] > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.prefill(0, [1, 2])
+    engine.close()  # twice is fine
+
+
 def test_a_stall_loads_the_later_layers_disk_experts_too(tmp_path):
     """With `disk_lookahead` a stalled step also loads the disk experts its later layers
     routed to (on the stalled layer's incomplete output): fewer layers run again, no more
