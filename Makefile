@@ -40,7 +40,8 @@ test: $(VENV)/.installed
 	XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
 
 # Re-resolve every dependency at its newest release into the lock (review the diff, then
-# `make test`): the lock changes only when someone asks for it.
+# `make test`), and the GPU install's wheels against it (requirements-cuda12.txt): the locks
+# change only when someone asks for it.
 lock:
 	rm -rf .venv-lock
 	$(PYTHON) -m venv .venv-lock
@@ -52,6 +53,9 @@ lock:
 	  echo "# Regenerate: make lock. Newest: make test-latest."; \
 	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip=='; } \
 	  > requirements.txt
+	.venv-lock/bin/pip install -q --dry-run --ignore-installed --report .venv-lock/cuda12.json \
+	  -c requirements.txt 'jax[cuda12]'
+	.venv-lock/bin/python tools/lock_cuda12.py .venv-lock/cuda12.json > requirements-cuda12.txt
 	rm -rf .venv-lock
 
 # The tests against today's newest releases, in a venv of their own (the lock is untouched).
