@@ -34,10 +34,8 @@ def _lowered(reader: CheckpointReader, config: EngineConfig) -> list[jax.stages.
     ledger = engine._ledger(reader, config, 0, check=False)
     plan = step.StepPlan(staging=ledger.staging_slots, predictor=config.predictor,
                          row_chunks=config.row_chunks, int4_tiles=config.int4_tiles)
-    dense = "int8" if reader.quantization["dense"] != "none" else "none"
-    key = tuple(sorted((n, tuple(s), d) for n, (s, d) in shapes.items()))
-    return workspace.lowered_programs(reader.config, dense, plan, config.batch_capacity,
-                                      config.max_len, key, jax.local_devices()[0])
+    return workspace.lowered_programs(reader, plan, batch=config.batch_capacity,
+                                      max_len=config.max_len, shapes=shapes)
 
 
 def _timed(lowered: list[jax.stages.Lowered], threads: bool) -> float:

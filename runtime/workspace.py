@@ -48,26 +48,36 @@ def compiled_workspace(reader: CheckpointReader, plan: step.StepPlan, *, batch: 
     """Bytes of scratch of the largest of the decode (greedy, sampled) and prefill programs of
     `plan` at (batch, max_len), compiled for `device` (default: this process's first).
     Remembered per process: engines of one layout compile it once."""
+    return _measure(*_layout(reader, plan, batch, max_len, shapes, device))
+
+
+def lowered_programs(reader: CheckpointReader, plan: step.StepPlan, *, batch: int,
+                     max_len: int, shapes, device: jax.Device | None = None
+                     ) -> list[jax.stages.Lowered]:
+    """The programs `compiled_workspace` compiles, lowered on abstract arguments."""
+    return _lowered(*_layout(reader, plan, batch, max_len, shapes, device))
+
+
+def _layout(reader: CheckpointReader, plan: step.StepPlan, batch: int, max_len: int, shapes,
+            device: jax.Device | None) -> tuple:
+    """The hashable arguments of `_measure` and `_lowered`."""
     dense = "int8" if reader.quantization["dense"] != "none" else "none"
     key = tuple(sorted((n, tuple(shape), dtype) for n, (shape, dtype) in shapes.items()))
-    return _measure(reader.config, dense, plan, batch, max_len, key,
-                    device or jax.local_devices()[0])
+    return reader.config, dense, plan, batch, max_len, key, device or jax.local_devices()[0]
 
 
 @functools.lru_cache(maxsize=64)
 def _measure(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_len: int,
              shapes: tuple, device: jax.Device) -> int:
-    lowered = lowered_programs(cfg, dense, plan, batch, max_len, shapes, device)
+    lowered = _lowered(cfg, dense, plan, batch, max_len, shapes, device)
     # XLA compiles without holding the GIL: the programs compile side by side on the host cores
     with ThreadPoolExecutor(len(lowered)) as threads:
         compiled = list(threads.map(lambda lo: lo.compile(), lowered))
     return max(int(c.memory_analysis().temp_size_in_bytes) for c in compiled)
 
 
-def lowered_programs(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int,
-                     max_len: int, shapes: tuple, device: jax.Device) -> list[jax.stages.Lowered]:
-    """The decode (greedy, sampled) and largest prefill programs of `plan`, lowered on abstract
-    arguments; `shapes` as `compiled_workspace` keys them."""
+def _lowered(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_len: int,
+             shapes: tuple, device: jax.Device) -> list[jax.stages.Lowered]:
     shapes = {n: (shape, dtype) for n, shape, dtype in shapes}
     params = jax.eval_shape(lambda: api.init_params(cfg, jax.random.key(0), dense))
     slots = max(1, 2 * plan.staging + 1)
