@@ -224,8 +224,17 @@ def hardware_fingerprint(link_gbps: float | None = None) -> dict[str, object]:
     }
 
 
-def _best(fn: Callable[[], object], reps: int) -> float:
+GPU_WARM_S = 1.0  # seconds of untimed work before a device ceiling is timed (`_best`)
+
+
+def _best(fn: Callable[[], object], reps: int, warm_s: float = 0.0) -> float:
+    """Best wall time of `reps` calls of `fn`, after one untimed call and, with `warm_s`, after
+    calling it for that long: a GPU left idle runs its first milliseconds of work at lower
+    clocks, which a short timed window would take for the device's rate."""
     fn()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -245,16 +254,16 @@ def host_read_gbps(nbytes: int, threads: int | None = None) -> float:
     return x.nbytes / seconds / 1e9
 
 
-def _device_read_gbps(dev: jax.Device, nbytes: int, reps: int) -> float:
+def _device_read_gbps(dev: jax.Device, nbytes: int, reps: int, warm_s: float) -> float:
     x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), dev)
     read = jax.jit(jnp.sum)
-    return x.nbytes / _best(lambda: read(x).block_until_ready(), reps) / 1e9
+    return x.nbytes / _best(lambda: read(x).block_until_ready(), reps, warm_s) / 1e9
 
 
-def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int) -> float:
+def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int, warm_s: float) -> float:
     a = jax.device_put(jnp.ones((n, n), dtype), dev)
     mm = jax.jit(lambda m: m @ m)
-    return 2 * n**3 / _best(lambda: mm(a).block_until_ready(), reps) / 1e12
+    return 2 * n**3 / _best(lambda: mm(a).block_until_ready(), reps, warm_s) / 1e12
 
 
 def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts: int,
@@ -321,16 +330,18 @@ def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
     """The rates the bound divides by, measured now on the default device: pinned host ->
     device (`engine.link_rate`, best of 3: eight copies in flight), host read (`host_read_gbps`),
     device-memory read (a jitted sum, best wall time), matmul (a jitted square matmul, bf16 on
-    a GPU, float32 on a CPU). `quick` (default: on a CPU backend) uses small arrays: the CPU
-    figures only make the bound's arithmetic run, they are not a GPU's."""
+    a GPU, float32 on a CPU); the device's two after `GPU_WARM_S` of untimed work each. `quick`
+    (default: on a CPU backend) uses small arrays and no warm-up: the CPU figures only make the
+    bound's arithmetic run, they are not a GPU's."""
     dev = jax.devices()[0]
     quick = dev.platform == "cpu" if quick is None else quick
     big, n, reps = (64 << 20, 512, 3) if quick else (1 << 30, 8192, 10)
     link = max(link_rate(dev, min(big, 64 << 20)) for _ in range(3))
     host = host_read_gbps(big)
-    hbm = _device_read_gbps(dev, 2 * big, reps)  # 2 GiB on a GPU: dispatch < 5 % of a read
+    warm = 0.0 if quick else GPU_WARM_S
+    hbm = _device_read_gbps(dev, 2 * big, reps, warm)  # 2 GiB on a GPU: dispatch < 5 % of a read
     dtype = jnp.float32 if dev.platform == "cpu" else jnp.bfloat16
-    tflops = _matmul_tflops(dev, n, dtype, reps)
+    tflops = _matmul_tflops(dev, n, dtype, reps, warm)
     try:
         stats = dev.memory_stats() or {}
     except (AttributeError, NotImplementedError, RuntimeError):
@@ -338,7 +349,8 @@ def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
     return {"pinned_h2d_gbps": link, "host_read_gbps": host, "hbm_read_gbps": hbm,
             "matmul_tflops": tflops, "matmul_dtype": jnp.dtype(dtype).name,
             "hbm_gib": stats.get("bytes_limit", 0) / (1 << 30), "disk_read_gbps": {},
-            "sizes": {"host_read_bytes": big, "device_read_bytes": 2 * big, "matmul_n": n},
+            "sizes": {"host_read_bytes": big, "device_read_bytes": 2 * big, "matmul_n": n,
+                      "device_warm_s": warm},
             "quick": quick}
 
 

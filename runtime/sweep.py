@@ -360,11 +360,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
     if all(r.name in done for r in todo):
         log(f"every rung has a row in {jsonl}: nothing to run")
         return [done[r.name] for r in sweep.rungs if r.name in done]
-    ceilings = measure_ceilings()
-    fingerprint = hardware_fingerprint(ceilings["pinned_h2d_gbps"])
-    log(f"ceilings: pinned h2d {ceilings['pinned_h2d_gbps']:.3g} GB/s, host read "
-        f"{ceilings['host_read_gbps']:.3g} GB/s, device read {ceilings['hbm_read_gbps']:.4g} "
-        f"GB/s, matmul {ceilings['matmul_tflops']:.3g} TFLOP/s on {fingerprint['gpu']}")
+    fingerprint = None
+    disk_rates: dict[str, Any] = {}  # a checkpoint's disk read rate, measured once per sweep
     for i, rung in enumerate(sweep.rungs):
         if rung not in todo:
             continue
@@ -374,17 +371,21 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
         t0 = time.perf_counter()
         head = {"rung": rung.name, "index": i, "keys": rung.keys, "sweep": str(sweep.path)}
         if rung.gpu_only and not gpu:
-            row = {**head, "skipped": "needs a GPU", "fingerprint": fingerprint}
+            row = {**head, "skipped": "needs a GPU",
+                   "fingerprint": fingerprint or hardware_fingerprint()}
         else:
             try:  # each checkpoint is written when the first rung that reads it comes up
                 prepare(sweep, [rung], log)
+                ceilings = _ceilings(disk_rates, log)
+                fingerprint = fingerprint or hardware_fingerprint(ceilings["pinned_h2d_gbps"])
                 result = run_bench(rung.checkpoint, rung.config, rung.settings,
                                    ceilings=ceilings, fingerprint=fingerprint, label=rung.name)
                 row = {**head, **result.summary,
                        "repeat_rows": [_compact(r) for r in result.rows[:-1]]}
             except Exception as e:  # noqa: BLE001  (the next rungs still run)
                 row = {**head, "error": f"{type(e).__name__}: {e}",
-                       "traceback": traceback.format_exc(), "fingerprint": fingerprint}
+                       "traceback": traceback.format_exc(),
+                       "fingerprint": fingerprint or hardware_fingerprint()}
         with open(jsonl, "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
         log(f"[{i + 1}/{len(sweep.rungs)}] {rung.name}: {_progress(row)} "
@@ -392,6 +393,18 @@ def run_sweep(sweep: Sweep, out: str | Path, *, resume: bool = False, overwrite:
         gc.collect()  # a rung whose engine failed to build leaves its buffers to the collector
     by_name = {r["rung"]: r for r in _read_rows(jsonl)}  # the latest row of each rung
     return [by_name[r.name] for r in sweep.rungs if r.name in by_name]
+
+
+def _ceilings(disk_rates: dict[str, Any], log) -> dict[str, Any]:
+    """The ceilings of the rung about to run, measured right before it: one measurement at the
+    start of a long sweep (or of a resumed one) can catch the device in a slower state than
+    the rungs that follow, and a rung's bound and prediction divide by it. The checkpoints'
+    disk rates (which drop the page cache to measure) are measured once per sweep."""
+    c = {**measure_ceilings(), "disk_read_gbps": disk_rates}
+    log(f"ceilings: pinned h2d {c['pinned_h2d_gbps']:.3g} GB/s, host read "
+        f"{c['host_read_gbps']:.3g} GB/s, device read {c['hbm_read_gbps']:.4g} GB/s, matmul "
+        f"{c['matmul_tflops']:.3g} TFLOP/s")
+    return c
 
 
 def _progress(row: dict[str, Any]) -> str:
@@ -471,7 +484,8 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
             f"{fp['date']}.",
             "",
             *_provenance(rows),
-            f"Ceilings measured at the start: pinned host->device {c['pinned_h2d_gbps']:.3g} "
+            "Ceilings measured right before each rung (the first rung's; each row's JSON has "
+            f"its own): pinned host->device {c['pinned_h2d_gbps']:.3g} "
             f"GB/s, host read {c['host_read_gbps']:.3g} GB/s, device read "
             f"{c['hbm_read_gbps']:.4g} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s "
             f"({c['matmul_dtype']}). Each rung: {st['prompts']} synthetic prompts of "

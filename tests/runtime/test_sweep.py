@@ -46,6 +46,11 @@ def test_the_tiny_ladder_writes_a_row_per_rung_a_table_and_a_plot(ladder):
     assert (hot["batch_capacity"], hot["predictor"], hot["policy"]) == (8, "next-gate", "lfru")
     assert rows[-1]["config"]["rebalance_every"] == 4
     assert sum(r["disk_loads"] for r in rows) > 0  # tier 1 holds half of the experts
+    # each rung's ceilings are measured right before it (timed rates: no two alike), the
+    # checkpoint's disk rates once for the sweep
+    assert len({r["ceilings"]["hbm_read_gbps"] for r in rows}) == len(rows)
+    disk = [r["ceilings"]["disk_read_gbps"][str(ckpt)] for r in rows if r["disk_loads"]]
+    assert disk and all(d == disk[0] for d in disk)
     table = (out / "sweep.md").read_text()
     lines = [ln for ln in table.splitlines() if ln.startswith("| ")]
     assert len(lines) == 1 + len(names)  # the header and a line per rung
