@@ -537,7 +537,10 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
     left.bar(x, med, yerr=err, capsize=3, color="tab:blue", label="tok/s, median [95 % CI]")
     bounds = [r["bound"]["bound_tok_s"] or np.nan for r in ok]
     left.plot(x, bounds, "k_", markersize=18, label="bound (counted bytes / ceilings)")
-    left.set_ylabel("tok/s")
+    spread = float(np.nanmax(med) / np.nanmin(med)) if len(med) and np.nanmin(med) > 0 else 1.0
+    if spread > 20:  # a ladder's first rungs would be invisible beside its last on a linear axis
+        left.set_yscale("log")
+    left.set_ylabel("tok/s" + (" (log scale)" if spread > 20 else ""))
     left.set_title("throughput per rung")
     left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
 
