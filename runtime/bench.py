@@ -229,8 +229,8 @@ GPU_WARM_S = 1.0  # seconds of untimed work before a device ceiling is timed (`_
 
 def _best(fn: Callable[[], object], reps: int, warm_s: float = 0.0) -> float:
     """Best wall time of `reps` calls of `fn`, after one untimed call and, with `warm_s`, after
-    calling it for that long: a GPU left idle runs its first milliseconds of work at lower
-    clocks, which a short timed window would take for the device's rate."""
+    calling it for that long, so that a short timed window does not catch a device still in a
+    slower state after idling (`benchmarks/ceiling_warmup_probe.py` times both ways)."""
     fn()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < warm_s:
