@@ -94,11 +94,19 @@ def to_bf16(s: np.ndarray) -> np.ndarray:
 
 
 def quantize_with_scales(w: np.ndarray, scales: np.ndarray, qmin: int, qmax: int) -> np.ndarray:
-    """clip(round(w / s), qmin, qmax) as int8, with q = 0 where s == 0; shapes broadcast."""
+    """clip(round(w / s), qmin, qmax) as int8, with q = 0 where s == 0; shapes broadcast.
+
+    Pass the scales unexpanded (e.g. [..., G, 1, N] against grouped weights [..., G, group,
+    N]): the work is then one division, a rounding and a clip in place over the weight, the
+    pass over the rare zero scales only where there are some."""
     s = np.asarray(scales, np.float32)
-    safe = np.where(s == 0, np.float32(1), s)
-    q = np.clip(np.round(np.asarray(w, np.float32) / safe), qmin, qmax)
-    return np.where(s == 0, 0, q).astype(np.int8)
+    zero = s == 0
+    q = np.divide(np.asarray(w, np.float32), np.where(zero, np.float32(1), s))
+    np.rint(q, out=q)  # half to even, as np.round
+    np.clip(q, np.float32(qmin), np.float32(qmax), out=q)
+    if zero.any():
+        q[np.broadcast_to(zero, q.shape)] = 0
+    return q.astype(np.int8)
 
 
 # --------------------------------------------------------------------------- int4
@@ -189,9 +197,9 @@ def quantize_int4_with_scales(
     scales = to_bf16(scales)
     if scales.shape != (*lead, k // group, n):
         raise ValueError(f"scales shape {scales.shape} != {(*lead, k // group, n)}")
-    s = np.repeat(scales.astype(np.float32), group, axis=-2)
-    q = quantize_with_scales(w, s, INT4_MIN, INT4_MAX)
-    return Int4Weight(pack_int4(q, group, name), scales)
+    g = w.reshape(*lead, k // group, group, n)
+    q = quantize_with_scales(g, scales.astype(np.float32)[..., None, :], INT4_MIN, INT4_MAX)
+    return Int4Weight(pack_int4(q.reshape(*lead, k, n), group, name), scales)
 
 
 def quantize_int4_rtn(

@@ -166,6 +166,26 @@ def test_int4_zero_group_gives_zero_scale_and_values():
     assert np.all(deq[128:, 2] == 0) and np.all(np.isfinite(deq))
 
 
+def test_int4_rtn_equals_the_formula_element_by_element():
+    """Against the module docstring's formula written out per element (scales from a float64
+    absmax, expanded to every element): ties round to even, zero groups give zeros."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_t(4, size=(2, 384, 40)).astype(np.float32)
+    w[0, :128, 3] = 0.0  # a zero group
+    ties = rng.integers(-7, 7, (128, 40)) + 0.5  # a group of absmax 7: scale 1, exact halves
+    ties[0] = 7.0
+    w[1, 128:256] = ties
+    absmax = np.abs(w.astype(np.float64)).reshape(2, 3, 128, 40).max(axis=2)
+    scales = (absmax / 7).astype(np.float32).astype(BF16)
+    s = np.repeat(scales.astype(np.float32), 128, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expect = np.where(s == 0, 0, np.clip(np.rint(w / s), -8, 7)).astype(np.int8)
+    qw = Q.quantize_int4_rtn(w)
+    np.testing.assert_array_equal(qw.scales, scales)
+    np.testing.assert_array_equal(Q.unpack_int4(qw.packed), expect)
+    assert (expect[1, 128:256] % 2 == 0)[ties % 1 == 0.5].all()  # every tie went to even
+
+
 def test_int4_leading_axes_match_per_slice():
     w = np.stack([_weights(s, 256, 24, 0.05) for s in range(3)])
     qw = Q.quantize_int4_rtn(w)
