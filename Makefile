@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # inherit the flag: tests/ep_worker.py `xla_flags`), and the GPU runs use XLA's defaults.
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 
-.PHONY: demo test lint lock test-latest clean
+.PHONY: demo test lint lock clean
 
 # Both entry points install exactly the lock and nothing else: --no-deps, so pip resolves
 # nothing (a package the lock lacks fails `pip check` instead of arriving at the newest
@@ -39,31 +39,11 @@ test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=12
 
-# Re-resolve every dependency at its newest release into the lock (review the diff, then
-# `make test`), and the GPU install's wheels against it (requirements-cuda12.txt): the locks
-# change only when someone asks for it.
-lock:
-	rm -rf .venv-lock
-	$(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/pip install -q pip==$(PIP_VERSION)
-	.venv-lock/bin/pip install -q setuptools
-	.venv-lock/bin/pip install -q --no-build-isolation -e '.[test]'
-	{ echo "# The lock: every run and test dependency and the build backend"; \
-	  echo "# (setuptools) as a fresh resolution gave it on $$(date +%F) (Python 3.11, CPU)."; \
-	  echo "# Regenerate: make lock. Newest: make test-latest."; \
-	  .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -e '^#' -e '^pip=='; } \
-	  > requirements.txt
-	.venv-lock/bin/pip install -q --dry-run --ignore-installed --report .venv-lock/cuda12.json \
-	  -c requirements.txt 'jax[cuda12]'
-	.venv-lock/bin/python tools/lock_cuda12.py .venv-lock/cuda12.json > requirements-cuda12.txt
-	rm -rf .venv-lock
-
-# The tests against today's newest releases, in a venv of their own (the lock is untouched).
-test-latest:
-	rm -rf .venv-latest
-	$(PYTHON) -m venv .venv-latest
-	.venv-latest/bin/pip install -q -e '.[test]'
-	.venv-latest/bin/pytest -q
+# Re-resolve every dependency at its newest release into the lock, and the GPU install's wheels
+# against it (requirements-cuda12.txt), by pip's dry runs: nothing is installed. Review the
+# diff, then `make test`: the locks change only when someone asks for it.
+lock: | $(BIN)/python
+	$(BIN)/python tools/lock.py
 
 clean:
-	rm -rf $(VENV) .venv-lock .venv-latest .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -580,6 +580,6 @@ def finish(rows: list[dict[str, Any]], out: str | Path, title: str) -> str:
     text = render_table(rows, title)
     (out / "sweep.md").write_text(text)
     if not plot(rows, out / "sweep.png", title):
-        print("warning: no matplotlib: sweep.png not written (pip install matplotlib)",
+        print("warning: no matplotlib: sweep.png not written (it is in the lock, requirements.txt)",
               file=sys.stderr)
     return text
