@@ -70,8 +70,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.checkpoint import CheckpointReader
+from strata_jax.config import ModelConfig
 from strata_jax.expert_kernels import grouped_swiglu
-from strata_jax.model import copy_in
+from strata_jax.model import copy_in, linear, lm_head, with_shared
 from strata_jax.pool import ExpertPool
 from strata_runtime.cost_model import (
     HardwareProfile,
@@ -225,6 +226,7 @@ def hardware_fingerprint(link_gbps: float | None = None) -> dict[str, object]:
 
 
 GPU_WARM_S = 1.0  # seconds of untimed work before a device ceiling is timed (`_best`)
+CHAIN = 8  # kernel calls chained in one program when a device rate is timed (`_chained`)
 
 
 def _best(fn: Callable[[], object], reps: int, warm_s: float = 0.0) -> float:
@@ -243,6 +245,22 @@ def _best(fn: Callable[[], object], reps: int, warm_s: float = 0.0) -> float:
     return best
 
 
+def _chained(kernel: Callable, x, args: tuple, chain: int, reps: int,
+             warm_s: float = 0.0) -> float:
+    """Seconds per call of `kernel(x, *args)` (-> the next x, the same shape), timed as `chain`
+    calls chained in one jitted program, each on the last one's output (so none is merged with
+    another or hoisted): a device rate from one dispatch, not from a wall time in which one
+    launch and one wait for the host weigh as much as a short kernel (docs/design.md,
+    "Benchmarks and sweeps"). `args` are the program's arguments, never its constants."""
+    def run(x, args):
+        for _ in range(chain):
+            x = kernel(x, *args)
+        return x
+
+    run = jax.jit(run)
+    return _best(lambda: jax.block_until_ready(run(x, args)), reps, warm_s) / chain
+
+
 def host_read_gbps(nbytes: int, threads: int | None = None) -> float:
     """Host DRAM read GB/s: numpy sums of `threads` slices of one array at once (numpy lets
     go of the GIL in the reduction), best of 3."""
@@ -254,33 +272,72 @@ def host_read_gbps(nbytes: int, threads: int | None = None) -> float:
     return x.nbytes / seconds / 1e9
 
 
-def _device_read_gbps(dev: jax.Device, nbytes: int, reps: int, warm_s: float) -> float:
+def _device_read_gbps(dev: jax.Device, nbytes: int, reps: int, warm_s: float,
+                      chain: int) -> float:
     x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), dev)
-    read = jax.jit(jnp.sum)
-    return x.nbytes / _best(lambda: read(x).block_until_ready(), reps, warm_s) / 1e9
+    acc = jax.device_put(jnp.zeros((), jnp.float32), dev)
+    # each sum adds the last one's (scaled) result to every element: a full read per call
+    seconds = _chained(lambda a, x: jnp.sum(x + a) * 1e-9, acc, (x,), chain, reps, warm_s)
+    return x.nbytes / seconds / 1e9
 
 
-def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int, warm_s: float) -> float:
-    a = jax.device_put(jnp.ones((n, n), dtype), dev)
-    mm = jax.jit(lambda m: m @ m)
-    return 2 * n**3 / _best(lambda: mm(a).block_until_ready(), reps, warm_s) / 1e12
+def _matmul_tflops(dev: jax.Device, n: int, dtype, reps: int, warm_s: float,
+                   chain: int) -> float:
+    a = jax.device_put(jnp.full((n, n), 1.0 / n, dtype), dev)  # powers of two: stays 1 / n
+    return 2 * n**3 / _chained(lambda c, a: c @ a, a, (a,), chain, reps, warm_s) / 1e12
 
 
 def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts: int,
-                      int4_tiles=None, reps: int = 20) -> float:
+                      int4_tiles=None, reps: int = 20, chain: int = CHAIN) -> float:
     """GB/s of expert bytes the engine's expert kernel (`expert_kernels.grouped_swiglu`, the
     path it picks for `rows` rows and the pool's format) reads applying `experts` slots of
-    `pool` to `rows` rows: best wall time of `reps` (each a layer's worth of experts, as a
-    decode step reads them)."""
+    `pool` to `rows` rows (a layer's worth of experts, as a decode step reads them): `chain`
+    layers' worth in one program, each on the last one's output, best wall time of `reps`."""
     experts = max(1, min(experts, pool.num_slots))
     x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal((rows, hidden)),
                                    dtype), pool.w1.sharding)
     slots = jax.device_put(jnp.arange(experts, dtype=jnp.int32), pool.w1.sharding)
-    apply = jax.jit(lambda x, s, p: grouped_swiglu(x, s, p, None, int4_tiles))
-    apply(x, slots, pool).block_until_ready()  # compiles it
+
+    def layer(x, slots, pool):  # tanh keeps the chained rows bounded
+        return jnp.tanh(grouped_swiglu(x, slots, pool, None, int4_tiles).sum((0, 1))
+                        ).astype(x.dtype)
+
     per_slot = sum(a.nbytes for a in pool if a is not None) / pool.num_slots
-    return experts * per_slot / _best(lambda: apply(x, slots, pool).block_until_ready(),
-                                      reps) / 1e9
+    return experts * per_slot / _chained(layer, x, (slots, pool), chain, reps) / 1e9
+
+
+DENSE_MATRICES = ("wqkv", "wo", "router", "shared_w1", "shared_w3", "shared_w2", "shared_gate")
+
+
+def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int,
+                      reps: int = 20) -> float:
+    """GB/s of dense bytes the model's decode matmuls read at `rows` rows: every layer's fused
+    qkv, output, router and shared-expert projections (`model.linear` and
+    `model.with_shared`, int8 matrices with their scales), scanned over the layers as the
+    step scans them, then the lm head, in one program (no attention, no experts, each layer
+    on the last one's output); bytes of the arrays it reads / its best wall time of `reps`.
+    The step's dense reads run at this rate, not at a plain read's (docs/design.md, "The
+    cost model")."""
+    p = params["params"]
+    layers = {k: v for k, v in p["layers"].items() if k.removesuffix("_scale") in DENSE_MATRICES}
+    head = {k: p[k] for k in ("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head")}
+    dev = next(iter(jax.tree.leaves(layers)[0].devices()))
+    x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(
+        (rows, cfg.hidden_size)), cfg.dtype), dev)
+
+    def layer(x, lp):
+        qkv = linear(x, lp, "wqkv")
+        x = x + linear(qkv[:, : cfg.q_size], lp, "wo")
+        logits = x @ lp["router"]
+        return jnp.tanh(with_shared(cfg, lp, x, x)), logits  # tanh: bounded rows
+
+    @jax.jit
+    def run(x, layers, head):
+        x, logits = jax.lax.scan(layer, x, layers)
+        return lm_head(cfg, head, x), logits
+
+    nbytes = sum(a.nbytes for a in jax.tree.leaves((layers, head)))
+    return nbytes / _best(lambda: jax.block_until_ready(run(x, layers, head)), reps) / 1e9
 
 
 def step_link(engine: Engine, layers: int, reps: int = 3) -> dict[str, Any] | None:
@@ -339,9 +396,10 @@ def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
     link = max(link_rate(dev, min(big, 64 << 20)) for _ in range(3))
     host = host_read_gbps(big)
     warm = 0.0 if quick else GPU_WARM_S
-    hbm = _device_read_gbps(dev, 2 * big, reps, warm)  # 2 GiB on a GPU: dispatch < 5 % of a read
+    chain = 2 if quick else CHAIN
+    hbm = _device_read_gbps(dev, 2 * big, reps, warm, chain)
     dtype = jnp.float32 if dev.platform == "cpu" else jnp.bfloat16
-    tflops = _matmul_tflops(dev, n, dtype, reps, warm)
+    tflops = _matmul_tflops(dev, n, dtype, reps, warm, chain)
     try:
         stats = dev.memory_stats() or {}
     except (AttributeError, NotImplementedError, RuntimeError):
@@ -350,7 +408,7 @@ def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
             "matmul_tflops": tflops, "matmul_dtype": jnp.dtype(dtype).name,
             "hbm_gib": stats.get("bytes_limit", 0) / (1 << 30), "disk_read_gbps": {},
             "sizes": {"host_read_bytes": big, "device_read_bytes": 2 * big, "matmul_n": n,
-                      "device_warm_s": warm},
+                      "device_warm_s": warm, "device_chain": chain},
             "quick": quick}
 
 
@@ -576,6 +634,7 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
                        "flops_per_token": sizes.flops_per_token,
                        "disk_gbps": hw.disk_gbps if disk else None,
                        "expert_read_gbps": hw.expert_read_gbps or None,
+                       "dense_read_gbps": hw.dense_read_gbps or None,
                        "link_gbps": hw.link_gbps},
             "compare_with": "decode_tok_s"}
 
@@ -676,6 +735,30 @@ def check_fits(config: EngineConfig, settings: BenchSettings) -> None:
                          "(--max-len) or shorten the run")
 
 
+
+def _kernel_rates(engine: Engine, hw: HardwareProfile) -> tuple[HardwareProfile, dict[str, str]]:
+    """`hw` with the rates of the engine's own kernels at its decode rows: the expert kernel on
+    its pool (`expert_kernel_gbps`, a layer's worth of experts) and the dense matmuls
+    (`dense_kernel_gbps`); a rate that cannot be measured stays the device read's, its error
+    returned by name."""
+    cfg, config = engine.cfg, engine.config
+    rows = config.batch_capacity
+    measure = {
+        "expert_read_gbps": lambda: expert_kernel_gbps(
+            engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, rows,
+            min(cfg.num_experts, cfg.top_k * rows), config.int4_tiles),
+        "dense_read_gbps": lambda: dense_kernel_gbps(cfg, engine.params, rows)}
+    errors: dict[str, str] = {}
+    for name, rate in measure.items():
+        try:
+            hw = dataclasses.replace(hw, **{name: rate()})
+        except Exception as e:  # noqa: BLE001  (the prediction falls back to the HBM rate)
+            errors[name] = f"{type(e).__name__}: {e}"
+            print(f"warning: {name} not measured ({errors[name]}): the prediction reads at "
+                  "the device read rate instead", file=sys.stderr)
+    return hw, errors
+
+
 def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSettings, *,
               ceilings: dict[str, Any] | None = None,
               fingerprint: dict[str, Any] | None = None, label: str | None = None,
@@ -706,17 +789,9 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         if engine.host_misses is not None and hw.host_kernel_gbps <= 0:  # the engine's own
             hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
                                      host_row_cost=engine.host_misses.rates.row_cost)
-        kernel_error = None
-        if settings.hardware == "measured":  # the rate of this checkpoint's expert kernel
-            try:
-                hw = dataclasses.replace(hw, expert_read_gbps=expert_kernel_gbps(
-                    engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype,
-                    config.batch_capacity, min(cfg.num_experts, cfg.top_k * config.batch_capacity),
-                    config.int4_tiles))
-            except Exception as e:  # noqa: BLE001  (the prediction falls back to the HBM rate)
-                kernel_error = f"{type(e).__name__}: {e}"
-                print(f"warning: expert kernel rate not measured ({kernel_error}): the "
-                      "prediction reads the experts at the device read rate", file=sys.stderr)
+        kernel_errors: dict[str, str] = {}
+        if settings.hardware == "measured":  # the rates of this engine's own kernels
+            hw, kernel_errors = _kernel_rates(engine, hw)
         t0 = time.perf_counter()
         engine.generate(prompts, settings.warmup_new or settings.new)  # compiles them all
         warmup_s = time.perf_counter() - t0
@@ -766,8 +841,9 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
                                 if total.decode_s > 0 else None),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
-        "expert_read_gbps": hw.expert_read_gbps or None, "step_link": link,
-        **({"expert_read_error": kernel_error} if kernel_error else {}),
+        "expert_read_gbps": hw.expert_read_gbps or None,
+        "dense_read_gbps": hw.dense_read_gbps or None, "step_link": link,
+        **({"kernel_rate_errors": kernel_errors} if kernel_errors else {}),
         "ceilings": ceilings,
         "sizes": dataclasses.asdict(sizes), "build_s": build_s,
         "build_phases_s": engine.startup, "warmup_s": warmup_s,

@@ -2,7 +2,8 @@
 
 One decode step of B live rows takes, in seconds,
 
-    t_hbm     = dense_bytes / hbm + routed * bytes_per_expert / expert_read
+    t_hbm     = dense_bytes / dense_read + extra_hbm_bytes / hbm
+                + routed * bytes_per_expert / expert_read
     t_compute = B * flops_per_token / matmul
     t_copy    = misses * bytes_per_expert / link          link = min(pcie, host_read)
     t_host    = hosted * bytes_per_expert / host_kernel
@@ -15,7 +16,9 @@ One decode step of B live rows takes, in seconds,
     base      = max(d + m, t_host) + max(max(t_hbm, t_compute), p - m) + overhead
     step      = base * (1 + rerun) + t_admit + t_disk
 
-and tok/s = B / step. `routed`, `misses`, `hosted`, `unused`, `admissions` and `disk_loads` are
+and tok/s = B / step. `dense_read` and `expert_read` are the rates at which the model's dense
+matmuls and its expert kernel read their weights at decode rows (the profile's; a plain read's,
+`hbm`, where it has none). `routed`, `misses`, `hosted`, `unused`, `admissions` and `disk_loads` are
 experts per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are
 copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the share
 of the copied misses prefetched. A layer waits for its demand copies (beside the host's share: the
@@ -67,6 +70,9 @@ class HardwareProfile:
     expert_read_gbps: float = 0.0
     """Expert bytes per second the device's expert kernel reads at decode rows, GB/s (a
     quantized kernel dequantizes as it reads, below the plain read rate); 0: `hbm_gbps`."""
+    dense_read_gbps: float = 0.0
+    """Dense bytes per second the model's dense matmuls read at decode rows, GB/s (a matmul of
+    a few rows reads its matrix below the plain read rate); 0: `hbm_gbps`."""
     disk_gbps: float = 0.0
     """Expert bytes per second read from tier 2 (the checkpoint on disk) by the engine's fetch
     threads during a stall, GB/s; 0: no disk reads can be modelled."""
@@ -185,8 +191,8 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
     if disk_loads > 0 and hw.disk_gbps <= 0:
         raise ValueError(f"profile {hw.name} has no disk rate: disk loads cannot be modelled")
     bpe, link = model.bytes_per_expert, hw.link_gbps * 1e9
-    experts = hw.expert_read_gbps or hw.hbm_gbps
-    terms = {"t_hbm": ((model.dense_bytes + extra_hbm_bytes) / (hw.hbm_gbps * 1e9)
+    experts, dense = hw.expert_read_gbps or hw.hbm_gbps, hw.dense_read_gbps or hw.hbm_gbps
+    terms = {"t_hbm": (model.dense_bytes / (dense * 1e9) + extra_hbm_bytes / (hw.hbm_gbps * 1e9)
                        + routed * bpe / (experts * 1e9)),
              "t_compute": batch * model.flops_per_token / (hw.matmul_tflops * 1e12),
              "t_copy": misses * bpe / link,

@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from strata_jax import api
 from strata_jax.pool import ExpertPool
 from strata_runtime import bench as bench_module
 from strata_runtime.bench import (
     Counts,
     Sizes,
     bound,
+    dense_kernel_gbps,
     device_figures,
     expert_kernel_gbps,
     hardware_fingerprint,
@@ -28,7 +30,7 @@ from strata_runtime.bench import (
 from strata_runtime.cli import main
 from strata_runtime.cost_model import HardwareProfile
 from strata_runtime.stats import DeviceCounts, PhaseCounts
-from tests.helpers import tiny_config, write_checkpoint
+from tests.helpers import random_arrays, tiny_config, write_checkpoint
 
 FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes",
                "pinned_h2d_gbps", "pcie_gen", "git", "python")
@@ -93,8 +95,10 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
     for key in ("pinned_h2d_gbps", "host_read_gbps", "hbm_read_gbps", "matmul_tflops"):
         assert s["ceilings"][key] > 0
     assert s["expert_read_gbps"] > 0  # the engine's expert kernel, timed on its pool
-    assert all(r["predicted"]["inputs"]["expert_read_gbps"] == s["expert_read_gbps"]
-               for r in rows)
+    assert s["dense_read_gbps"] > 0  # and its dense matmuls
+    assert "kernel_rate_errors" not in s
+    for key in ("expert_read_gbps", "dense_read_gbps"):
+        assert all(r["predicted"]["inputs"][key] == s[key] for r in rows)
     link = s["step_link"]  # the link as the decode steps use it: the step's copies
     assert link["copy_bytes"] == s["sizes"]["bytes_per_expert"] and link["gbps"] > 0
     assert link["copies"] >= 1
@@ -142,21 +146,64 @@ def test_same_seed_same_tokens_another_seed_other_prompts(ckpt, rows, tmp_path, 
     assert synthetic_prompts(97, 3, 5, 7) != synthetic_prompts(97, 3, 5, 8)
 
 
-def test_expert_kernel_rate_counts_the_slots_it_reads(monkeypatch):
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def test_expert_kernel_rate_counts_the_slots_it_reads_chained_in_one_program(monkeypatch):
     """The rate is the bytes of the slots applied (at most the pool's) over the kernel's best
-    time: with the clock fixed at one second, the bytes themselves."""
+    time per call: with the clock fixed at one second for the program of `CHAIN` calls, the
+    bytes times `CHAIN`. The program is the chain itself: each call applies the slots to the
+    last one's (tanh-bounded) output, as a float64 reference computes it."""
     cfg = tiny_config()
     rng = np.random.default_rng(0)
     d, f, slots = cfg.hidden_size, cfg.expert_intermediate_size, 6
-    pool = ExpertPool(*(jnp.asarray(rng.standard_normal(shape), jnp.float32)
-                        for shape in ((slots, d, f), (slots, d, f), (slots, f, d))))
+    weights = [rng.standard_normal(shape) * 0.3 for shape in ((slots, d, f), (slots, d, f),
+                                                             (slots, f, d))]
+    pool = ExpertPool(*(jnp.asarray(w, jnp.float32) for w in weights))
     assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) > 0  # really timed
     timed = []
-    monkeypatch.setattr(bench_module, "_best", lambda fn, reps: timed.append(fn()) or 1.0)
-    per_slot = 3 * d * f * 4
-    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) == 4 * per_slot / 1e9
-    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=99) == 6 * per_slot / 1e9
-    assert timed[0].shape[:2] == (4, 1)  # [C, S, N, D]: the kernel ran on the four slots
+    monkeypatch.setattr(bench_module, "_best",
+                        lambda fn, reps, warm_s=0.0: timed.append(fn()) or 1.0)
+    per_slot, chain = 3 * d * f * 4, bench_module.CHAIN
+    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) == chain * 4 * per_slot / 1e9
+    assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=99) == chain * 6 * per_slot / 1e9
+    x = np.random.default_rng(0).standard_normal((2, d))  # the rows the function draws
+    w1, w3, w2 = (w[:4] for w in weights)
+    for _ in range(chain):
+        x = np.tanh(np.einsum("cnf,cfd->nd", _silu(np.einsum("nd,cdf->cnf", x, w1))
+                              * np.einsum("nd,cdf->cnf", x, w3), w2))
+    np.testing.assert_allclose(np.asarray(timed[0]), x, rtol=1e-3, atol=5e-4)  # f32, 8 deep
+
+
+def test_dense_kernel_rate_reads_every_dense_matrix_once_per_call(monkeypatch):
+    """The dense rate's bytes are the matrices a decode step's dense matmuls read (every
+    layer's qkv, output, router and shared expert, then the lm head and its norm), and its
+    program applies them as a float64 reference does, layer after layer."""
+    cfg = tiny_config("qwen2_moe")
+    g, layers, experts = random_arrays(cfg)
+    params = api.from_arrays(cfg, g, layers, experts).params
+    assert dense_kernel_gbps(cfg, params, rows=3) > 0  # really timed
+    timed = []
+    monkeypatch.setattr(bench_module, "_best",
+                        lambda fn, reps, warm_s=0.0: timed.append(fn()) or 1.0)
+    read = sum(layers[k].nbytes for k in ("wq", "wk", "wv", "wo", "router", "shared_w1",
+                                          "shared_w3", "shared_w2", "shared_gate"))
+    read += g["lm_head"].nbytes + g["final_norm"].nbytes
+    assert dense_kernel_gbps(cfg, params, rows=3) == read / 1e9
+    logits, router = (np.asarray(a) for a in timed[0])
+    x = np.random.default_rng(0).standard_normal((3, cfg.hidden_size))
+    f64 = {k: v.astype(np.float64) for k, v in layers.items()}
+    for li in range(cfg.num_layers):
+        lp = {k: v[li] for k, v in f64.items()}
+        q = x @ lp["wq"]
+        x = x + q @ lp["wo"]
+        np.testing.assert_allclose(router[li], x @ lp["router"], rtol=1e-4, atol=1e-4)
+        shared = (_silu(x @ lp["shared_w1"]) * (x @ lp["shared_w3"])) @ lp["shared_w2"]
+        shared = shared / (1 + np.exp(-(x @ lp["shared_gate"])))[:, None]
+        x = np.tanh(x + shared)
+    h = x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_eps) * g["final_norm"]
+    np.testing.assert_allclose(logits, h @ g["lm_head"].T, rtol=1e-4, atol=1e-4)
 
 
 def test_the_step_link_copies_as_many_experts_as_a_layer_did_by_the_steps_copy():
