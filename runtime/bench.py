@@ -309,12 +309,13 @@ def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts:
 DENSE_MATRICES = ("wqkv", "wo", "router", "shared_w1", "shared_w3", "shared_w2", "shared_gate")
 
 
-def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int,
+def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int, unroll: bool,
                       reps: int = 20) -> float:
     """GB/s of dense bytes the model's decode matmuls read at `rows` rows: every layer's fused
     qkv, output, router and shared-expert projections (`model.linear` and
     `model.with_shared`, int8 matrices with their scales), scanned over the layers as the
-    step scans them, then the lm head, in one program (no attention, no experts, each layer
+    step scans them (`unroll`: the step plan's; a rolled scan copies each layer's weights
+    out of the stacks first), then the lm head, in one program (no attention, no experts, each layer
     on the last one's output); bytes of the arrays it reads / its best wall time of `reps`.
     The step's dense reads run at this rate, not at a plain read's (docs/design.md, "The
     cost model")."""
@@ -333,7 +334,7 @@ def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int,
 
     @jax.jit
     def run(x, layers, head):
-        x, logits = jax.lax.scan(layer, x, layers)
+        x, logits = jax.lax.scan(layer, x, layers, unroll=unroll)
         return lm_head(cfg, head, x), logits
 
     nbytes = sum(a.nbytes for a in jax.tree.leaves((layers, head)))
@@ -747,7 +748,8 @@ def _kernel_rates(engine: Engine, hw: HardwareProfile) -> tuple[HardwareProfile,
         "expert_read_gbps": lambda: expert_kernel_gbps(
             engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, rows,
             min(cfg.num_experts, cfg.top_k * rows), config.int4_tiles),
-        "dense_read_gbps": lambda: dense_kernel_gbps(cfg, engine.params, rows)}
+        "dense_read_gbps": lambda: dense_kernel_gbps(cfg, engine.params, rows,
+                                                     engine.plan.unroll)}
     errors: dict[str, str] = {}
     for name, rate in measure.items():
         try:
