@@ -36,8 +36,10 @@ The cost model (`cost_model.predict`) predicts decode tok/s from the decode step
 (`prediction`), on the ceilings measured in the run (profile "measured") or a shipped profile;
 compare it with the engine's decode tok/s, which leaves prefill out too. With the measured
 profile the routed experts' bytes count at the rate the engine's own expert kernel reads them
-(`expert_kernel_gbps`, timed on the engine's pool after it is built: a quantized kernel
-dequantizes as it reads, below the plain read); the bound keeps the plain read. Its link is
+(`expert_kernel_gbps`, timed on the engine's pool after its warm-up, as many experts as a layer
+of it routed: a quantized kernel dequantizes as it reads, below the plain read), and the dense
+bytes at the rate of the model's own dense matmuls (`dense_kernel_gbps`: a matmul of a few
+rows reads below a plain read too); the bound keeps the plain read. Its link is
 the one the decode steps use (`step_link`: as many experts as a layer copied in the warm-up,
 by the step's own copy out of the engine's tier 1), which the bound uses too where it is faster
 than the ceiling's.
@@ -737,17 +739,22 @@ def check_fits(config: EngineConfig, settings: BenchSettings) -> None:
 
 
 
-def _kernel_rates(engine: Engine, hw: HardwareProfile) -> tuple[HardwareProfile, dict[str, str]]:
-    """`hw` with the rates of the engine's own kernels at its decode rows: the expert kernel on
-    its pool (`expert_kernel_gbps`, a layer's worth of experts) and the dense matmuls
-    (`dense_kernel_gbps`); a rate that cannot be measured stays the device read's, its error
-    returned by name."""
+def _kernel_rates(engine: Engine,
+                  hw: HardwareProfile) -> tuple[HardwareProfile, int, dict[str, str]]:
+    """`hw` with the rates of the engine's own kernels at its decode rows, once its warm-up has
+    run: the expert kernel on its pool (`expert_kernel_gbps`) applying as many experts as a
+    layer of the warm-up's decode steps routed (a kernel's fixed costs weigh more on fewer
+    experts), and the dense matmuls (`dense_kernel_gbps`); a rate that cannot be measured
+    stays the device read's, its error returned by name. Returns (hw, the expert count, the
+    errors)."""
     cfg, config = engine.cfg, engine.config
-    rows = config.batch_capacity
+    rows, d = config.batch_capacity, engine.counters.decode
+    experts = (round(d.routed / d.calls / cfg.num_layers) if d.calls
+               else min(cfg.num_experts, cfg.top_k * rows))
     measure = {
         "expert_read_gbps": lambda: expert_kernel_gbps(
-            engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, rows,
-            min(cfg.num_experts, cfg.top_k * rows), config.int4_tiles),
+            engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, rows, experts,
+            config.int4_tiles),
         "dense_read_gbps": lambda: dense_kernel_gbps(cfg, engine.params, rows,
                                                      engine.plan.unroll)}
     errors: dict[str, str] = {}
@@ -758,7 +765,7 @@ def _kernel_rates(engine: Engine, hw: HardwareProfile) -> tuple[HardwareProfile,
             errors[name] = f"{type(e).__name__}: {e}"
             print(f"warning: {name} not measured ({errors[name]}): the prediction reads at "
                   "the device read rate instead", file=sys.stderr)
-    return hw, errors
+    return hw, experts, errors
 
 
 def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSettings, *,
@@ -791,13 +798,14 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         if engine.host_misses is not None and hw.host_kernel_gbps <= 0:  # the engine's own
             hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
                                      host_row_cost=engine.host_misses.rates.row_cost)
-        kernel_errors: dict[str, str] = {}
-        if settings.hardware == "measured":  # the rates of this engine's own kernels
-            hw, kernel_errors = _kernel_rates(engine, hw)
         t0 = time.perf_counter()
         engine.generate(prompts, settings.warmup_new or settings.new)  # compiles them all
         warmup_s = time.perf_counter() - t0
         compile_s = engine.stats()["compile_s"]
+        kernel_errors: dict[str, str] = {}
+        kernel_experts = None
+        if settings.hardware == "measured":  # the rates of this engine's own kernels
+            hw, kernel_experts, kernel_errors = _kernel_rates(engine, hw)
         link = step_link(engine, layers) if settings.hardware == "measured" else None
         if link is not None:
             hw = dataclasses.replace(hw, pcie_gbps=link["gbps"])
@@ -843,7 +851,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
                                 if total.decode_s > 0 else None),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
-        "expert_read_gbps": hw.expert_read_gbps or None,
+        "expert_read_gbps": hw.expert_read_gbps or None, "expert_read_experts": kernel_experts,
         "dense_read_gbps": hw.dense_read_gbps or None, "step_link": link,
         **({"kernel_rate_errors": kernel_errors} if kernel_errors else {}),
         "ceilings": ceilings,

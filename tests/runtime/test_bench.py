@@ -96,6 +96,8 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
         assert s["ceilings"][key] > 0
     assert s["expert_read_gbps"] > 0  # the engine's expert kernel, timed on its pool
     assert s["dense_read_gbps"] > 0  # and its dense matmuls
+    # a layer's worth of the warm-up's routed experts: 2 rows at top-2 route at most 4
+    assert 1 <= s["expert_read_experts"] <= 4
     assert "kernel_rate_errors" not in s
     for key in ("expert_read_gbps", "dense_read_gbps"):
         assert all(r["predicted"]["inputs"][key] == s[key] for r in rows)
