@@ -1,9 +1,9 @@
-"""Why did the dense decode matmuls of `bench.dense_kernel_gbps` run below the step's? The
-seed-125b shape (6 layers, random bf16 weights made on the device) at 16 rows, timed as:
-the function itself with the layer scan rolled and unrolled, the rolled scanned layers alone,
-the lm head alone, the layers unrolled by hand (each layer's arrays indexed out of the
-stacks), and beside them a plain read (`bench._device_read_gbps`, chained). GPU only in
-practice.
+"""How fast does a decode step read its dense weights? The seed-125b shape (6 layers, random
+bf16 weights made on the device) at 16 rows, timed as: `bench.dense_kernel_gbps` (the step
+without its experts) with the layer scan rolled and unrolled; its dense matmuls alone, the
+layers scanned rolled and unrolled by hand (each layer's arrays indexed out of the stacks);
+the lm head alone; and beside them a plain read (`bench._device_read_gbps`, chained). GPU
+only in practice.
 
     python -m benchmarks.dense_rate_probe
 """
@@ -14,6 +14,8 @@ import json
 import jax
 import jax.numpy as jnp
 
+from strata_jax.checkpoint import global_shapes
+from strata_jax.flax_model import layer_specs
 from strata_jax.model import linear, lm_head, with_shared
 from strata_jax.synth import SHAPES
 from strata_runtime import bench
@@ -21,21 +23,20 @@ from strata_runtime import bench
 
 def main() -> None:
     cfg = dataclasses.replace(SHAPES["seed-125b"], num_layers=6)
-    d, q, kv, fs = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.shared_intermediate_size
-    shapes = {"wqkv": (d, q + 2 * kv), "wo": (q, d), "router": (d, cfg.num_experts),
-              "shared_w1": (d, fs), "shared_w3": (d, fs), "shared_w2": (fs, d),
-              "shared_gate": (d,)}
-    keys = iter(jax.random.split(jax.random.key(0), 16))
+    d, q = cfg.hidden_size, cfg.q_size
+    keys = iter(jax.random.split(jax.random.key(0), 64))
     draw = jax.jit(lambda k, s: (0.02 * jax.random.normal(k, s)).astype(jnp.bfloat16),
                    static_argnums=1)
-    layers = {k: draw(next(keys), (cfg.num_layers, *s)) for k, s in shapes.items()}
-    head = {"final_norm": jnp.ones((d,), jnp.bfloat16),
-            "lm_head": draw(next(keys), (cfg.vocab_size, d))}
-    params = {"params": {**head, "layers": layers}}
+    layers = {k: draw(next(keys), (cfg.num_layers, *v.shape))
+              for k, v in layer_specs(cfg).items()}
+    glob = {k: draw(next(keys), v) for k, v in global_shapes(cfg).items()}
+    head = {"final_norm": glob["final_norm"], "lm_head": glob["lm_head"]}
+    params = {"params": {**glob, "layers": layers}}
     x = draw(next(keys), (16, d))
     out = {"device": jax.devices()[0].device_kind, "rows": 16}
-    out["function_rolled"] = bench.dense_kernel_gbps(cfg, params, 16, unroll=False)
-    out["function_unrolled"] = bench.dense_kernel_gbps(cfg, params, 16, unroll=True)
+    for unroll in (False, True):  # the step without its experts, a cache of 2,048 positions
+        out[f"function_{'un' * unroll}rolled"] = bench.dense_kernel_gbps(cfg, params, 16, 2048,
+                                                                          unroll)
 
     def layer(x, lp):
         qkv = linear(x, lp, "wqkv")

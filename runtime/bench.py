@@ -74,7 +74,7 @@ import numpy as np
 from strata_jax.checkpoint import CheckpointReader
 from strata_jax.config import ModelConfig
 from strata_jax.expert_kernels import grouped_swiglu
-from strata_jax.model import copy_in, linear, lm_head, with_shared
+from strata_jax.model import cached_attention, copy_in, lm_head, route_layer, with_shared
 from strata_jax.pool import ExpertPool
 from strata_runtime.cost_model import (
     HardwareProfile,
@@ -308,39 +308,47 @@ def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts:
     return experts * per_slot / _chained(layer, x, (slots, pool), chain, reps) / 1e9
 
 
-DENSE_MATRICES = ("wqkv", "wo", "router", "shared_w1", "shared_w3", "shared_w2", "shared_gate")
-
-
-def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int, unroll: bool,
-                      reps: int = 20) -> float:
-    """GB/s of dense bytes the model's decode matmuls read at `rows` rows: every layer's fused
-    qkv, output, router and shared-expert projections (`model.linear` and
-    `model.with_shared`, int8 matrices with their scales), scanned over the layers as the
-    step scans them (`unroll`: the step plan's; a rolled scan copies each layer's weights
-    out of the stacks first), then the lm head, in one program (no attention, no experts, each layer
-    on the last one's output); bytes of the arrays it reads / its best wall time of `reps`.
-    The step's dense reads run at this rate, not at a plain read's (docs/design.md, "The
-    cost model")."""
+def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int, cache_len: int,
+                      unroll: bool, reps: int = 20) -> float:
+    """GB/s of dense bytes (the params but the embedding table, as `engine_sizes` counts them)
+    that the model's decode step reads without its experts, at `rows` rows of one token: every
+    layer's attention over a cache of `cache_len` positions (`model.cached_attention`, the
+    cache updated in place as the step's is), its routing and its shared expert, the layers
+    scanned as the step scans them (`unroll`: the step plan's; a rolled scan copies each
+    layer's weights out of the stacks first), then the lm head, in one program; best wall
+    time of `reps`. The step's dense matmuls, its attention and its routing, many small
+    kernels among them, run at this rate, not at a plain read's (docs/design.md, "The cost
+    model"). The rows are the embeddings of `rows` seeded token ids at position 0."""
     p = params["params"]
-    layers = {k: v for k, v in p["layers"].items() if k.removesuffix("_scale") in DENSE_MATRICES}
-    head = {k: p[k] for k in ("final_norm", "embed" if cfg.tie_word_embeddings else "lm_head")}
-    dev = next(iter(jax.tree.leaves(layers)[0].devices()))
-    x = jax.device_put(jnp.asarray(np.random.default_rng(0).standard_normal(
-        (rows, cfg.hidden_size)), cfg.dtype), dev)
+    dev = next(iter(p["final_norm"].devices()))
+    ids = np.random.default_rng(0).integers(cfg.vocab_size, size=rows)
+    x = jax.device_put(p["embed"][ids][:, None], dev)
+    positions = jax.device_put(jnp.zeros((rows, 1), jnp.int32), dev)
+    shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads, cfg.head_dim)
+    cache = [jnp.zeros(shape, cfg.dtype, device=dev) for _ in range(2)]
 
-    def layer(x, lp):
-        qkv = linear(x, lp, "wqkv")
-        x = x + linear(qkv[:, : cfg.q_size], lp, "wo")
-        logits = x @ lp["router"]
-        return jnp.tanh(with_shared(cfg, lp, x, x)), logits  # tanh: bounded rows
+    def layer(carry, xs):
+        x, k_all, v_all = carry
+        lp, li = xs
+        x, k_all, v_all = cached_attention(cfg, lp, x, positions, k_all, v_all, li, None)
+        h, routing = route_layer(cfg, lp, x)
+        x = x + with_shared(cfg, lp, h, jnp.zeros_like(h)).reshape(x.shape)
+        return (x, k_all, v_all), routing.experts
 
-    @jax.jit
-    def run(x, layers, head):
-        x, logits = jax.lax.scan(layer, x, layers, unroll=unroll)
-        return lm_head(cfg, head, x), logits
+    def step(x, k_all, v_all, p):
+        (x, k_all, v_all), experts = jax.lax.scan(
+            layer, (x, k_all, v_all), (p["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
+        return lm_head(cfg, p, x), experts, k_all, v_all
 
-    nbytes = sum(a.nbytes for a in jax.tree.leaves((layers, head)))
-    return nbytes / _best(lambda: jax.block_until_ready(run(x, layers, head)), reps) / 1e9
+    run = jax.jit(step, donate_argnums=(1, 2))
+
+    def call():
+        logits, experts, *cache[:] = run(x, *cache, p)
+        return logits, experts
+
+    dense = sum(a.nbytes for a in jax.tree.leaves(p))
+    dense -= 0 if cfg.tie_word_embeddings else p["embed"].nbytes
+    return dense / _best(lambda: jax.block_until_ready(call()), reps) / 1e9
 
 
 def step_link(engine: Engine, layers: int, reps: int = 3) -> dict[str, Any] | None:
@@ -605,7 +613,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
     live rows per timed decode step; routed, misses (demand copies + prefetched experts: every
     routed expert without a tier-0 slot), hosted, admissions, disk loads per decode step;
     hidden = the misses' share the prefetch served; rerun = the share of a step's `layers` run
-    again after disk stalls; extra_hbm_bytes = the KV cache. Unless the profile has a disk
+    again after disk stalls; extra_hbm_bytes = the KV cache (none with a measured dense rate,
+    `dense_kernel_gbps`, whose program reads the cache). Unless the profile has a disk
     rate, disk loads count at the rate the decode steps' own loads achieved (their bytes /
     their stall seconds; every call's, if the decode stalls took no measurable time): how much
     of the checkpoint the page cache holds and how many loads a stall overlaps decide it,
@@ -628,7 +637,8 @@ def prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
               "unused": max(d.issued - d.prefetched, 0) / steps,
               "rerun": d.resumed_layers / (layers * steps) if disk else 0.0,
               "hidden": d.prefetched / need if need else 0.0,
-              "extra_hbm_bytes": float(sizes.kv_bytes)}
+              # a measured dense rate has the attention's cache reads in it already
+              "extra_hbm_bytes": 0.0 if hw.dense_read_gbps else float(sizes.kv_bytes)}
     p = predict(hw, sizes.model(), **inputs)
     return {"profile": hw.name, "tok_s": p.tok_s, "binding": p.binding, "step_ms": 1e3 * p.step_s,
             "terms_ms": {k: 1e3 * v for k, v in p.terms.items()},
@@ -756,7 +766,7 @@ def _kernel_rates(engine: Engine,
             engine.shares[0].residency.pool, cfg.hidden_size, cfg.dtype, rows, experts,
             config.int4_tiles),
         "dense_read_gbps": lambda: dense_kernel_gbps(cfg, engine.params, rows,
-                                                     engine.plan.unroll)}
+                                                     engine.state.max_len, engine.plan.unroll)}
     errors: dict[str, str] = {}
     for name, rate in measure.items():
         try:

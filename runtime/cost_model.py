@@ -16,25 +16,26 @@ One decode step of B live rows takes, in seconds,
     base      = max(d + m, t_host) + max(max(t_hbm, t_compute), p - m) + overhead
     step      = base * (1 + rerun) + t_admit + t_disk
 
-and tok/s = B / step. `dense_read` and `expert_read` are the rates at which the model's dense
-matmuls and its expert kernel read their weights at decode rows (the profile's; a plain read's,
-`hbm`, where it has none). `routed`, `misses`, `hosted`, `unused`, `admissions` and `disk_loads` are
-experts per step (from a replay, `strata_runtime.simulate`, or a run's counters); `misses` are
-copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`); `h` is the share
-of the copied misses prefetched. A layer waits for its demand copies (beside the host's share: the
-longer of the two), then reads and computes. The next layer's prefetches, with those no layer used,
-are issued as soon as this layer's router gives their ids, so they share the link with this
-layer's demand copies (each at half the rate while both run: `m`) and only what is left of them
-overlaps the layer's reads and math (docs/design.md, "The cost model"); admissions are copies
-between steps (the engine's cache fills, after the step: once per step, however many of its layers
-ran again). A step that routes to an expert found only on disk waits for
-its read (nothing overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled layer:
-`rerun` is the share of a step's layers run again, per step. The binding resource is the one busy
-longest: hbm (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk
-(t_disk) or the link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the
-two. Not modelled: the KV cache read (pass it in `extra_hbm_bytes`), host round trips and launch
-gaps (`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split is
-uneven (the step's sums are split, not each layer's).
+and tok/s = B / step. `dense_read` and `expert_read` are the rates at which the model's decode step
+without its experts and its expert kernel read their weights at decode rows (the profile's; a plain
+read's, `hbm`, where it has none). `routed`, `misses`, `hosted`, `unused`, `admissions` and
+`disk_loads` are experts per step (from a replay, `strata_runtime.simulate`, or a run's counters);
+`misses` are copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`);
+`h` is the share of the copied misses prefetched. A layer waits for its demand copies (beside the
+host's share: the longer of the two), then reads and computes. The next layer's prefetches, with
+those no layer used, are issued as soon as this layer's router gives their ids, so they share the
+link with this layer's demand copies (each at half the rate while both run: `m`) and only what is
+left of them overlaps the layer's reads and math (docs/design.md, "The cost model"); admissions are
+copies between steps (the engine's cache fills, after the step: once per step, however many of its
+layers ran again). A step that routes to an expert found only on disk waits for its read (nothing
+overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled layer: `rerun` is the
+share of a step's layers run again, per step. The binding resource is the one busy longest: hbm
+(t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the
+link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two. Not
+modelled: the KV cache read (pass it in `extra_hbm_bytes`) and the gaps between the step's kernels,
+both held by a measured `dense_read` (`strata_runtime.bench.dense_kernel_gbps`), host round trips
+(`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split is uneven
+(the step's sums are split, not each layer's).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class HardwareProfile:
     """Expert bytes per second the device's expert kernel reads at decode rows, GB/s (a
     quantized kernel dequantizes as it reads, below the plain read rate); 0: `hbm_gbps`."""
     dense_read_gbps: float = 0.0
-    """Dense bytes per second the model's dense matmuls read at decode rows, GB/s (a matmul of
-    a few rows reads its matrix below the plain read rate); 0: `hbm_gbps`."""
+    """Dense bytes per second the model's decode step reads without its experts, GB/s: its
+    dense matmuls (a matmul of a few rows reads its matrix below the plain read rate), its
+    attention and routing among them; 0: `hbm_gbps`."""
     disk_gbps: float = 0.0
     """Expert bytes per second read from tier 2 (the checkpoint on disk) by the engine's fetch
     threads during a stall, GB/s; 0: no disk reads can be modelled."""

@@ -501,9 +501,9 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
             "as a layer of its warm-up copied, by the step's own copy out of its tier 1); "
             "binds = the largest "
             "term. Predicted = the cost model (runtime/cost_model.py) on the measured ceilings, "
-            "the step link and the rates of the rung's expert kernel and dense matmuls (timed "
-            "on its engine), from the decode steps' counts of every repeat (disk loads at the "
-            "rate those loads achieved, with the layers they ran again); its error is "
+            "the step link and the rates of the rung's expert kernel and of its step without "
+            "experts (timed on its engine), from the decode steps' counts of every repeat (disk "
+            "loads at the rate those loads achieved, with the layers they ran again); its error is "
             "against the decode tok/s of the same steps (every repeat's decode tokens / their "
             "decode seconds), not the median. h2d GB/step: per program call (decode step or "
             "prefill chunk); disk stalls: per repeat.",
