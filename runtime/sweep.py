@@ -514,11 +514,48 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _time_split(r: dict[str, Any]) -> dict[str, float]:
+    """A rung's engine ms per program call, split in the order the stats can vouch for them:
+    disk stalls (measured), then estimates each capped by what is left: host->device copies
+    (counted bytes / the link), the routed experts' reads (their counted bytes / the expert
+    kernel's rate: an int4 kernel's dequant is in it), the rest of the step's reads (dense
+    bytes and KV cache / the rate of the step without experts, or the device read), and the
+    rest (measured minus all those: routing, sampling, host round trips, gaps)."""
+    per, sizes, ceil = r["per_step"], r["sizes"], r["ceilings"]
+    link = min(ceil["pinned_h2d_gbps"], ceil["host_read_gbps"])
+    dense_gb = (sizes["dense_bytes"] + sizes["kv_bytes"]) / 1e9
+    left = per["ms_engine"]
+    split = {"disk": min(per["ms_disk_stall"], left)}
+    left -= split["disk"]
+    estimates = {
+        "copies": 1e3 * per["h2d_GB"] / link,
+        "experts": 1e3 * max(per["hbm_GB"] - dense_gb, 0.0)
+        / (r.get("expert_read_gbps") or ceil["hbm_read_gbps"]),
+        "dense": 1e3 * min(per["hbm_GB"], dense_gb)
+        / (r.get("dense_read_gbps") or ceil["hbm_read_gbps"])}
+    for name, ms in estimates.items():
+        split[name] = min(ms, left)
+        left -= split[name]
+    split["rest"] = left
+    return split
+
+
+PARTS = (  # (key, colour, legend) of the time split, bottom to top
+    ("dense", "tab:green", "dense weights and KV cache (estimate: bytes / the rate of the "
+                           "step without experts, else the device read)"),
+    ("experts", "tab:olive", "routed experts (estimate: bytes / the expert kernel's rate, "
+                             "dequant included)"),
+    ("rest", "tab:gray", "the rest (measured minus the others: routing, sampling, host round "
+                         "trips, gaps)"),
+    ("copies", "tab:orange", "host->device copies (estimate: counted bytes / measured {link} "
+                             "rate)"),
+    ("disk", "tab:red", "disk stalls (measured)"))
+
+
 def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> bool:
-    """tok/s per rung (median, interval, bound) and each rung's engine time per program
-    call split into disk stalls (measured), host->device copies (an estimate: counted bytes /
-    the measured link rate; the step is one program, so no copy wait is timed apart) and the
-    rest (compute, dequant, host round trips: not split by the stats). False: no matplotlib."""
+    """tok/s per rung (median, interval, bound) and each rung's engine time per program call
+    as shares of it (`_time_split`), its ms written above the bar: rungs far apart in speed
+    stay readable side by side. False: no matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -544,25 +581,19 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
     left.set_title("throughput per rung")
     left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
 
-    disk, copy, rest = [], [], []
-    for r in ok:
-        per = r["per_step"]
-        link = min(r["ceilings"]["pinned_h2d_gbps"], r["ceilings"]["host_read_gbps"])
-        d = per["ms_disk_stall"]
-        c = min(1e3 * per["h2d_GB"] / link, max(per["ms_engine"] - d, 0.0))
-        disk.append(d)
-        copy.append(c)
-        rest.append(max(per["ms_engine"] - d - c, 0.0))
-    name = (link_name(ok[0]["ceilings"]["pinned_h2d_gbps"], ok[0]["ceilings"]["host_read_gbps"])
+    splits = [_time_split(r) for r in ok]
+    totals = np.array([max(r["per_step"]["ms_engine"], 1e-12) for r in ok])
+    link = (link_name(ok[0]["ceilings"]["pinned_h2d_gbps"], ok[0]["ceilings"]["host_read_gbps"])
             if ok else "pcie")
-    right.bar(x, rest, color="tab:green",
-              label="compute + the rest (measured minus the others; dequant and host\n"
-                    "round trips are not split out by the stats)")
-    right.bar(x, copy, bottom=rest, color="tab:orange",
-              label=f"host->device copies (estimate: counted bytes / measured {name} rate)")
-    right.bar(x, disk, bottom=np.add(rest, copy), color="tab:red",
-              label="disk stalls (measured)")
-    right.set_ylabel("ms per call")
+    bottom = np.zeros(len(ok))
+    for key, colour, label in PARTS:
+        share = 100 * np.array([s[key] for s in splits]) / totals
+        right.bar(x, share, bottom=bottom, color=colour, label=label.format(link=link))
+        bottom += share
+    for xi, ms in zip(x, totals, strict=True):
+        right.text(xi, 101, f"{ms:.3g} ms", ha="center", va="bottom", fontsize=7)
+    right.set_ylim(0, 110)
+    right.set_ylabel("% of the engine's time per call")
     right.set_title("engine time per program call (decode step or prefill chunk)", fontsize=9)
     right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     for ax in (left, right):

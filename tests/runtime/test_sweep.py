@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from strata_runtime.cli import main
-from strata_runtime.sweep import SweepError, _provenance, load_sweep
+from strata_runtime.sweep import SweepError, _provenance, _time_split, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "sweeps" / "tiny_ladder.toml"
@@ -180,3 +180,29 @@ def test_the_shipped_ladders_resolve():
     assert any(r.config.rebalance_every for r in seed.rungs)
     assert any(r.config.predictor == "next-gate" for r in seed.rungs)
     assert seed.synth is not None and seed.synth["path"] == seed.rungs[0].checkpoint
+
+
+def _split_row(ms_engine: float, disk_ms: float) -> dict:
+    return {"per_step": {"ms_engine": ms_engine, "ms_disk_stall": disk_ms, "h2d_GB": 2.0,
+                         "hbm_GB": 5.0},
+            "sizes": {"dense_bytes": 2.5e9, "kv_bytes": 0.5e9},
+            "ceilings": {"pinned_h2d_gbps": 40.0, "host_read_gbps": 80.0,
+                         "hbm_read_gbps": 2000.0},
+            "expert_read_gbps": 1000.0, "dense_read_gbps": 1500.0}
+
+
+def test_the_time_split_estimates_each_part_from_its_own_rate_and_caps_them():
+    """Copies at the link (the slower of the pinned copy and the host read), the routed
+    experts (HBM bytes beyond the dense and KV bytes) at the expert kernel's rate, the dense
+    and KV bytes at the rate of the step without experts; the rest is what the measured time
+    leaves, and no estimate outgrows the measured time."""
+    split = _time_split(_split_row(ms_engine=100.0, disk_ms=30.0))
+    assert split["disk"] == 30.0
+    assert split["copies"] == pytest.approx(1e3 * 2.0 / 40.0)  # 50 ms
+    assert split["experts"] == pytest.approx(1e3 * 2.0 / 1000.0)  # 2 ms
+    assert split["dense"] == pytest.approx(1e3 * 3.0 / 1500.0)  # 2 ms
+    assert split["rest"] == pytest.approx(100.0 - 30 - 50 - 2 - 2)
+    short = _time_split(_split_row(ms_engine=60.0, disk_ms=30.0))  # copies alone would be 50
+    assert (short["copies"], short["experts"], short["dense"], short["rest"]) == (30.0, 0, 0, 0)
+    old = {**_split_row(100.0, 0.0), "dense_read_gbps": None}  # a row from before the rate
+    assert _time_split(old)["dense"] == pytest.approx(1e3 * 3.0 / 2000.0)
