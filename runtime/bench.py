@@ -38,8 +38,9 @@ compare it with the engine's decode tok/s, which leaves prefill out too. With th
 profile the routed experts' bytes count at the rate the engine's own expert kernel reads them
 (`expert_kernel_gbps`, timed on the engine's pool after its warm-up, as many experts as a layer
 of it routed: a quantized kernel dequantizes as it reads, below the plain read), and the dense
-bytes at the rate of the model's own dense matmuls (`dense_kernel_gbps`: a matmul of a few
-rows reads below a plain read too); the bound keeps the plain read. Its link is
+bytes at the rate of the model's own decode step without its experts (`dense_kernel_gbps`: a
+matmul of a few rows reads below a plain read, and the step's small kernels leave gaps); the
+bound keeps the plain read. Its link is
 the one the decode steps use (`step_link`: as many experts as a layer copied in the warm-up,
 by the step's own copy out of the engine's tier 1), which the bound uses too where it is faster
 than the ceiling's.
@@ -748,14 +749,13 @@ def check_fits(config: EngineConfig, settings: BenchSettings) -> None:
                          "(--max-len) or shorten the run")
 
 
-
 def _kernel_rates(engine: Engine,
                   hw: HardwareProfile) -> tuple[HardwareProfile, int, dict[str, str]]:
     """`hw` with the rates of the engine's own kernels at its decode rows, once its warm-up has
     run: the expert kernel on its pool (`expert_kernel_gbps`) applying as many experts as a
     layer of the warm-up's decode steps routed (a kernel's fixed costs weigh more on fewer
-    experts), and the dense matmuls (`dense_kernel_gbps`); a rate that cannot be measured
-    stays the device read's, its error returned by name. Returns (hw, the expert count, the
+    experts), and the step without its experts (`dense_kernel_gbps`); a rate that cannot be
+    measured stays the device read's, its error returned by name. Returns (hw, the expert count, the
     errors)."""
     cfg, config = engine.cfg, engine.config
     rows, d = config.batch_capacity, engine.counters.decode

@@ -280,6 +280,11 @@ def test_the_cost_formula_by_hand():
     slow_kernel = HardwareProfile(**{**ROUND.__dict__, "expert_read_gbps": 1000.0})
     assert predict(slow_kernel, MODEL, batch=1, routed=40, misses=0).terms["t_hbm"] == (
         pytest.approx(4.4e-3))
+    # the step without experts at 1,000 GB/s: its 2e9 dense bytes take 2 ms; the KV cache
+    # passed apart (5e8 bytes) stays at the plain read, 0.1 ms; the experts 0.8 ms
+    slow_dense = HardwareProfile(**{**ROUND.__dict__, "dense_read_gbps": 1000.0})
+    assert predict(slow_dense, MODEL, batch=1, routed=40, misses=0, extra_hbm_bytes=5e8
+                   ).terms["t_hbm"] == pytest.approx(2e-3 + 1e-4 + 8e-4)
     slow_host = HardwareProfile(**{**ROUND.__dict__, "host_read_gbps": 20.0})
     assert predict(slow_host, MODEL, batch=8, routed=40, misses=10).binding == "host-read"
     with pytest.raises(ValueError, match="hidden"):
