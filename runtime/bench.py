@@ -944,6 +944,11 @@ def render_summary(s: dict[str, Any]) -> str:
                   f"{_f(d['link_gbps'], '.3g')} GB/s, busy {_f(d['link_busy'], '.3f')}); "
                   f"{d['fetched']} copied, {d['issued']} prefetched, {d['admissions']} "
                   f"admitted, {d['disk_loads']} disk loads" for d in s["devices"]]
+    if s.get("expert_read_gbps") or s.get("dense_read_gbps"):
+        lines.append(f"kernel rates (timed on the engine): expert kernel "
+                     f"{_f(s.get('expert_read_gbps'), '.4g')} GB/s at "
+                     f"{_f(s.get('expert_read_experts'))} experts a layer, the step without "
+                     f"experts {_f(s.get('dense_read_gbps'), '.4g')} GB/s")
     if p is not None:
         err = prediction_error(s)
         lines.append(f"cost model (profile {p['profile']}): {p['tok_s']:.4g} decode tok/s, "

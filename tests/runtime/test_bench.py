@@ -144,6 +144,7 @@ def test_same_seed_same_tokens_another_seed_other_prompts(ckpt, rows, tmp_path, 
     assert "tok/s (generated / wall of the timed generate)" in printed
     assert "bound (counted bytes and FLOPs / ceilings)" in printed
     assert "cost model (profile measured)" in printed
+    assert "kernel rates (timed on the engine): expert kernel " in printed
     assert synthetic_prompts(97, 3, 5, 7) == synthetic_prompts(97, 3, 5, 7)
     assert synthetic_prompts(97, 3, 5, 7) != synthetic_prompts(97, 3, 5, 8)
 
