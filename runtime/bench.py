@@ -319,7 +319,10 @@ def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int, cache
     layer's weights out of the stacks first), then the lm head, in one program; best wall
     time of `reps`. The step's dense matmuls, its attention and its routing, many small
     kernels among them, run at this rate, not at a plain read's (docs/design.md, "The cost
-    model"). The rows are the embeddings of `rows` seeded token ids at position 0."""
+    model"). The rows are the embeddings of `rows` seeded token ids at position 0. It holds a
+    cache of the engine's size beside the engine's own while it runs (outside the ledger, freed
+    on return): where the device lacks the room, `_kernel_rates` falls back to the device
+    read."""
     p = params["params"]
     dev = next(iter(p["final_norm"].devices()))
     ids = np.random.default_rng(0).integers(cfg.vocab_size, size=rows)
