@@ -412,11 +412,23 @@ def _progress(row: dict[str, Any]) -> str:
         return f"error: {row['error']}"
     if "skipped" in row:
         return f"skipped: {row['skipped']}"
-    b = row["bound"]
+    """A rung's line in the log as it finishes: it holds the figures a run cut short is read
+    for (its rows may not be copied out), the prediction against measured among them."""
+    b, p = row["bound"], row["predicted"]
     phases = ", ".join(f"{k} {v:.0f}" for k, v in row.get("build_phases_s", {}).items())
+    err = prediction_error(row)
+    measured = None if p is None else row.get(p["compare_with"])
+    pred = ("" if p is None or measured is None else
+            f"; decode {measured:.4g} tok/s, predicted {p['tok_s']:.4g} ({p['binding']}"
+            + ("" if err is None else f", {err:+.0%}") + ")")
+    rates = [f"{name} {row[key]:.4g} GB/s" for name, key in
+             (("experts", "expert_read_gbps"), ("dense", "dense_read_gbps")) if row.get(key)]
+    rates_text = f"; kernel rates: {', '.join(rates)}" if rates else ""
+    errors = row.get("kernel_rate_errors")
+    errors_text = f" (not measured: {', '.join(errors)})" if errors else ""
     return (f"{interval_text(row['tok_s'])} tok/s, bound {b['bound_tok_s']:.4g} "
-            f"({b['ratio']:.2f} of it, {b['binds']}); engine built in {row['build_s']:.0f} s "
-            f"({phases}), warm-up {row['warmup_s']:.0f} s")
+            f"({b['ratio']:.2f} of it, {b['binds']}){pred}{rates_text}{errors_text}; engine "
+            f"built in {row['build_s']:.0f} s ({phases}), warm-up {row['warmup_s']:.0f} s")
 
 
 # --- the table and the plot -----------------------------------------------------------------

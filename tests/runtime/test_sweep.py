@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from strata_runtime.bench import prediction_error
 from strata_runtime.cli import main
-from strata_runtime.sweep import SweepError, _provenance, _time_split, load_sweep
+from strata_runtime.sweep import SweepError, _progress, _provenance, _time_split, load_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "sweeps" / "tiny_ladder.toml"
@@ -57,6 +58,21 @@ def test_the_tiny_ladder_writes_a_row_per_rung_a_table_and_a_plot(ladder):
     assert all(f"| {n} |" in table for n in names)
     assert "1.00x" in lines[1]
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rungs_log_line_holds_its_prediction_against_measured_and_its_kernel_rates(ladder):
+    """The log is what comes back of a run cut short: each rung's line names its figures."""
+    _, _, out = ladder
+    for row in map(json.loads, (out / "sweep.jsonl").read_text().splitlines()):
+        line, p = _progress(row), row["predicted"]
+        measured = row[p["compare_with"]]
+        assert (f"decode {measured:.4g} tok/s, predicted {p['tok_s']:.4g} ({p['binding']}, "
+                f"{prediction_error(row):+.0%})") in line
+        assert f"experts {row['expert_read_gbps']:.4g} GB/s" in line
+        assert f"dense {row['dense_read_gbps']:.4g} GB/s" in line
+        assert "not measured" not in line
+    broken = {**row, "kernel_rate_errors": {"dense_read_gbps": "XlaRuntimeError: OOM"}}
+    assert "(not measured: dense_read_gbps)" in _progress(broken)
 
 
 def test_resume_keeps_the_rows_and_runs_nothing_more(ladder, capsys):
