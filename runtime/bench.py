@@ -350,9 +350,7 @@ def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int, cache
         logits, experts, *cache[:] = run(x, *cache, p)
         return logits, experts
 
-    dense = sum(a.nbytes for a in jax.tree.leaves(p))
-    dense -= 0 if cfg.tie_word_embeddings else p["embed"].nbytes
-    return dense / _best(lambda: jax.block_until_ready(call()), reps) / 1e9
+    return dense_bytes(cfg, params) / _best(lambda: jax.block_until_ready(call()), reps) / 1e9
 
 
 def step_link(engine: Engine, layers: int, reps: int = 3) -> dict[str, Any] | None:
@@ -556,12 +554,18 @@ class Sizes:
                          flops_per_token=self.flops_per_token)
 
 
+def dense_bytes(cfg: ModelConfig, params: dict[str, Any]) -> int:
+    """Bytes a decode step reads of the dense params: all of them but the embedding table (a
+    step reads a row of it), which it reads whole as the lm head where the two are tied."""
+    embed = params["params"]["embed"]
+    return (sum(a.nbytes for a in jax.tree.leaves(params))
+            - (0 if cfg.tie_word_embeddings else embed.nbytes))
+
+
 def engine_sizes(engine: Engine) -> Sizes:
     cfg = engine.cfg
-    leaves = jax.tree.leaves(engine.params)
-    embed = engine.params["params"]["embed"]
-    dense = sum(a.nbytes for a in leaves) - (0 if cfg.tie_word_embeddings else embed.nbytes)
-    return Sizes(bytes_per_expert=int(engine.counters.bytes_per_expert), dense_bytes=int(dense),
+    return Sizes(bytes_per_expert=int(engine.counters.bytes_per_expert),
+                 dense_bytes=dense_bytes(cfg, engine.params),
                  kv_bytes=int(engine.state.k.nbytes + engine.state.v.nbytes),
                  rows=engine.capacity, flops_per_token=model_cost(cfg).flops_per_token)
 

@@ -407,20 +407,26 @@ def _ceilings(disk_rates: dict[str, Any], log) -> dict[str, Any]:
     return c
 
 
+def _prediction_text(row: dict[str, Any]) -> str:
+    """'tok/s (binding resource, error against measured)' of a row's prediction; '' if none."""
+    p, err = row["predicted"], prediction_error(row)
+    if p is None:
+        return ""
+    return f"{p['tok_s']:.4g} ({p['binding']}" + ("" if err is None else f", {err:+.0%}") + ")"
+
+
 def _progress(row: dict[str, Any]) -> str:
+    """A rung's line in the log as it finishes: it holds the figures a run cut short is read
+    for (its rows may not be copied out), the prediction against measured among them."""
     if "error" in row:
         return f"error: {row['error']}"
     if "skipped" in row:
         return f"skipped: {row['skipped']}"
-    """A rung's line in the log as it finishes: it holds the figures a run cut short is read
-    for (its rows may not be copied out), the prediction against measured among them."""
     b, p = row["bound"], row["predicted"]
     phases = ", ".join(f"{k} {v:.0f}" for k, v in row.get("build_phases_s", {}).items())
-    err = prediction_error(row)
     measured = None if p is None else row.get(p["compare_with"])
-    pred = ("" if p is None or measured is None else
-            f"; decode {measured:.4g} tok/s, predicted {p['tok_s']:.4g} ({p['binding']}"
-            + ("" if err is None else f", {err:+.0%}") + ")")
+    pred = ("" if measured is None else
+            f"; decode {measured:.4g} tok/s, predicted {_prediction_text(row)}")
     rates = [f"{name} {row[key]:.4g} GB/s" for name, key in
              (("experts", "expert_read_gbps"), ("dense", "dense_read_gbps")) if row.get(key)]
     rates_text = f"; kernel rates: {', '.join(rates)}" if rates else ""
@@ -447,11 +453,9 @@ def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
     if "tok_s" not in row:
         why = row.get("error") or row.get("skipped")
         return f"| {row['rung']} | {why} |" + " |" * (HEADER.count("|") - 3)
-    b, p = row["bound"], row["predicted"]
+    b = row["bound"]
     x = row["tok_s"]["median"] / first["tok_s"]["median"] if first else None
-    err = prediction_error(row)
-    pred = "-" if p is None else (f"{p['tok_s']:.4g} ({p['binding']}"
-                                  + ("" if err is None else f", {err:+.0%}") + ")")
+    pred = _prediction_text(row) or "-"
     ratio = "-" if b["ratio"] is None else f"{b['ratio']:.2f} ({b['binds']})"
 
     def rate(v: float | None) -> str:
