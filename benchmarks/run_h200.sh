@@ -34,6 +34,11 @@
 #                     checkpoint (every expert in HBM, then the naive rung's budgets)
 #   "repeat" in PARTS  benchmarks/repeat_check.py: same tokens on every repeat of one engine?
 #                     (as is, then with --xla_gpu_deterministic_ops)
+#   "processes" in PARTS  the same tokens in fresh processes? One engine on the ladder's int4
+#                     checkpoint (PROC_CKPT), `strata bench` in PROC_RUNS (2) processes per
+#                     XLA_FLAGS in PROC_FLAGS ('|'-separated; "none": as is; "cache": as is,
+#                     sharing one new persistent compilation cache), each cut at PROC_S (150);
+#                     each process's token hash into $OUT/processes.jsonl
 #   "exact" in PARTS   the offloaded prefill against resident on the ladder's checkpoint, every
 #                     step's logits, once per XLA_FLAGS in EXACT_FLAGS ('|'-separated; "none":
 #                     as is; DUMP: also dump the prefill programs' optimized HLO), each run cut
@@ -172,6 +177,29 @@ if [[ $PARTS == *repeat* ]]; then  # do repeats of one engine give the same toke
   timeout -k 10 150 python3 -m benchmarks.repeat_check --out "$OUT" 2>&1 | grep -v "^[WI]0"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true" timeout -k 10 150 \
     python3 -m benchmarks.repeat_check --out "$OUT" 2>&1 | grep -v "^[WI]0"
+fi
+if [[ $PARTS == *processes* ]]; then  # docs/design.md, "Disk stalls": across processes
+  echo "== t=${SECONDS}s: one engine in fresh processes"
+  [[ -z ${PROC_CKPT:-} ]] && python3 -m strata_runtime.cli sweep sweeps/seed_ladder.toml \
+    --prepare-only 2>&1 | tail -3
+  IFS='|' read -ra variants <<< "${PROC_FLAGS:-none|--xla_gpu_autotune_level=0|cache}"
+  rm -rf /tmp/strata_proc_cache
+  for v in "${variants[@]}"; do
+    cache=(env -u JAX_COMPILATION_CACHE_DIR STRATA_COMPILE_CACHE=off)
+    [[ $v == cache ]] && cache=(env -u JAX_COMPILATION_CACHE_DIR STRATA_COMPILE_CACHE=/tmp/strata_proc_cache)
+    flags=${v//none/}; flags=${flags//cache/}
+    for run in $(seq "${PROC_RUNS:-2}"); do
+      echo "== t=${SECONDS}s: XLA_FLAGS='$flags' ($v), process $run"
+      rm -f /tmp/strata_proc.jsonl
+      XLA_FLAGS="$flags" timeout -k 5 "${PROC_S:-150}" "${cache[@]}" python3 -m strata_runtime.cli \
+        bench "${PROC_CKPT:-/tmp/strata_seed6_int4}" --hbm 24GB --batch-capacity 16 --max-len 128 \
+        --prompts 16 --prompt-len 32 --new 16 --warmup-new 4 --repeats 1 --seed 0 \
+        --json-out /tmp/strata_proc.jsonl 2>&1 | grep -E "^cost model|tok/s \[" | cut -c1-200
+      python3 -c "import json, sys; r = json.loads(open('/tmp/strata_proc.jsonl').read().splitlines()[-1])
+print(json.dumps(dict(variant=sys.argv[1], run=int(sys.argv[2]), tokens_sha256=r['tokens_sha256'],
+      decode_tok_s=r['decode_tok_s']['median'])))" "$v" "$run" | tee -a "$OUT/processes.jsonl"
+    done
+  done
 fi
 if [[ $PARTS == *exact* ]]; then  # the GPU prefill defect (docs/design.md, "Disk stalls")
   ckpt=/tmp/strata_seed6_bf16
