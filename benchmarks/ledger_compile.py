@@ -35,7 +35,8 @@ def _lowered(reader: CheckpointReader, config: EngineConfig) -> list[jax.stages.
     plan = step.StepPlan(staging=ledger.staging_slots, predictor=config.predictor,
                          row_chunks=config.row_chunks, int4_tiles=config.int4_tiles)
     return workspace.lowered_programs(reader, plan, batch=config.batch_capacity,
-                                      max_len=config.max_len, shapes=shapes)
+                                      max_len=config.max_len, shapes=shapes,
+                                      chunk=step.default_prefill_chunk(config.max_len))
 
 
 def _timed(lowered: list[jax.stages.Lowered], threads: bool) -> float:

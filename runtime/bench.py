@@ -701,6 +701,9 @@ def _figures(c: Counts, sizes: Sizes, steps_s: list[float]) -> dict[str, Any]:
     return {
         "tok_s": c.new_tokens / c.wall_s if c.wall_s > 0 else None,
         "decode_tok_s": c.decode_tokens / c.decode_s if c.decode_s > 0 else None,
+        "prefill_tok_s": c.prefill_tokens / c.prefill_s if c.prefill_s > 0 else None,
+        "prefill_h2d_MB_per_token": (sizes.h2d_bytes(c.prefill) / c.prefill_tokens / 1e6
+                                     if c.prefill_tokens else None),
         "step_ms_p50": float(np.percentile(times, 50) * 1e3) if times is not None else None,
         "step_ms_p99": float(np.percentile(times, 99) * 1e3) if times is not None else None,
         "tier0_hit_rate": t.hits / t.routed if t.routed else None,
@@ -812,6 +815,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
     with Engine(reader, config) as engine:
         build_s = time.perf_counter() - t0
         sizes = engine_sizes(engine)
+        prefill_chunk = engine.prefill_chunk
         if engine.host_misses is not None and hw.host_kernel_gbps <= 0:  # the engine's own
             hw = dataclasses.replace(hw, host_kernel_gbps=engine.host_misses.rates.host_gbps,
                                      host_row_cost=engine.host_misses.rates.row_cost)
@@ -852,7 +856,8 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
     disk = _disk_rate(ceilings, reader, config) if total.total.disk_loads else None
     figures = _figures(total, sizes, steps_s)
     per_repeat = {k: median_interval([r[k] for r in rows], settings.seed)
-                  for k in ("tok_s", "decode_tok_s") if all(r[k] is not None for r in rows)}
+                  for k in ("tok_s", "decode_tok_s", "prefill_tok_s")
+                  if all(r[k] is not None for r in rows)}
     b = bound(total, sizes, ceilings, disk, link_gbps)
     tok = per_repeat["tok_s"]["median"]
     b["ratio"] = tok / b["bound_tok_s"] if b["bound_tok_s"] else None  # of the median
@@ -860,6 +865,10 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "kind": "summary", **head, "repeats": settings.repeats,
         "settings": dataclasses.asdict(settings), "config": config_doc(config),
         "tok_s": per_repeat["tok_s"], "decode_tok_s": per_repeat.get("decode_tok_s"),
+        "prefill_tok_s": per_repeat.get("prefill_tok_s"),
+        "prefill_h2d_MB_per_token": figures["prefill_h2d_MB_per_token"],
+        "prefill_ms_per_prompt": 1e3 * total.prefill_s / settings.repeats / len(prompts),
+        "prefill_chunk": prefill_chunk,
         **{k: figures[k] for k in ("step_ms_p50", "step_ms_p99", "tier0_hit_rate",
                                    "prefetch_hit_rate", "bytes", "per_step", "flops",
                                    "devices")},
@@ -926,6 +935,10 @@ def render_summary(s: dict[str, Any]) -> str:
         f"tok/s (generated / wall of the timed generate): {interval_text(s['tok_s'])} "
         f"(median [{s['tok_s']['level']:.0%} interval: {s['tok_s']['method']}])",
         f"decode tok/s (engine, decode steps only):     {interval_text(s['decode_tok_s'])}",
+        f"prefill tok/s (engine, prefill chunks only):  {interval_text(s.get('prefill_tok_s'))}"
+        f" in {_f(s.get('prefill_chunk'))}-token chunks; {_f(s.get('prefill_ms_per_prompt'))} "
+        f"ms of prefill per prompt; {_f(s.get('prefill_h2d_MB_per_token'))} MB copied to the "
+        "device per prompt token",
         f"step ms p50 / p99 (every timed decode step):  {_f(s['step_ms_p50'])} / "
         f"{_f(s['step_ms_p99'])}",
         f"hit rates: tier 0 {_f(s['tier0_hit_rate'], '.3f')}, prefetched "

@@ -155,7 +155,7 @@ def _run_resident(args, prompts, sampling: SamplingParams) -> Run:
     def run(n: int) -> list[list[int]]:
         return strata_jax.generate(model, prompts, n, sampling=sampling,
                                    batch_capacity=shape.batch_capacity,
-                                   max_len=shape.max_len)
+                                   max_len=shape.max_len, prefill_chunk=shape.prefill_chunk)
 
     return _timed(args, run, load_s, None)
 

@@ -97,6 +97,11 @@ class EngineConfig:
     """Rows of the compiled step (requests decoded together)."""
     max_len: int = 256
     """KV positions per row (prompt + generated tokens)."""
+    prefill_chunk: int | None = None
+    """Prompt tokens per prefill program (a power of two >= 8): each expert the chunk routes to
+    is copied once per layer for all of them. None: the ledger's choice, the longest up to
+    `step.MAX_PREFILL_CHUNK` whose workspace fits the budget (`plan_for`); the resident API
+    with the same chunk gives the same bits."""
     workspace: int | str | None = None
     """HBM the ledger keeps for activations and compiler scratch. None: the scratch XLA reports
     for the compiled step programs at the planned layout (`runtime/workspace.py`); a size
@@ -191,6 +196,8 @@ class EngineConfig:
             raise ValueError(f"expert_devices must be >= 1, got {self.expert_devices}")
         if self.read_ahead < 0:
             raise ValueError(f"read_ahead must be >= 0, got {self.read_ahead}")
+        if self.prefill_chunk is not None:
+            step.check_prefill_chunk(self.prefill_chunk)
         if self.batch_capacity < 1 or self.max_len < 8:
             raise ValueError(f"need batch_capacity >= 1 and max_len >= 8, got "
                              f"{self.batch_capacity}, {self.max_len}")
@@ -251,9 +258,24 @@ def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
     """The ledger of `config` (which needs an `hbm_budget`) on `reader`'s checkpoint. Without
     a fixed `workspace`, the step programs of the proposed layout are compiled (abstractly) and
     their scratch becomes the workspace line; a layout that this changes is measured again.
+    Without a fixed `prefill_chunk` the ledger takes `step.default_prefill_chunk`, halved
+    (down to `step.MIN_PREFILL_CHUNK`) while its workspace leaves the budget too small.
     Over several devices each device's workspace is measured on the one-device programs of its
     layout (the same per-device shapes; the mesh need not be present to plan for it)."""
     check_expert_devices(config)
+    chunk = config.prefill_chunk or step.default_prefill_chunk(config.max_len)
+    while True:
+        try:
+            return dataclasses.replace(_measured_ledger(reader, config, chunk),
+                                       prefill_chunk=chunk)
+        except BudgetError:
+            if config.prefill_chunk or chunk <= step.MIN_PREFILL_CHUNK:
+                raise
+            chunk //= 2
+
+
+def _measured_ledger(reader: CheckpointReader, config: EngineConfig, chunk: int) -> Ledger:
+    """`plan_for`'s ledger for prefill chunks of `chunk` tokens."""
     if config.workspace is not None:
         return _ledger(reader, config, parse_bytes(config.workspace))
     shapes = held_expert_shapes(reader, host_dequantizes(config, reader),
@@ -264,7 +286,8 @@ def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
         plan = step.StepPlan(staging=ledger.staging_slots, predictor=config.predictor,
                              row_chunks=config.row_chunks, int4_tiles=config.int4_tiles)
         measured[ledger.staging_slots] = compiled_workspace(
-            reader, plan, batch=config.batch_capacity, max_len=config.max_len, shapes=shapes)
+            reader, plan, batch=config.batch_capacity, max_len=config.max_len, shapes=shapes,
+            chunk=chunk)
         ledger = _ledger(reader, config, measured[ledger.staging_slots], check=False)
     return _ledger(reader, config, measured[ledger.staging_slots])
 
@@ -336,6 +359,8 @@ class Engine:
         self.startup: dict[str, float] = {}  # seconds of each start-up phase
         with _phase(self.startup, "ledger"):  # compiles the step programs to size the workspace
             self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
+        self.prefill_chunk = (self.ledger.prefill_chunk if self.ledger is not None else
+                              config.prefill_chunk or step.default_prefill_chunk(self.max_len))
         with _phase(self.startup, "pools"):  # tiers 0 and 1 read from disk
             self.shares = self._shares(heat)  # this process's devices' only
         self.residency = Residencies([s.residency for s in self.shares], self.mesh,
@@ -465,7 +490,7 @@ class Engine:
         stalls"; the extra slots start empty)."""
         cfg = self.cfg
         layer = int(mine.sum(axis=1).max())
-        per_layer = min(layer, cfg.top_k * max(self.capacity, step.PREFILL_CHUNK))
+        per_layer = min(layer, cfg.top_k * max(self.capacity, self.prefill_chunk))
         held = cache + (pinned if self.config.rebalance_every else 0)
         return max(host, min(int(mine.sum()) - pinned, per_layer + held))
 
@@ -564,7 +589,7 @@ class Engine:
         self._greedy[row] = sampling.greedy
         self._request[row] = request
         out = None
-        for first, size, count in step.prefill_chunks(len(prompt)):
+        for first, size, count in step.prefill_chunks(len(prompt), self.prefill_chunk):
             chunk = np.zeros(size, np.int32)
             chunk[:count] = prompt[first : first + count]
             args = (row, chunk, start + first, count, values)

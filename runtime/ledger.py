@@ -199,6 +199,7 @@ class Ledger:
     max_len: int
     resident_budget: int  # the smallest HBM budget (per device) that holds every expert
     owned: tuple[int, ...]  # the experts each device owns (`device_experts`)
+    prefill_chunk: int = 0  # tokens per prefill program the workspace holds (0: not measured)
 
     @property
     def devices(self) -> int:
@@ -266,7 +267,9 @@ class Ledger:
             ("dense + shared weights", self.dense),
             (f"KV cache ({self.batch_capacity} seq x {self.max_len} tokens)", self.kv_cache),
             (f"staging ({staging})", self.staging),
-            ("workspace (activations, scratch)", self.workspace),
+            ("workspace (activations, scratch" + (
+                f"; {self.prefill_chunk}-token prefill)" if self.prefill_chunk else ")"),
+             self.workspace),
             (f"expert pool ({self.pool_slots} slots)", self.pool),
             ("free" if self.free >= 0 else "OVER BUDGET", self.free),
         ]

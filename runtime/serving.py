@@ -26,7 +26,7 @@ import jax
 from strata_jax.api import check_request
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_jax.scheduler import Request, Scheduler
-from strata_jax.step import PREFILL_CHUNK, prefill_chunks
+from strata_jax.step import prefill_chunks
 
 log = logging.getLogger("strata.serve")
 
@@ -365,8 +365,8 @@ def warm_up(engine) -> None:
     """Compile every program a request can need before serving: each prefill bucket that fits
     `max_len`, decode with and without the sampler; then zero the engine's stats."""
     sched = Scheduler(engine)
-    buckets = sorted({size for _, size, _ in prefill_chunks(PREFILL_CHUNK)}
-                     | {size for n in range(1, PREFILL_CHUNK) for _, size, _ in prefill_chunks(n)})
+    chunk = engine.prefill_chunk
+    buckets = sorted({size for n in range(1, chunk + 1) for _, size, _ in prefill_chunks(n, chunk)})
     sampled = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.01,
                              repetition_penalty=1.1, seed=0)
     for sampling in (GREEDY, sampled):

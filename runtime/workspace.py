@@ -4,7 +4,7 @@ docs/design.md, "The ledger". XLA reports, for a compiled program, the scratch i
 besides its arguments and outputs (`memory_analysis().temp_size_in_bytes`): activations,
 logits, the sampler's sort, the expert kernels' buffers. The step's programs are compiled
 ahead of time here on abstract arguments (nothing is read or allocated) at the layout the
-ledger proposes: the two decode programs (greedy and sampled) and the largest prefill chunk.
+ledger proposes: the two decode programs (greedy and sampled) and the prefill chunk.
 The pool and tiers are arguments, not scratch, so a pool of a few slots gives the same figure.
 """
 
@@ -44,18 +44,23 @@ def _pool(shapes, slots: int, device: jax.Device, memory_kind: str) -> ExpertPoo
 
 
 def compiled_workspace(reader: CheckpointReader, plan: step.StepPlan, *, batch: int,
-                       max_len: int, shapes, device: jax.Device | None = None) -> int:
-    """Bytes of scratch of the largest of the decode (greedy, sampled) and prefill programs of
-    `plan` at (batch, max_len), compiled for `device` (default: this process's first).
-    Remembered per process: engines of one layout compile it once."""
-    return _measure(*_layout(reader, plan, batch, max_len, shapes, device))
+                       max_len: int, shapes, chunk: int, device: jax.Device | None = None) -> int:
+    """Bytes of scratch of the largest of the decode (greedy, sampled) and `chunk`-token
+    prefill programs of `plan` at (batch, max_len), compiled for `device` (default: this
+    process's first). Remembered per process and program: engines of one layout compile it
+    once, and a ledger that tries a shorter chunk compiles only the prefill again."""
+    layout = _layout(reader, plan, batch, max_len, shapes, device)
+    with ThreadPoolExecutor(2) as threads:  # XLA compiles without holding the GIL
+        parts = threads.map(lambda c: _measure(*layout, c), (0, chunk))
+        return max(parts)
 
 
 def lowered_programs(reader: CheckpointReader, plan: step.StepPlan, *, batch: int,
-                     max_len: int, shapes, device: jax.Device | None = None
+                     max_len: int, shapes, chunk: int, device: jax.Device | None = None
                      ) -> list[jax.stages.Lowered]:
     """The programs `compiled_workspace` compiles, lowered on abstract arguments."""
-    return _lowered(*_layout(reader, plan, batch, max_len, shapes, device))
+    layout = _layout(reader, plan, batch, max_len, shapes, device)
+    return _lowered(*layout, 0) + _lowered(*layout, chunk)
 
 
 def _layout(reader: CheckpointReader, plan: step.StepPlan, batch: int, max_len: int, shapes,
@@ -68,16 +73,18 @@ def _layout(reader: CheckpointReader, plan: step.StepPlan, batch: int, max_len: 
 
 @functools.lru_cache(maxsize=64)
 def _measure(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_len: int,
-             shapes: tuple, device: jax.Device) -> int:
-    lowered = _lowered(cfg, dense, plan, batch, max_len, shapes, device)
-    # XLA compiles without holding the GIL: the programs compile side by side on the host cores
+             shapes: tuple, device: jax.Device, chunk: int) -> int:
+    """The largest scratch of the programs `_lowered` gives (chunk 0: the decode programs)."""
+    lowered = _lowered(cfg, dense, plan, batch, max_len, shapes, device, chunk)
     with ThreadPoolExecutor(len(lowered)) as threads:
         compiled = list(threads.map(lambda lo: lo.compile(), lowered))
     return max(int(c.memory_analysis().temp_size_in_bytes) for c in compiled)
 
 
 def _lowered(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_len: int,
-             shapes: tuple, device: jax.Device) -> list[jax.stages.Lowered]:
+             shapes: tuple, device: jax.Device, chunk: int) -> list[jax.stages.Lowered]:
+    """The two decode programs (greedy and sampled) for chunk 0, else the `chunk`-token
+    prefill program, lowered on abstract arguments."""
     shapes = {n: (shape, dtype) for n, shape, dtype in shapes}
     params = jax.eval_shape(lambda: api.init_params(cfg, jax.random.key(0), dense))
     slots = max(1, 2 * plan.staging + 1)
@@ -88,14 +95,14 @@ def _lowered(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_
     host = _pool(shapes, 2, device, "pinned_host") if plan.staging else None
     tiers = step.Tiers(page=page, host=host, host_page=page)
     state = jax.eval_shape(lambda: step.init_state(cfg, batch, max_len, device))
-    decode = step.decode_staged if plan.staging else step.decode
+    if chunk == 0:
+        decode = step.decode_staged if plan.staging else step.decode
+        return [decode.lower(cfg, p, params, pool, tiers, state)
+                for p in (plan, dataclasses.replace(plan, sample=True))]
     prefill = step.prefill_staged if plan.staging else step.prefill
-    chunk = jax.ShapeDtypeStruct((step.PREFILL_CHUNK,), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((chunk,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     values = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype),
                           row_values(GREEDY))
-    lowered = [decode.lower(cfg, p, params, pool, tiers, state)
-               for p in (plan, dataclasses.replace(plan, sample=True))]
-    lowered.append(prefill.lower(cfg, plan, params, pool, tiers, state, scalar, chunk, scalar,
-                                 scalar, values))
-    return lowered
+    return [prefill.lower(cfg, plan, params, pool, tiers, state, scalar, tokens, scalar,
+                          scalar, values)]

@@ -19,6 +19,7 @@ import numpy as np
 from strata_jax import misses
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles
+from strata_jax.int8_kernel import int8_linear
 from strata_jax.layers import apply_rope, attend, einsum_f32, ordered_sum, rms_norm, rope_tables
 from strata_jax.moe import ExpertPool, Routing, apply_experts, combine_routed, route, routed_outputs
 
@@ -35,12 +36,13 @@ def resident_slot_table(cfg: ModelConfig) -> jax.Array:
 
 
 def linear(x: jax.Array, lp: Params, name: str) -> jax.Array:
-    """x @ lp[name]; an int8 matrix carries a per-output-channel scale applied after the dot."""
+    """x @ lp[name]; an int8 matrix carries a per-output-channel scale applied after the dot
+    (`int8_kernel.int8_linear`: a kernel that dequantizes in registers at decode rows)."""
     w = lp[name]
     scale = lp.get(f"{name}_scale")
     if scale is None:
         return x @ w
-    return (x @ w.astype(x.dtype)) * scale.astype(x.dtype)
+    return int8_linear(x, w, scale)
 
 
 def project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):

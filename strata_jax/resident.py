@@ -18,10 +18,14 @@ if TYPE_CHECKING:
 
 
 class ResidentEngine:
-    """`capacity` rows of `max_len` positions of a resident `Model`'s decode state."""
+    """`capacity` rows of `max_len` positions of a resident `Model`'s decode state, prompts
+    prefilled in chunks of `prefill_chunk` tokens (None: `step.default_prefill_chunk`)."""
 
-    def __init__(self, model: Model, capacity: int, max_len: int) -> None:
+    def __init__(self, model: Model, capacity: int, max_len: int,
+                 prefill_chunk: int | None = None) -> None:
         self.cfg, self.capacity, self.max_len = model.config, capacity, max_len
+        self.prefill_chunk = step.check_prefill_chunk(
+            prefill_chunk or step.default_prefill_chunk(max_len))
         self._decode, self._prefill, _, tiers = model.programs()
         self._args = (model.params, model.experts, tiers)
         self.state = model.init_state(capacity, max_len)
@@ -36,7 +40,7 @@ class ResidentEngine:
         prompt = np.asarray(tokens, np.int32)
         values = row_values(sampling)
         out = None
-        for first, size, count in step.prefill_chunks(len(prompt)):
+        for first, size, count in step.prefill_chunks(len(prompt), self.prefill_chunk):
             chunk = np.zeros(size, np.int32)
             chunk[:count] = prompt[first : first + count]
             self.state, out, _ = self._prefill(self.cfg, step.StepPlan(), *self._args,

@@ -18,6 +18,7 @@ handling at all (a data-dependent loop costs a device->host sync of its trip cou
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import chex
@@ -313,10 +314,18 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     return state, out, pool if plan.staging else None
 
 
-COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+AUTOTUNE = os.environ.get("STRATA_XLA_AUTOTUNE", "0") not in ("", "0")
+"""Let XLA's GPU autotuner pick the step's GEMM algorithms (`STRATA_XLA_AUTOTUNE=1`, read at
+import). Off by default: the autotuner times candidates in each process and keeps the
+fastest, timing noise picks differently in different processes, and the candidates sum in
+different orders, so fresh processes gave different tokens (docs/design.md, "Measured")."""
+
+COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
+                    **({} if AUTOTUNE else {"xla_gpu_autotune_level": 0})}
 """Every program rounds each op to its dtype: left to itself XLA keeps fused bf16
 intermediates in f32, which differs between fusions, so the bits would depend on how the
-program was fused (rolled or not, offloaded or not)."""
+program was fused (rolled or not, offloaded or not). Without `AUTOTUNE` every process
+compiles the same choices."""
 
 _jit = functools.partial(jax.jit, static_argnames=_STATIC, compiler_options=COMPILER_OPTIONS)
 decode = _jit(decode_step, donate_argnames=("state",))
@@ -328,15 +337,37 @@ set_live = jax.jit(lambda state, row, value: state.replace(live=state.live.at[ro
                    donate_argnums=0)
 """Row `row` of a DecodeState live or not (its KV stays until overwritten)."""
 
-PREFILL_CHUNK = 64  # tokens per prefill program; shorter tails take a power-of-two bucket
+MIN_PREFILL_CHUNK = 64
+"""The shortest prefill chunk a budget may force (`runtime/engine.py` `plan_for` halves the
+default chunk down to this where the workspace of a longer one does not fit)."""
+MAX_PREFILL_CHUNK = 1024
+"""The longest default prefill chunk: each expert a chunk routes to is read (and, offloaded,
+copied) once per layer for all of the chunk's tokens (docs/design.md, "The step"), so a long
+chunk divides the expert bytes per prompt token; past this the attention scores of a chunk
+[heads, chunk, max_len] dominate the workspace."""
 
 
-def prefill_chunks(length: int) -> list[tuple[int, int, int]]:
-    """(start, bucket, count) of each prefill chunk of a `length`-token prompt: every path
-    chunks a prompt the same way, so every path gives the same bits."""
+def check_prefill_chunk(chunk: int) -> int:
+    """`chunk` if it is a valid prefill chunk (a power of two >= 8: a shorter tail takes a
+    power-of-two bucket, and every bucket must fit a chunk), else ValueError."""
+    if chunk < 8 or chunk & (chunk - 1):
+        raise ValueError(f"prefill_chunk must be a power of two >= 8, got {chunk}")
+    return chunk
+
+
+def default_prefill_chunk(max_len: int) -> int:
+    """The prefill chunk of a row of `max_len` positions without a budget to fit: a whole
+    prompt in one program up to `MAX_PREFILL_CHUNK` tokens."""
+    return max(8, min(MAX_PREFILL_CHUNK, 1 << (max_len - 1).bit_length()))
+
+
+def prefill_chunks(length: int, chunk: int) -> list[tuple[int, int, int]]:
+    """(start, bucket, count) of each prefill chunk of a `length`-token prompt in chunks of
+    `chunk` tokens (`check_prefill_chunk`), the tail in a power-of-two bucket: paths that
+    chunk a prompt alike give the same bits."""
     chunks = []
-    for start in range(0, length, PREFILL_CHUNK):
-        count = min(PREFILL_CHUNK, length - start)
+    for start in range(0, length, chunk):
+        count = min(chunk, length - start)
         chunks.append((start, max(8, 1 << (count - 1).bit_length()), count))
     return chunks
 

@@ -76,7 +76,7 @@ def test_generate_matches_argmax_of_logits():
 def test_long_prompt_prefills_in_chunks():
     m = random_model(tiny_config("olmoe"), seed=5)
     prompt = np.random.default_rng(6).integers(0, 97, 150).tolist()
-    assert [c[0] for c in step.prefill_chunks(150)] == [0, 64, 128]
+    assert [c[0] for c in step.prefill_chunks(150, 64)] == [0, 64, 128]
     out = api.generate(m, [prompt], 3, max_len=160)[0]
     full = api.logits(m, np.array([prompt + out]))[0]
     assert out == np.argmax(full[len(prompt) - 1 : -1], axis=-1).tolist()
@@ -133,7 +133,7 @@ def run(m, plan, pool, tiers, steps=5, capacity=4):
     state = step.init_state(cfg, capacity, 32)
     records = []
     for row, prompt in enumerate(PROMPTS):
-        for start, size, count in step.prefill_chunks(len(prompt)):
+        for start, size, count in step.prefill_chunks(len(prompt), 64):
             chunk = np.zeros(size, np.int32)
             chunk[:count] = prompt[start : start + count]
             state, out, new_pool = prefill(cfg, plan, m.params, pool, tiers, state, row, chunk,

@@ -42,7 +42,7 @@ def run(tmp_path_factory):
 def test_each_phase_is_counted_and_the_totals_are_their_sum(run):
     stats, counts, _, per_layer, _ = run
     decode, prefill = stats["by_phase"]["decode"], stats["by_phase"]["prefill"]
-    assert prefill["calls"] == sum(len(step.prefill_chunks(len(p))) for p in PROMPTS) == 3
+    assert prefill["calls"] == sum(len(step.prefill_chunks(len(p), 32)) for p in PROMPTS) == 3
     assert decode["calls"] == stats["decode_steps"] + 1 > 1  # the compiling step is a call
     assert counts.prefill_chunks == prefill["calls"]
     names = set(decode["totals"])

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Issue 48's device call: the user's path, `strata synth` -> `strata quantize` -> `strata bench`,
+# on the synthetic Mixtral-8x7B shape with 8 layers (skew 0.7), in the parts of PARTS, each
+# within BUDGET_S (seconds from the start of the script). Checkpoints stay under /tmp of a warm
+# machine, so a later call skips "prep". Every bench row appends its JSON lines to
+# $OUT/user_path.jsonl (each row's label in its `label`), its printed summary to the log.
+#   PARTS="prep kernels"    prep: the three checkpoints (bf16; int4-rtn experts + int8 dense;
+#                           int4-rtn experts + bf16 dense), in the background while the rest
+#                           runs; kernels: the GPU tests of the int8 kernel and the step, and
+#                           benchmarks/int8_dense.py (a diagnostic)
+#   PARTS="rows"            the resident and offloaded decode rows, B=1 and B=16, int8 and bf16
+#                           dense, the int8 rows also with STRATA_INT8_KERNEL=0 (XLA's path)
+#   PARTS="prefill"         a 2,048-token prompt: int4 3 GiB and bf16 8 GiB, the ledger's chunk
+#                           and 64-token chunks (the old default)
+#   PARTS="processes"       the int4 3 GiB B=16 row in PROC_RUNS fresh processes without a
+#                           compilation cache, then once with STRATA_XLA_AUTOTUNE=1
+source "$(dirname "$0")/device_env.sh"
+BUDGET_S=${BUDGET_S:-570}
+PARTS=${PARTS:-"prep kernels"}
+CK=${CK:-/tmp/strata_mx8}
+exec > >(tee -a "$OUT/user_path_log.txt") 2>&1
+echo "user path $(git rev-parse --short HEAD 2>/dev/null) $(date -Is) on" \
+  "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
+strata() { python3 -m strata_runtime.cli "$@"; }
+
+prep() {
+  [[ -f $CK/config.json ]] || strata synth --shape mixtral-8x7b --layers 8 --skew 0.7 "$CK"
+  [[ -f ${CK}_i8/config.json ]] || strata quantize "$CK" "${CK}_i8" --experts int4-rtn --dense int8
+  [[ -f ${CK}_bf/config.json ]] || strata quantize "$CK" "${CK}_bf" --experts int4-rtn --dense none
+  echo "prep done at t=${SECONDS}s"; ls -d "$CK"*
+}
+
+row() {  # LABEL LIMIT_S CKPT ARGS...: one `strata bench` process
+  local label=$1 want=$2 ckpt=$3; shift 3
+  local left=$((BUDGET_S - SECONDS - 10)); local limit=$((want < left ? want : left))
+  if ((limit < 40)); then echo "== skipped, out of time (t=${SECONDS}s): $label"; return; fi
+  echo "== t=${SECONDS}s, timeout ${limit}s: $label: strata bench $ckpt $*"
+  rm -f /tmp/row.jsonl
+  timeout -k 5 "$limit" python3 -m strata_runtime.cli bench "$ckpt" --json-out /tmp/row.jsonl \
+    "$@" 2>&1 | grep -v "^[WI]0" | grep -vE "^repeat |interval: percentile" | cut -c1-300
+  [[ -f /tmp/row.jsonl ]] && python3 -c "import json, sys
+rows = [json.loads(l) for l in open('/tmp/row.jsonl')]
+for r in rows: r['label'] = sys.argv[1]
+open(sys.argv[2], 'a').write(''.join(json.dumps(r) + chr(10) for r in rows[-1:]))" \
+    "$label" "$OUT/user_path.jsonl"
+}
+
+B1="--prompts 1 --prompt-len 32 --new 64 --batch-capacity 1 --max-len 128 --repeats 3"
+B16="--prompts 16 --prompt-len 32 --new 32 --batch-capacity 16 --max-len 128 --repeats 3"
+P2K="--prompts 1 --prompt-len 2048 --new 8 --batch-capacity 1 --max-len 2112 --repeats 2"
+
+if [[ $PARTS == *prep* ]]; then
+  prep > "$OUT/prep_log.txt" 2>&1 &
+  PREP=$!
+fi
+if [[ $PARTS == *kernels* ]]; then
+  echo "== t=${SECONDS}s: GPU tests"
+  timeout -k 10 200 python3 -m pytest -q -p no:warnings -rfE tests/test_int8_kernel.py \
+    tests/test_step.py 2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
+  echo "== t=${SECONDS}s: int8 dense diagnostic"
+  timeout -k 10 240 python3 -m benchmarks.int8_dense --out "$OUT" 2>&1 | grep -v "^[WI]0" | tail -60
+fi
+if [[ -n ${PREP:-} ]]; then wait "$PREP"; cat "$OUT/prep_log.txt" | tail -5; fi
+if [[ $PARTS == *rows* ]]; then
+  row "int8+int4 resident B=1" 90 "${CK}_i8" $B1
+  STRATA_INT8_KERNEL=0 row "int8+int4 resident B=1, XLA int8" 90 "${CK}_i8" $B1
+  row "bf16+int4 resident B=1" 90 "${CK}_bf" $B1
+  row "int8+int4 resident B=16" 90 "${CK}_i8" $B16
+  row "bf16+int4 resident B=16" 90 "${CK}_bf" $B16
+  row "int8+int4 8GiB B=1" 90 "${CK}_i8" $B1 --hbm 8GiB
+fi
+if [[ $PARTS == *prefill* ]]; then
+  row "prefill 2K int4 3GiB" 120 "${CK}_bf" $P2K --hbm 3GiB
+  row "prefill 2K int4 3GiB chunk 64" 120 "${CK}_bf" $P2K --hbm 3GiB --prefill-chunk 64
+  row "prefill 2K bf16 8GiB" 150 "$CK" $P2K --hbm 8GiB
+fi
+if [[ $PARTS == *processes* ]]; then
+  for run in $(seq "${PROC_RUNS:-2}"); do
+    STRATA_COMPILE_CACHE=off row "int4 3GiB B=16, fresh process $run" 150 "${CK}_bf" $B16 --hbm 3GiB
+  done
+  STRATA_XLA_AUTOTUNE=1 STRATA_COMPILE_CACHE=off row "int4 3GiB B=16, autotuned" 150 "${CK}_bf" \
+    $B16 --hbm 3GiB
+fi
+[[ -f $OUT/user_path.jsonl ]] && python3 -c "import json
+for l in open('$OUT/user_path.jsonl'):
+    r = json.loads(l); b = r['bound']
+    print(f\"{r['label']:<40} tok/s {r['tok_s']['median']:8.1f}  decode {(r['decode_tok_s'] or {}).get('median', 0):8.1f}\"
+          f\"  prefill {(r.get('prefill_tok_s') or {}).get('median', 0):8.1f}  bound {b['bound_tok_s']:8.1f}\"
+          f\"  ratio {b['ratio']:.2f}  binds {b.get('binds')}  tokens {r['tokens_sha256'][:10]}\")"
+echo "done at t=${SECONDS}s"
