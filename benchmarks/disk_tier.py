@@ -26,6 +26,7 @@ import numpy as np
 
 from strata_jax import synth
 from strata_jax.checkpoint import CheckpointReader
+from strata_jax.packing import Admission
 from strata_runtime.bench import disk_read_gbps, drop_page_cache
 from strata_runtime.engine import Engine, EngineConfig, link_rate
 
@@ -48,7 +49,8 @@ def decode(ckpt: Path, config: EngineConfig, batch_prompts: list[list[int]], new
     tokens with the counters reset after the prefill: the figures are decode's alone."""
     with Engine.from_checkpoint(ckpt, config) as engine:
         engine.generate(batch_prompts, 2)
-        first = [engine.prefill(row, p)[0] for row, p in enumerate(batch_prompts)]
+        first = [t for t, _ in engine.prefill([Admission(row, p)
+                                               for row, p in enumerate(batch_prompts)])]
         engine.reset_stats()
         if before_timed is not None:
             before_timed()

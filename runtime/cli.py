@@ -155,7 +155,8 @@ def _run_resident(args, prompts, sampling: SamplingParams) -> Run:
     def run(n: int) -> list[list[int]]:
         return strata_jax.generate(model, prompts, n, sampling=sampling,
                                    batch_capacity=shape.batch_capacity,
-                                   max_len=shape.max_len, prefill_chunk=shape.prefill_chunk)
+                                   max_len=shape.max_len, prefill_chunk=shape.prefill_chunk,
+                                   prefill_rows=shape.prefill_rows)
 
     return _timed(args, run, load_s, None)
 

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,15 +33,16 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from strata_jax import api, expert_parallel, step
+from strata_jax import api, expert_parallel, packing, step
 from strata_jax.checkpoint import CheckpointError, CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_jax.int4_kernel import Int4Tiles, fits, is_hopper, tiles_for, weight_tile
 from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.misses import MissRates
+from strata_jax.packing import Admission
 from strata_jax.pool import free
 from strata_jax.quant import dequantize_int4_jnp
-from strata_jax.sampling import GREEDY, SamplingParams, row_values
+from strata_jax.sampling import GREEDY, SamplingParams
 from strata_jax.scheduler import StepResult
 from strata_runtime.cache_policy import (
     ExpertCache,
@@ -97,6 +99,10 @@ class EngineConfig:
     """Rows of the compiled step (requests decoded together)."""
     max_len: int = 256
     """KV positions per row (prompt + generated tokens)."""
+    prefill_rows: int | None = None
+    """Most prompts whose chunks share a prefill program (`strata_jax.packing`; None: the batch
+    capacity): each expert a program routes to is read and copied once for all of them. 1:
+    each prompt alone, so its bits never depend on what else is admitted with it."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill program (a power of two >= 8): each expert the chunk routes to
     is copied once per layer for all of them. None: the ledger's choice, the longest up to
@@ -198,6 +204,8 @@ class EngineConfig:
             raise ValueError(f"read_ahead must be >= 0, got {self.read_ahead}")
         if self.prefill_chunk is not None:
             step.check_prefill_chunk(self.prefill_chunk)
+        if self.prefill_rows is not None and self.prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be >= 1, got {self.prefill_rows}")
         if self.batch_capacity < 1 or self.max_len < 8:
             raise ValueError(f"need batch_capacity >= 1 and max_len >= 8, got "
                              f"{self.batch_capacity}, {self.max_len}")
@@ -292,6 +300,13 @@ def _measured_ledger(reader: CheckpointReader, config: EngineConfig, chunk: int)
     return _ledger(reader, config, measured[ledger.staging_slots])
 
 
+def _without_rows(args: tuple, rows: dict[int, str], capacity: int) -> tuple:
+    """A prefill program's arguments with `rows` made padding (past the batch, no tokens)."""
+    cut = np.isin(args[0], list(rows))
+    return (np.where(cut, capacity, args[0]).astype(np.int32), args[1], args[2],
+            np.where(cut, 0, args[3]).astype(np.int32), *args[4:])
+
+
 def _ledger(reader: CheckpointReader, config: EngineConfig, workspace: int,
             check: bool = True) -> Ledger:
     """The split with a fixed workspace; `check=False` returns the layout even over budget."""
@@ -361,6 +376,7 @@ class Engine:
             self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
         self.prefill_chunk = (self.ledger.prefill_chunk if self.ledger is not None else
                               config.prefill_chunk or step.default_prefill_chunk(self.max_len))
+        self.prefill_rows = config.prefill_rows or self.capacity
         with _phase(self.startup, "pools"):  # tiers 0 and 1 read from disk
             self.shares = self._shares(heat)  # this process's devices' only
         self.residency = Residencies([s.residency for s in self.shares], self.mesh,
@@ -568,43 +584,52 @@ class Engine:
 
     # --- the contract: prefill / step / free over integer rows ---------------------------------
 
-    def prefill(self, row: int, tokens: list[int], start: int = 0,
-                sampling: SamplingParams = GREEDY,
-                request: int | None = None) -> tuple[int | None, str | None]:
-        """Write `tokens` into row `row`'s KV from position `start` and make it live; the row
-        draws its tokens by `sampling` (a seed of None draws a new one: fix it per request);
-        `request` names it in the routing trace. Returns (its next token, None), or (None,
-        the reason) if an expert it needs could not be read (the row is then free)."""
+    def prefill(self, admissions: Sequence[Admission]) -> list[tuple[int | None, str | None]]:
+        """Write each admission's tokens into its row's KV from its start and make the rows
+        live, in the packed programs of `packing.run` (chunks of `prefill_chunk` tokens, up to
+        `prefill_rows` prompts a program); each row draws its tokens by its sampling (a seed
+        of None draws a new one: fix it per request); `request` names it in the routing trace.
+        Returns per admission (its next token, None), or (None, the reason) if an expert it
+        needs could not be read (the row is then free)."""
         self._check_open()
-        if not 0 <= row < self.capacity:
-            raise ValueError(f"row {row} is outside [0, {self.capacity})")
-        if not tokens or start + len(tokens) > self.max_len:
-            raise ValueError(f"row {row}: {len(tokens)} tokens from position {start} do not fit "
-                             f"max_len={self.max_len}")
-        api.check_tokens(self.cfg, tokens, f"row {row}")
+        self._check_admissions(admissions)
         self._observe_pending()
         t0 = time.perf_counter()
-        prompt = np.asarray(tokens, np.int32)
-        values = self._agreed(row_values(sampling))
-        self._greedy[row] = sampling.greedy
-        self._request[row] = request
-        out = None
-        for first, size, count in step.prefill_chunks(len(prompt), self.prefill_chunk):
-            chunk = np.zeros(size, np.int32)
-            chunk[:count] = prompt[first : first + count]
-            args = (row, chunk, start + first, count, values)
-            out, failed = self._run(f"prefill{size}", self._prefill, self.plan, args,
-                                    sync=True)
-            if failed:
-                return None, failed[row]
+        for a in admissions:
+            self._greedy[a.row] = a.sampling.greedy
+            self._request[a.row] = a.request
+
+        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, dict[int, str]]:
+            rows, tokens, starts, counts, values = args
+            args = (rows, tokens, starts, counts, self._agreed(values))
+            out, failed = self._run("prefill{}x{}".format(*tokens.shape), self._prefill,
+                                    self.plan, args, sync=True)
             if self.trace is not None:
-                self.trace.add(out.record.experts, np.arange(size) < count, [request] * size,
-                               prefill=True)
-        token = int(out.tokens)
-        self._live[row] = True
+                real = (np.arange(tokens.shape[1])[None] < counts[:, None]).reshape(-1)
+                requests = [self._request[r] if r < self.capacity else None
+                            for r in np.repeat(rows, tokens.shape[1])]
+                self.trace.add(out.record.experts, real, requests, prefill=True)
+            return np.asarray(out.tokens), failed
+
+        results = packing.run(admissions, self.prefill_chunk, self.prefill_rows,
+                              self.capacity, call)
+        for a, (_, error) in zip(admissions, results, strict=True):
+            self._live[a.row] = error is None
         self.counters.prefill_s += time.perf_counter() - t0
-        self.counters.prefill_tokens += len(tokens)
-        return token, None
+        self.counters.prefill_tokens += sum(len(a.tokens) for a in admissions)
+        return results
+
+    def _check_admissions(self, admissions: Sequence[Admission]) -> None:
+        rows = [a.row for a in admissions]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows {rows}: one admission per row")
+        for a in admissions:
+            if not 0 <= a.row < self.capacity:
+                raise ValueError(f"row {a.row} is outside [0, {self.capacity})")
+            if not len(a.tokens) or a.start + len(a.tokens) > self.max_len:
+                raise ValueError(f"row {a.row}: {len(a.tokens)} tokens from position {a.start} "
+                                 f"do not fit max_len={self.max_len}")
+            api.check_tokens(self.cfg, list(a.tokens), f"row {a.row}")
 
     def step(self) -> StepResult:
         """Dispatch the decode of one token for every live row; `read` gives the tokens."""
@@ -652,7 +677,7 @@ class Engine:
         resume = self._from_start(args) if plan.resume else None
         forced = None
         if self.replay is not None:  # one trace step per step, re-runs included
-            kind, rows = ("prefill", len(args[1])) if args else ("decode", self.capacity)
+            kind, rows = ("prefill", args[1].size) if args else ("decode", self.capacity)
             forced = self._replicated(self.replay.picks(kind, rows))
         done = None  # the record of the layers before the resume layer
         while True:
@@ -681,8 +706,10 @@ class Engine:
                      if self.config.disk_lookahead else [])
             self.counters.phase(phase).resumed_layers += self.cfg.num_layers - layer
             failed.update(self._from_disk(keys, record, args, phase, ahead))
-            if args and failed:  # the prefilled row itself failed (it is freed): no re-run
-                return out, failed
+            if args and failed:  # failed prefill rows (freed) leave the re-run as padding
+                args = _without_rows(args, failed, self.capacity)
+                if not (args[0] < self.capacity).any():
+                    return out, failed
             tokens, positions, sampler = out.start  # the step's input, run again
             self.state = self.state.replace(tokens=tokens, positions=positions, sampler=sampler)
             # committed where `_from_start`'s layer is: an uncommitted scalar is another
@@ -699,8 +726,8 @@ class Engine:
 
     def _from_start(self, args: tuple) -> step.Resume:
         """The resume argument of a run from the first layer, kept per shape (a decode step
-        when `args` is empty, else a prefill chunk of `args[1]`'s length)."""
-        shape = (1, len(args[1])) if args else (self.capacity, 1)
+        when `args` is empty, else a prefill program of `args[1]`'s [rows, tokens])."""
+        shape = args[1].shape if args else (self.capacity, 1)
         if shape not in self._starts:
             self._starts[shape] = self._replicated(step.from_start(self.cfg, *shape))
         return self._starts[shape]
@@ -776,8 +803,11 @@ class Engine:
         """Live rows whose tokens routed to `key` in the step of `record`."""
         layer, expert = key
         picked = (np.asarray(record.experts[layer]) == expert).any(axis=-1)
-        if args:  # a prefill chunk: every token is row args[0]'s
-            return [int(args[0])] if picked.any() else []
+        if args:  # a prefill program: token i is row args[0][i // T]'s, real below its count
+            rows, tokens, _, counts = args[:4]
+            real = np.arange(tokens.shape[1])[None] < counts[:, None]
+            hit = (picked.reshape(tokens.shape) & real).any(axis=1) & (rows < self.capacity)
+            return [int(r) for r in rows[hit]]
         return [int(r) for r in np.nonzero(picked & np.array(self._live))[0]]
 
     def _host_victims(self, share: Share, count: int, keep: set[Key]) -> list[Key]:

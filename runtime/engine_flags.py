@@ -26,7 +26,7 @@ FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host", "heat_file": "--he
 """Fields whose flag is not `--field-name`."""
 CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "cache_admit": ADMITS,
            "dequant": DEQUANT, "weight_layout": LAYOUTS, "miss": MISS_MODES}
-WITHOUT_HBM = ("batch_capacity", "max_len", "prefill_chunk", "expert_devices")
+WITHOUT_HBM = ("batch_capacity", "max_len", "prefill_chunk", "prefill_rows", "expert_devices")
 """Fields that also shape the resident path (`strata_jax.generate`); the rest need --hbm."""
 METAVARS = {"hbm_budget": "SIZE", "host_budget": "SIZE", "workspace": "SIZE",
             "heat_file": "FILE", "record_trace": "FILE", "int4_tiles": "K=V,...",

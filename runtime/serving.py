@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import jax
 
+from strata_jax import packing
 from strata_jax.api import check_request
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_jax.scheduler import Request, Scheduler
-from strata_jax.step import prefill_chunks
 
 log = logging.getLogger("strata.serve")
 
@@ -362,16 +362,20 @@ class EngineLoop:
 
 
 def warm_up(engine) -> None:
-    """Compile every program a request can need before serving: each prefill bucket that fits
-    `max_len`, decode with and without the sampler; then zero the engine's stats."""
-    sched = Scheduler(engine)
-    chunk = engine.prefill_chunk
-    buckets = sorted({size for n in range(1, chunk + 1) for _, size, _ in prefill_chunks(n, chunk)})
+    """Compile every program a request can need before serving: each prefill shape that
+    `packing.pack` can give (rows x tokens) and that fits `max_len`, decode with and without
+    the sampler; then zero the engine's stats."""
     sampled = SamplingParams(temperature=1.0, top_k=8, top_p=0.9, min_p=0.01,
                              repetition_penalty=1.1, seed=0)
+    most = min(engine.capacity, engine.prefill_rows)
     for sampling in (GREEDY, sampled):
-        for size in buckets:
-            n = min(size, engine.max_len - 1)  # the longest prompt of this bucket that fits
-            sched.submit([1] * n, min(3, engine.max_len - n), sampling)
-        sched.run()
+        for rows, tokens in packing.shapes(engine.prefill_chunk, engine.prefill_rows):
+            count = min(rows, most)  # prompts admitted together: the shape's row bucket
+            n = min(tokens, engine.max_len - 1)  # the longest prompt of this bucket that fits
+            if max(1, 1 << (count - 1).bit_length()) != rows:
+                continue  # more rows than the batch admits at once
+            sched = Scheduler(engine)
+            for _ in range(count):
+                sched.submit([1] * n, min(3, engine.max_len - n), sampling)
+            sched.run()
     engine.reset_stats()

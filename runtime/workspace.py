@@ -22,7 +22,7 @@ from strata_jax import api, step
 from strata_jax.checkpoint import CheckpointReader, expert_arrays
 from strata_jax.config import ModelConfig
 from strata_jax.pool import ExpertPool
-from strata_jax.sampling import GREEDY, row_values
+from strata_jax.sampling import GREEDY, row_values, stack_values
 from strata_runtime.residency import as_held
 
 
@@ -100,9 +100,9 @@ def _lowered(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_
         return [decode.lower(cfg, p, params, pool, tiers, state)
                 for p in (plan, dataclasses.replace(plan, sample=True))]
     prefill = step.prefill_staged if plan.staging else step.prefill
-    tokens = jax.ShapeDtypeStruct((chunk,), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((1, chunk), jnp.int32)
+    one = jax.ShapeDtypeStruct((1,), jnp.int32)
     values = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype),
-                          row_values(GREEDY))
-    return [prefill.lower(cfg, plan, params, pool, tiers, state, scalar, tokens, scalar,
-                          scalar, values)]
+                          stack_values([row_values(GREEDY)]))
+    return [prefill.lower(cfg, plan, params, pool, tiers, state, one, tokens, one, one,
+                          values)]

@@ -213,16 +213,17 @@ def check_request(cfg: ModelConfig, index: int, prompt: Any, max_new_tokens: int
 def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
              max_new_tokens: int, *, sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
              chat: bool = False, ignore_eos: bool = False, batch_capacity: int = 16,
-             max_len: int = 256, prefill_chunk: int | None = None
-             ) -> list[str] | list[list[int]]:
+             max_len: int = 256, prefill_chunk: int | None = None,
+             prefill_rows: int | None = None) -> list[str] | list[list[int]]:
     """The continuation of each prompt (up to `max_new_tokens`, ending early at a stop id),
     through the one compiled step and the scheduler's continuous batch (`step.prefill` of a
     request into a free row in chunks of `prefill_chunk` tokens (None:
-    `step.default_prefill_chunk`), `step.decode` over `batch_capacity` rows of `max_len`
+    `step.default_prefill_chunk`), the chunks of up to `prefill_rows` requests admitted
+    together in one program (None: `batch_capacity`; 1: a prompt's bits never depend on the
+    others'), `step.decode` over `batch_capacity` rows of `max_len`
     positions; a queued prompt takes the row of the first that finishes). `sampling`: one
-    SamplingParams for every prompt, or one per prompt. A prompt's tokens do not depend on
-    the others; the offload engine with the same capacity, length, prefill chunk and seeds
-    gives the same bits.
+    SamplingParams for every prompt, or one per prompt. The offload engine with the same
+    capacity, length, prefill chunk and rows and seeds gives the same bits.
 
     Prompts of token ids give the new ids. Text prompts (every prompt a str; `chat` applies
     the model's chat template) go through the checkpoint's tokenizer and give text: the model's
@@ -234,7 +235,7 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
         if chat:
             raise ValueError("chat=True needs text prompts (the template applies to text)")
         return _generate_ids(model, prompts, max_new_tokens, sampling, batch_capacity, max_len,
-                             prefill_chunk)
+                             prefill_chunk, prefill_rows)
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("give every prompt as text or every prompt as token ids, not both")
     from strata_jax.tokenizer import encode_prompts
@@ -245,7 +246,7 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
     if not ignore_eos:
         settings = [dataclasses.replace(s, stop_ids=s.stop_ids | tok.eos_ids) for s in settings]
     out = _generate_ids(model, ids, max_new_tokens, settings, batch_capacity, max_len,
-                        prefill_chunk)
+                        prefill_chunk, prefill_rows)
     return [cut_at_stop(tok.decode(o), s.stop) for o, s in zip(out, settings, strict=True)]
 
 
@@ -256,14 +257,16 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 
 
 def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_capacity: int,
-                  max_len: int, prefill_chunk: int | None) -> list[list[int]]:
+                  max_len: int, prefill_chunk: int | None,
+                  prefill_rows: int | None) -> list[list[int]]:
     from strata_jax.resident import ResidentEngine
     from strata_jax.scheduler import Scheduler
 
     settings = per_request(sampling, len(prompts))
     for i, p in enumerate(prompts):
         check_request(model.config, i, p, max_new_tokens, max_len)
-    sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk))
+    sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk,
+                                     prefill_rows))
     reqs = [sched.submit(list(p), max_new_tokens, s) for p, s in zip(prompts, settings,
                                                                      strict=True)]
     sched.run()

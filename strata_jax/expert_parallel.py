@@ -260,7 +260,7 @@ def programs(mesh: Mesh) -> Programs:
         )(params, pool, tiers_, state, resume, forced)
         return state, _with_counters(out, counters), pool
 
-    def prefill(cfg, plan, params, pool, tiers_, state, row, tokens, start, count,
+    def prefill(cfg, plan, params, pool, tiers_, state, rows, tokens, starts, counts,
                 sampling=None, resume=None, forced=None):
         def local(params, pool, tiers_, state, args, resume, forced):
             state, out, pool = step.prefill_step(cfg, _sharded(plan), params, pool,
@@ -271,7 +271,7 @@ def programs(mesh: Mesh) -> Programs:
         state, out, pool, counters = shard_map(
             local, in_specs=(everyone, experts, tiers_spec, everyone, everyone, everyone, everyone),
             out_specs=(everyone, everyone, experts, everyone),
-        )(params, pool, tiers_, state, (row, tokens, start, count, sampling), resume, forced)
+        )(params, pool, tiers_, state, (rows, tokens, starts, counts, sampling), resume, forced)
         return state, _with_counters(out, counters), pool
 
     def forward(cfg, plan, params, pool, tiers_, tokens):

@@ -122,7 +122,8 @@ class ChunkInputs(NamedTuple):
     host: ExpertPool | None
     """The pinned-host tier (None when every expert has a device slot)."""
     row: jax.Array | None
-    """The one cache row a prefill chunk writes, or None: row b of the batch."""
+    """[B] int32 the cache row each row of a prefill chunk writes (at or past the batch
+    capacity: a padding row, which writes nothing), or None: row b of the batch."""
     resume: tuple[jax.Array, jax.Array] | None = None
     """(first layer, its input [B, T, D]): layers before the first pass their input through
     and write nothing (-1: a run from the start); None: no resume compiled."""
@@ -248,8 +249,8 @@ class MoEModel(nn.Module):
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
                    v_all, row=None, resume=None, forced=None):
         """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [B * T]
-        marks tokens whose routing counts (and moves experts); `row`: the cache row of a
-        prefill chunk (None: row b is batch row b); `resume`: (first layer, its input), see
+        marks tokens whose routing counts (and moves experts); `row` [B]: the cache rows of a
+        prefill chunk's rows (None: row b is batch row b); `resume`: (first layer, its input), see
         `ChunkInputs.resume`; `forced` [L, N, k]: replayed picks (-1: the router's; None:
         the router's everywhere). Returns x, the caches, the pool, the record's fields
         (`step.StepRecord`), each [L, ...], and the input of the first layer that stalled

@@ -143,21 +143,23 @@ def fuse_qkv(lp: Params) -> Params:
 
 
 def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, layer, row):
-    """Write the chunk's k/v into the stacked cache [L, B, max_len, kv, hd] (row `row`, or every
-    row when None) at `positions` [B, T] (out of range: dropped) and attend over layer
-    `layer`'s cache; residual included. Returns (x, k_all, v_all)."""
+    """Write the chunk's k/v into the stacked cache [L, B, max_len, kv, hd] (chunk row b into
+    cache row `row[b]`, or row b when `row` is None) at `positions` [B, T] (out of range:
+    dropped) and attend over layer `layer`'s cache; residual included. Returns (x, k_all,
+    v_all)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q, k, v = project_qkv(cfg, lp, h, positions)
     b, t = positions.shape
-    rows = jnp.arange(b)[:, None] if row is None else jnp.full((b, 1), row)
-    rows = jnp.broadcast_to(rows, (b, t))
+    rows = jnp.arange(b) if row is None else row
+    rows = jnp.broadcast_to(rows[:, None], (b, t))
     layer_ix = jnp.full((b, t), layer)
     k_all = k_all.at[layer_ix, rows, positions].set(k, mode="drop")
     v_all = v_all.at[layer_ix, rows, positions].set(v, mode="drop")
     if row is None:
         kc, vc = k_all[layer], v_all[layer]
-    else:
-        kc, vc = k_all[layer, row][None], v_all[layer, row][None]
+    else:  # a padding row (past the capacity) reads the last row, and its output is dropped
+        own = jnp.minimum(row, k_all.shape[1] - 1)
+        kc, vc = k_all[layer, own], v_all[layer, own]
     mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]
     return x + linear(attend(q, kc, vc, mask), lp, "wo"), k_all, v_all
 

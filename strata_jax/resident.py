@@ -5,12 +5,13 @@ tiers, no records to observe."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from strata_jax import step
-from strata_jax.sampling import GREEDY, SamplingParams, row_values
+from strata_jax import packing, step
+from strata_jax.packing import Admission
 from strata_jax.scheduler import StepResult
 
 if TYPE_CHECKING:
@@ -19,35 +20,36 @@ if TYPE_CHECKING:
 
 class ResidentEngine:
     """`capacity` rows of `max_len` positions of a resident `Model`'s decode state, prompts
-    prefilled in chunks of `prefill_chunk` tokens (None: `step.default_prefill_chunk`)."""
+    prefilled in chunks of `prefill_chunk` tokens (None: `step.default_prefill_chunk`), up to
+    `prefill_rows` prompts' chunks a program (None: `capacity`; `packing.pack`)."""
 
     def __init__(self, model: Model, capacity: int, max_len: int,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, prefill_rows: int | None = None) -> None:
         self.cfg, self.capacity, self.max_len = model.config, capacity, max_len
         self.prefill_chunk = step.check_prefill_chunk(
             prefill_chunk or step.default_prefill_chunk(max_len))
+        self.prefill_rows = prefill_rows or capacity
         self._decode, self._prefill, _, tiers = model.programs()
         self._args = (model.params, model.experts, tiers)
         self.state = model.init_state(capacity, max_len)
         self._greedy = [True] * capacity  # per row: may decode with the plain argmax
         self._live = [False] * capacity
 
-    def prefill(self, row: int, tokens: list[int], start: int = 0,
-                sampling: SamplingParams = GREEDY,
-                request: int | None = None) -> tuple[int, None]:
-        """Write `tokens` into row `row`'s KV from position `start`, chunked as on every path
-        (`step.prefill_chunks`), and make it live; returns (its next token, None)."""
-        prompt = np.asarray(tokens, np.int32)
-        values = row_values(sampling)
-        out = None
-        for first, size, count in step.prefill_chunks(len(prompt), self.prefill_chunk):
-            chunk = np.zeros(size, np.int32)
-            chunk[:count] = prompt[first : first + count]
+    def prefill(self, admissions: Sequence[Admission]) -> list[tuple[int, None]]:
+        """Write each admission's tokens into its row's KV from its start, packed and chunked
+        as on every path (`packing.run`), and make the rows live; returns (each row's next
+        token, None)."""
+
+        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, dict[int, str]]:
             self.state, out, _ = self._prefill(self.cfg, step.StepPlan(), *self._args,
-                                               self.state, row, chunk, start + first, count,
-                                               values)
-        self._greedy[row], self._live[row] = sampling.greedy, True
-        return int(out.tokens), None
+                                               self.state, *args)
+            return np.asarray(out.tokens), {}
+
+        results = packing.run(admissions, self.prefill_chunk, self.prefill_rows,
+                              self.capacity, call)
+        for a in admissions:
+            self._greedy[a.row], self._live[a.row] = a.sampling.greedy, True
+        return results
 
     def step(self) -> StepResult:
         """Dispatch one token for every live row (the sampler's program only when a live row

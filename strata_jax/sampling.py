@@ -107,15 +107,27 @@ def row_values(params: SamplingParams) -> tuple:
             np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
 
 
+def stack_values(values: list[tuple]) -> tuple:
+    """`row_values` of several rows, each field stacked over the rows (what `set_row` takes
+    for an array of rows)."""
+    return tuple(np.stack(field) for field in zip(*values, strict=True))
+
+
 def set_row(rows: SamplerRows, row, values: tuple, fresh) -> SamplerRows:
-    """Row `row` takes `values` (`row_values`); with `fresh` its sequence starts anew."""
+    """Row `row` takes `values` (`row_values`); with `fresh` its sequence starts anew. Or rows
+    `row` [R] take `values` stacked over them (`stack_values`), `fresh` [R]; a row at or past
+    the batch is left alone."""
     temperature, top_k, top_p, min_p, penalty, seed = values
-    seen = rows.seen.at[row].set(jnp.where(fresh, False, rows.seen[row]))
-    return rows.replace(temperature=rows.temperature.at[row].set(temperature),
-                        top_k=rows.top_k.at[row].set(top_k), top_p=rows.top_p.at[row].set(top_p),
-                        min_p=rows.min_p.at[row].set(min_p),
-                        penalty=rows.penalty.at[row].set(penalty),
-                        seed=rows.seed.at[row].set(seed), seen=seen)
+    fresh = jnp.asarray(fresh)[..., None]
+    seen = rows.seen.at[row].set(jnp.where(fresh, False, rows.seen[row]), mode="drop")
+
+    def put(a: jax.Array, value) -> jax.Array:
+        return a.at[row].set(value, mode="drop")
+
+    return rows.replace(temperature=put(rows.temperature, temperature),
+                        top_k=put(rows.top_k, top_k), top_p=put(rows.top_p, top_p),
+                        min_p=put(rows.min_p, min_p), penalty=put(rows.penalty, penalty),
+                        seed=put(rows.seed, seed), seen=seen)
 
 
 def mark_seen(rows: SamplerRows, row_ids: jax.Array, tokens: jax.Array,

@@ -1,7 +1,7 @@
 """Continuous batching over the engine's rows, through its public contract only.
 
-Requests join at any step: a queued request takes a free row, is prefilled into it
-(`Engine.prefill`), and from then on every `Engine.step` decodes one token for it, whatever
+Requests join at any step: the queued requests take free rows, are prefilled into them
+together (`Engine.prefill`), and from then on every `Engine.step` decodes one token for it, whatever
 else shares the batch. A request finishes on a stop id or its token limit and its row is freed
 (`Engine.free`), unless it was submitted with `keep=True`: then it stays idle in its row with
 its KV, and `resume` prefills only the new input after it. When a request waits and no row is
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from strata_jax.api import check_request
+from strata_jax.packing import Admission
 from strata_jax.sampling import GREEDY, SamplingParams
 
 
@@ -62,7 +63,7 @@ class Request:
 
 class Scheduler:
     """Runs an engine's rows as a continuous batch. The engine needs `cfg`, `capacity`,
-    `max_len`, `prefill(row, tokens, start, sampling, request)` -> (token, error), `step()`
+    `max_len`, `prefill(admissions)` -> (token, error) of each `packing.Admission`, `step()`
     -> StepResult, `read(result)` -> the tokens as numpy, and `free(row)`."""
 
     def __init__(self, engine) -> None:
@@ -168,21 +169,27 @@ class Scheduler:
                 self._emit(i, int(tokens[i]))
 
     def _admit(self) -> None:
-        """Prefill queued requests into rows: their own row if they kept one, else a free row
+        """Prefill queued requests into rows, all of them in one engine call (its programs
+        pack their chunks: `packing`): their own row if they kept one, else a free row
         (evicting the least recently active idle request if need be)."""
+        admitted: list[tuple[int, Request]] = []
         while self.queue:
             req = self.queue[0]
             row = self._row_of(req)
             if row is None:
                 row = self._free_row()
                 if row is None:
-                    return
+                    break
                 self.rows[row], self.kv_len[row] = req, 0
             self.queue.popleft()
             self._turn[row] += 1
-            start = self.kv_len[row]
-            token, error = self.engine.prefill(row, req.sequence[start:], start, req.sampling,
-                                               req.id)
+            admitted.append((row, req))
+        if not admitted:
+            return
+        admissions = [Admission(row, req.sequence[self.kv_len[row]:], self.kv_len[row],
+                                req.sampling, req.id) for row, req in admitted]
+        results = self.engine.prefill(admissions)
+        for (row, req), (token, error) in zip(admitted, results, strict=True):
             self.kv_len[row] = len(req.sequence)
             if error is not None:
                 self._fail(row, error)

@@ -32,11 +32,9 @@ from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.misses import HostWork
 from strata_jax.pool import ExpertPool
 from strata_jax.sampling import (
-    GREEDY,
     SamplerRows,
     greedy_rows,
     mark_seen,
-    row_values,
     sample,
     set_row,
 )
@@ -284,34 +282,44 @@ def _start(plan: StepPlan, state: DecodeState) -> tuple | None:
 
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
-             state: DecodeState, row, tokens, start, count, sampling=None,
-             resume: Resume | None = None, forced: jax.Array | None = None):
-    """A chunk of one row's prompt: tokens [T] (the first `count` real) placed at positions
-    start, start + 1, ... of row `row`, which becomes live with its next token at position
-    start + count, drawn by `sampling` (`sampling.row_values`, None: greedy; the row's
-    settings from now on; at start 0 its sequence starts anew). Returns (state, StepOutput
-    with the logits [V] of the chunk's last real token, pool (None when `plan.staging` is
-    0)). `resume` (with `plan.resume`): run from a layer; `forced` [L, T, k] (with
+                 state: DecodeState, rows, tokens, starts, counts, sampling=None,
+                 resume: Resume | None = None, forced: jax.Array | None = None):
+    """Chunks of R rows' prompts in one program (`packing`): tokens [R, T], row r's first
+    `counts[r]` real, placed at positions starts[r], starts[r] + 1, ... of cache row `rows[r]`
+    (at or past the batch capacity: a padding row, which writes and draws nothing). Each row
+    becomes live with its next token at position starts[r] + counts[r], drawn by `sampling`
+    (`sampling.stack_values` of the rows' `row_values`; None: greedy), its settings from now
+    on (at start 0 its sequence starts anew). Returns (state, StepOutput with the tokens [R]
+    and the logits [R, V] of each row's last real token, pool (None when `plan.staging` is
+    0)). `resume` (with `plan.resume`): run from a layer; `forced` [L, R * T, k] (with
     `plan.replay`): the replayed picks."""
-    t = tokens.shape[0]
-    real = jnp.arange(t) < count
-    positions = jnp.where(real, start + jnp.arange(t), state.max_len)[None].astype(jnp.int32)
+    r, t = tokens.shape
+    real = jnp.arange(t)[None, :] < counts[:, None]
+    positions = jnp.where(real, starts[:, None] + jnp.arange(t)[None, :],
+                          state.max_len).astype(jnp.int32)
+    last = jnp.maximum(counts - 1, 0)
     logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
-        params, tokens[None], positions, real, pool, tiers, state.k, state.v, row=row,
-        pick=lambda x: x[0, jnp.maximum(count - 1, 0)], method="chunk",
-        resume=_resume(cfg, plan, resume, 1, t), forced=_forced(plan, forced))
-    sampler = set_row(state.sampler, row, row_values(GREEDY) if sampling is None else sampling,
-                      start == 0)
-    sampler = mark_seen(sampler, jnp.full((t,), row), tokens, real)
-    own = jax.tree.map(lambda a: a[row][None], sampler)
-    nxt = sample(logits[None], own, jnp.reshape(start + count, (1,)))[0]
+        params, tokens, positions, real.reshape(-1), pool, tiers, state.k, state.v, row=rows,
+        pick=lambda x: x[jnp.arange(r), last], method="chunk",
+        resume=_resume(cfg, plan, resume, r, t), forced=_forced(plan, forced))
+    values = _greedy_values(r) if sampling is None else sampling
+    sampler = set_row(state.sampler, rows, values, starts == 0)
+    sampler = mark_seen(sampler, jnp.repeat(rows, t), tokens.reshape(-1), real.reshape(-1))
+    own = jax.tree.map(lambda a: a[jnp.minimum(rows, state.tokens.shape[0] - 1)], sampler)
+    nxt = sample(logits, own, starts + counts)
     before = state
-    state = state.replace(tokens=state.tokens.at[row].set(nxt), sampler=sampler,
-                          positions=state.positions.at[row].set(start + count),
-                          live=state.live.at[row].set(True), k=k, v=v)
+    state = state.replace(tokens=state.tokens.at[rows].set(nxt, mode="drop"), sampler=sampler,
+                          positions=state.positions.at[rows].set(starts + counts, mode="drop"),
+                          live=state.live.at[rows].set(True, mode="drop"), k=k, v=v)
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
                      start=_start(plan, before))
     return state, out, pool if plan.staging else None
+
+
+def _greedy_values(rows: int) -> tuple:
+    """`row_values(GREEDY)` stacked over `rows` rows, built in the program."""
+    g = greedy_rows(rows, 1)
+    return g.temperature, g.top_k, g.top_p, g.min_p, g.penalty, g.seed
 
 
 AUTOTUNE = os.environ.get("STRATA_XLA_AUTOTUNE", "0") not in ("", "0")

@@ -132,10 +132,13 @@ class _LoggingEngine:
         self.n = 0
         self.numbers: dict[int, int] = {}
 
-    def prefill(self, row, tokens, start=0, sampling=None, request=None):
-        self.calls.append(("prefill", row))
-        self.last[row] = tokens[-1] + 1
-        return self.last[row], None
+    def prefill(self, admissions):
+        out = []
+        for a in admissions:
+            self.calls.append(("prefill", a.row))
+            self.last[a.row] = a.tokens[-1] + 1
+            out.append((self.last[a.row], None))
+        return out
 
     def step(self) -> StepResult:
         self.n += 1

@@ -39,8 +39,8 @@ def test_prefill_and_decode_match_full_forward(family):
     for row, n in enumerate(lengths):
         chunk = np.zeros(8, np.int32)
         chunk[:n] = tokens[row, :n]
-        state, out, _ = step.prefill(*args, state, row, chunk, 0, n)
-        assert _rel(out.logits, full[row, n - 1]) <= 1e-5
+        state, out, _ = step.prefill(*args, state, *_one_row(row, chunk, 0, n))
+        assert _rel(out.logits[0], full[row, n - 1]) <= 1e-5
     pos = np.array(lengths + [0])
     while pos[:3].max() < total:
         nxt = np.zeros(4, np.int32)
@@ -125,6 +125,12 @@ def offloaded(m: api.Model, keep: list[tuple[int, int]], staging: int, disk=()):
     return pool, step.Tiers(page=jnp.asarray(page), host=host, host_page=jnp.asarray(host_page))
 
 
+def _one_row(row: int, chunk: np.ndarray, start: int, count: int) -> tuple:
+    """`step.prefill`'s arguments of one row's chunk (a program of one row)."""
+    one = lambda v: np.array([v], np.int32)  # noqa: E731
+    return one(row), chunk[None], one(start), one(count)
+
+
 def run(m, plan, pool, tiers, steps=5, capacity=4):
     """Prefill PROMPTS into rows 0..2 of `capacity`, then decode: tokens, logits, records."""
     cfg = m.config
@@ -136,8 +142,8 @@ def run(m, plan, pool, tiers, steps=5, capacity=4):
         for start, size, count in step.prefill_chunks(len(prompt), 64):
             chunk = np.zeros(size, np.int32)
             chunk[:count] = prompt[start : start + count]
-            state, out, new_pool = prefill(cfg, plan, m.params, pool, tiers, state, row, chunk,
-                                           start, count)
+            state, out, new_pool = prefill(cfg, plan, m.params, pool, tiers, state,
+                                           *_one_row(row, chunk, start, count))
             pool = new_pool if plan.staging else pool
             records.append(jax.device_get(out.record))
     tokens, logits = [], []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import strata_jax
+from strata_jax.packing import Admission
 from strata_runtime.engine import Engine
 
 
@@ -13,8 +14,7 @@ def run_rows(engine: Engine, prompts: list[list[int]], new: int):
     """Prefill each prompt into its own row, then `new - 1` decode steps: every row's tokens
     [rows, new] and the logits of every decode step [new - 1, rows, vocab]."""
     first = []
-    for row, prompt in enumerate(prompts):
-        token, error = engine.prefill(row, prompt)
+    for token, error in engine.prefill([Admission(row, p) for row, p in enumerate(prompts)]):
         assert error is None, error
         first.append(token)
     tokens, logits = [np.array(first)], []

@@ -15,6 +15,7 @@ import pytest
 import strata_jax
 from strata_jax import step
 from strata_jax.checkpoint import CheckpointError
+from strata_jax.packing import Admission
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_runtime.engine import Engine, EngineConfig, RequestFailed, RequestResult
 from strata_runtime.ledger import BudgetError
@@ -136,7 +137,7 @@ def test_bad_requests_are_named_and_fail_alone(ckpt):
         with pytest.raises(RequestFailed, match="request 0: max_new_tokens must be >= 1"):
             engine.generate([[1]], 0)
         with pytest.raises(ValueError, match="row 0: token id -1 is outside the vocabulary"):
-            engine.prefill(0, [1, -1])  # the contract checks what it is given too
+            engine.prefill([Admission(0, [1, -1])])  # the contract checks what it is given
 
 
 def test_budget_goes_through_the_ledger(ckpt):
@@ -193,7 +194,7 @@ def test_close_frees_the_engine_memory_at_once(ckpt, reference):
     assert not [a for a in jax.live_arrays() if id(a) not in before]
     assert engine.stats()["disk_loads"] > 0
     with pytest.raises(RuntimeError, match="closed"):
-        engine.prefill(0, [1, 2])
+        engine.prefill([Admission(0, [1, 2])])
     engine.close()  # twice is fine
 
 
@@ -296,8 +297,7 @@ def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, knobs, betwee
     to the host (its record is read a step later, or at once where a step may stall) and
     calls nothing on the host."""
     with _engine(ckpt, resident_experts=4, predictor="none", **knobs) as engine:
-        for row, prompt in enumerate(PROMPTS):
-            engine.prefill(row, prompt)
+        engine.prefill([Admission(row, prompt) for row, prompt in enumerate(PROMPTS)])
         for _ in range(3):  # compiles, and fills the cache
             engine.step()
         steps = 4
