@@ -9,7 +9,9 @@
 #                           runs; kernels: the GPU tests of the int8 kernel and the step, and
 #                           benchmarks/int8_dense.py (a diagnostic)
 #   PARTS="rows"            the resident and offloaded decode rows, B=1 and B=16, int8 and bf16
-#                           dense, the int8 rows also with STRATA_INT8_KERNEL=0 (XLA's path)
+#                           dense, the int8 rows also with STRATA_INT8_KERNEL=0 (XLA's path);
+#                           then the step benchmark's int4 8 GiB B=1 row (the engine's cost)
+#   PARTS="overhead"        benchmarks/engine_overhead.py at one row, resident, both checkpoints
 #   PARTS="prefill"         a 2,048-token prompt: int4 3 GiB and bf16 8 GiB, the ledger's chunk
 #                           and 64-token chunks (the old default)
 #   PARTS="processes"       the int4 3 GiB B=16 row in PROC_RUNS fresh processes without a
@@ -61,6 +63,12 @@ if [[ $PARTS == *kernels* ]]; then
   timeout -k 10 240 python3 -m benchmarks.int8_dense --out "$OUT" 2>&1 | grep -v "^[WI]0" | tail -60
 fi
 if [[ -n ${PREP:-} ]]; then wait "$PREP"; cat "$OUT/prep_log.txt" | tail -5; fi
+if [[ $PARTS == *overhead* ]]; then  # the engine against its own program at one row
+  for ck in "${CK}_bf" "${CK}_i8"; do
+    timeout -k 5 150 python3 -m benchmarks.engine_overhead "$ck" --out "$OUT" 2>&1 \
+      | grep -v "^[WI]0" | head -24 | cut -c1-160
+  done
+fi
 if [[ $PARTS == *rows* ]]; then
   row "int8+int4 resident B=1" 90 "${CK}_i8" $B1
   STRATA_INT8_KERNEL=0 row "int8+int4 resident B=1, XLA int8" 90 "${CK}_i8" $B1
@@ -68,6 +76,13 @@ if [[ $PARTS == *rows* ]]; then
   row "int8+int4 resident B=16" 90 "${CK}_i8" $B16
   row "bf16+int4 resident B=16" 90 "${CK}_bf" $B16
   row "int8+int4 8GiB B=1" 90 "${CK}_i8" $B1 --hbm 8GiB
+  if ((BUDGET_S - SECONDS > 150)); then  # the step benchmark beside the engine (a diagnostic)
+    echo "== t=${SECONDS}s: step benchmark, int4 8 GiB B=1 (random bf16 dense, no engine)"
+    timeout -k 5 60 python3 -m benchmarks.step_decode --measure --out "$OUT" 2>&1 | tail -2
+    timeout -k 5 90 python3 -m benchmarks.step_decode --out "$OUT" --bandwidth \
+      "$OUT/step_bandwidth.json" --steps 64 --seconds-per-pass 5 --rows int4-8g --batch 1 \
+      2>&1 | grep -v "^[WI]0" | tail -4
+  fi
 fi
 if [[ $PARTS == *prefill* ]]; then
   row "prefill 2K int4 3GiB" 120 "${CK}_bf" $P2K --hbm 3GiB

@@ -51,6 +51,8 @@ FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field
     "host_budget": (["--host", "1.5GiB"], "1.5GiB"),
     "batch_capacity": (["--batch-capacity", "3"], 3),
     "max_len": (["--max-len", "96"], 96),
+    "prefill_rows": (["--prefill-rows", "4"], 4),
+    "prefill_chunk": (["--prefill-chunk", "32"], 32),
     "expert_devices": (["--expert-devices", "2"], 2),
     "workspace": (["--workspace", "64MiB"], "64MiB"),
     "predictor": (["--predictor", "none"], "none"),
