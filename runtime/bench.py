@@ -876,6 +876,7 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
         "disk_stall_s": float(np.median([c.total.disk_stall_s for c in counts])),
         "decode_tok_s_pooled": (total.decode_tokens / total.decode_s
                                 if total.decode_s > 0 else None),
+        "routed_gbps": routed_gbps(total, sizes),
         "bound": b, "predicted": _pooled(prediction(total, sizes, hw, layers)),
         "expert_read_gbps": hw.expert_read_gbps or None, "expert_read_experts": kernel_experts,
         "dense_read_gbps": hw.dense_read_gbps or None, "step_link": link,
@@ -893,6 +894,15 @@ def run_bench(ckpt: str | os.PathLike, config: EngineConfig, settings: BenchSett
     return BenchResult(rows, tokens)
 
 
+def routed_gbps(c: Counts, sizes: Sizes) -> float | None:
+    """The decode steps' effective routed-expert bandwidth: the bytes of every distinct expert
+    a step routed to (as the slots hold them), wherever it was served from, over the decode
+    seconds: what the write-up's peers report against the link and host DRAM rates."""
+    if c.decode_s <= 0:
+        return None
+    return c.decode.routed * sizes.bytes_per_expert / c.decode_s / 1e9
+
+
 def _disk_rate(ceilings: dict[str, Any], reader: CheckpointReader,
                config: EngineConfig) -> float:
     """The checkpoint's expert read rate for the bound, measured once per checkpoint and kept
@@ -908,6 +918,10 @@ def _disk_rate(ceilings: dict[str, Any], reader: CheckpointReader,
 
 
 # --- output ---------------------------------------------------------------------------------
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 def _f(value: object, fmt: str = ".4g") -> str:
@@ -948,6 +962,9 @@ def render_summary(s: dict[str, Any]) -> str:
         f"{s['disk_stall_s']:.3g} s ({s['disk_loads']:g} loads) per repeat",
         f"per decode step: disk {per['decode_disk_GB']:.4g} GB, disk stalls "
         f"{per['decode_ms_disk_stall']:.4g} ms",
+        f"routed experts (decode): {_f(s.get('routed_gbps'))} GB/s effective = "
+        f"{_f(_over(s.get('routed_gbps'), c['pinned_h2d_gbps']), '.3g')}x the link, "
+        f"{_f(_over(s.get('routed_gbps'), c['host_read_gbps']), '.3g')}x host DRAM reads",
         f"ceilings (measured at start): pinned h2d {c['pinned_h2d_gbps']:.3g} GB/s, host read "
         f"{c['host_read_gbps']:.3g} GB/s, device read {c['hbm_read_gbps']:.4g} GB/s, matmul "
         f"{c['matmul_tflops']:.3g} TFLOP/s ({c['matmul_dtype']})"

@@ -640,7 +640,8 @@ class Engine:
         rows = (np.array(self._live), list(self._request))  # as dispatched, for the trace
         out, failed = self._run("decode", self._decode, plan, (), sync=self._disk_possible)
         for a in (out.tokens, *jax.tree.leaves(out.record)):  # on their way to the host when
-            a.copy_to_host_async()  # read a step later, not one blocking copy each then
+            if isinstance(a, jax.Array):  # read a step later (a synced record is numpy already)
+                a.copy_to_host_async()
         self._observe_pending()  # the previous step's record, while this one runs
         self._pending, self._pending_rows = out, rows
         self._pending_time = (t0, plan in self._compiled, sum(self._live))

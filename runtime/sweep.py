@@ -446,7 +446,8 @@ def _first_ok(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 HEADER = ("| rung | tok/s median [95 % CI] | x first | bound tok/s | achieved / bound (binds) "
           "| decode tok/s | predicted decode tok/s (binds, vs measured) | tier-0 hit "
-          "| prefetch hit | h2d GB/step | step link GB/s (copies) | disk stalls s (loads) |")
+          "| prefetch hit | h2d GB/step | step link GB/s (copies) | disk stalls s (loads) "
+          "| routed GB/s (x link, x DRAM) | prefill tok/s (MB copied per token) |")
 
 
 def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
@@ -468,7 +469,27 @@ def table_line(row: dict[str, Any], first: dict[str, Any] | None) -> str:
             f"{'-' if x is None else f'{x:.2f}x'} | {b['bound_tok_s']:.4g} | {ratio} | "
             f"{interval_text(row['decode_tok_s'])} | {pred} | {rate(row['tier0_hit_rate'])} | "
             f"{rate(row['prefetch_hit_rate'])} | {row['per_step']['h2d_GB']:.4g} | "
-            f"{link_text} | {row['disk_stall_s']:.3g} ({row['disk_loads']:g}) |")
+            f"{link_text} | {row['disk_stall_s']:.3g} ({row['disk_loads']:g}) | "
+            f"{_routed_text(row)} | {_prefill_text(row)} |")
+
+
+def _prefill_text(row: dict[str, Any]) -> str:
+    tok_s = row.get("prefill_tok_s")
+    if not tok_s:
+        return "-"
+    copied = row.get("prefill_h2d_MB_per_token")
+    return f"{interval_text(tok_s)}" + ("" if copied is None else f" ({copied:.3g})")
+
+
+def _routed_text(row: dict[str, Any]) -> str:
+    """The decode steps' effective routed-expert bandwidth over the link and host DRAM reads
+    (`bench.routed_gbps`), as the write-up's peers report it."""
+    gbps, c = row.get("routed_gbps"), row["ceilings"]
+    if gbps is None:
+        return "-"
+    link = max(c["pinned_h2d_gbps"] or 0.0, (row.get("step_link") or {}).get("gbps") or 0.0)
+    return (f"{gbps:.3g} ({gbps / link:.2f}x, {gbps / c['host_read_gbps']:.2f}x)"
+            if link and c["host_read_gbps"] else f"{gbps:.3g}")
 
 
 def _provenance(rows: list[dict[str, Any]]) -> list[str]:
