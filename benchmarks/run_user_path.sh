@@ -25,10 +25,11 @@ echo "user path $(git rev-parse --short HEAD 2>/dev/null) $(date -Is) on" \
   "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
 strata() { python3 -m strata_runtime.cli "$@"; }
 
-prep() {
+prep() {  # QUANT_ONLY=i8: the int8 copy alone (the shortest preparation)
   [[ -f $CK/config.json ]] || strata synth --shape mixtral-8x7b --layers 8 --skew 0.7 "$CK"
   [[ -f ${CK}_i8/config.json ]] || strata quantize "$CK" "${CK}_i8" --experts int4-rtn --dense int8
-  [[ -f ${CK}_bf/config.json ]] || strata quantize "$CK" "${CK}_bf" --experts int4-rtn --dense none
+  [[ ${QUANT_ONLY:-} == i8 || -f ${CK}_bf/config.json ]] || \
+    strata quantize "$CK" "${CK}_bf" --experts int4-rtn --dense none
   echo "prep done at t=${SECONDS}s"; ls -d "$CK"*
 }
 
@@ -58,9 +59,10 @@ fi
 if [[ $PARTS == *kernels* ]]; then
   echo "== t=${SECONDS}s: GPU tests"
   timeout -k 10 200 python3 -m pytest -q -p no:warnings -rfE tests/test_int8_kernel.py \
-    tests/test_step.py 2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
+    ${GPU_TESTS:-tests/test_step.py} 2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
   echo "== t=${SECONDS}s: int8 dense diagnostic"
-  timeout -k 10 240 python3 -m benchmarks.int8_dense --out "$OUT" 2>&1 | grep -v "^[WI]0" | tail -60
+  timeout -k 10 "${INT8_S:-240}" python3 -m benchmarks.int8_dense --out "$OUT" 2>&1 \
+    | grep -v "^[WI]0" | tail -60
 fi
 if [[ -n ${PREP:-} ]]; then wait "$PREP"; cat "$OUT/prep_log.txt" | tail -5; fi
 if [[ $PARTS == *overhead* ]]; then  # the engine against its own program at one row
@@ -69,9 +71,21 @@ if [[ $PARTS == *overhead* ]]; then  # the engine against its own program at one
       | grep -v "^[WI]0" | head -24 | cut -c1-160
   done
 fi
-if [[ $PARTS == *rows* ]]; then
+if [[ $PARTS == *int8ab* || $PARTS == *rows* ]]; then
   row "int8+int4 resident B=1" 90 "${CK}_i8" $B1
   STRATA_INT8_KERNEL=0 row "int8+int4 resident B=1, XLA int8" 90 "${CK}_i8" $B1
+fi
+if [[ $PARTS == *short-prefill* ]]; then  # the int8 checkpoint only
+  row "prefill 2K int4+int8 3GiB" 120 "${CK}_i8" $P2K --hbm 3GiB
+  row "prefill 2K int4+int8 3GiB chunk 64" 120 "${CK}_i8" $P2K --hbm 3GiB --prefill-chunk 64
+fi
+if [[ $PARTS == *short-processes* ]]; then
+  for run in 1 2; do
+    STRATA_COMPILE_CACHE=off row "int4+int8 3GiB B=16, fresh process $run" 120 "${CK}_i8" $B16 \
+      --hbm 3GiB
+  done
+fi
+if [[ $PARTS == *rows* ]]; then
   row "bf16+int4 resident B=1" 90 "${CK}_bf" $B1
   row "int8+int4 resident B=16" 90 "${CK}_i8" $B16
   row "bf16+int4 resident B=16" 90 "${CK}_bf" $B16
