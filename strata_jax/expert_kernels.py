@@ -37,7 +37,9 @@ class Tiles:
     unroll: int = 1  # reduction blocks per loop iteration (more loads in flight per step)
 
 
-def _compiler_params(tiles: Tiles):
+def triton_params(tiles):
+    """Triton's launch settings of `tiles` (its num_warps and num_stages), or None where the
+    Triton lowering is not installed."""
     try:
         from jax.experimental.pallas import triton as pltriton
 
@@ -133,7 +135,7 @@ def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
     xp = jnp.zeros((x3.shape[0], n, d), x.dtype).at[:, :n0].set(x3)
     c = slots.shape[0]
     valid = jnp.ones((c,), jnp.int32) if valid is None else valid.astype(jnp.int32)
-    params = _compiler_params(tiles)
+    params = triton_params(tiles)
     h = pl.pallas_call(
         functools.partial(_gate_up_kernel, tiles=tiles),
         grid=(c, f // tiles.bf),

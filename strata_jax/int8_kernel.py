@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from strata_jax.expert_kernels import triton_params
 from strata_jax.layers import ordered_sum
 
 MAX_ROWS = 32  # decode shapes; more rows take the XLA path
@@ -112,15 +113,6 @@ def use_int8_kernel(m: int, k: int, n: int) -> bool:
     return jax.default_backend() == "gpu" and 0 < m <= MAX_ROWS and tiles_for(k, n) is not None
 
 
-def _compiler_params(tiles: Int8Tiles):
-    try:
-        from jax.experimental.pallas import triton as pltriton
-
-        return pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    except (ImportError, AttributeError):  # CPU-only installs lack the Triton lowering
-        return None
-
-
 def _kernel(x_ref, w_ref, o_ref, *, tiles: Int8Tiles, steps: int):
     s, j = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(pl.multiple_of(j * tiles.bn, tiles.bn), tiles.bn)
@@ -164,7 +156,7 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
         grid=(tiles.split_k, n // tiles.bn),
         out_shape=jax.ShapeDtypeStruct((tiles.split_k, rows, n), jnp.float32),
         out_specs=pl.BlockSpec((1, rows, tiles.bn), lambda s, j: (s, 0, j)),
-        compiler_params=_compiler_params(tiles),
+        compiler_params=triton_params(tiles),
         interpret=interpret,
     )(xp, w)
     y = ordered_sum(partial[:, :m], 0)
