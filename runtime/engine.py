@@ -713,6 +713,8 @@ class Engine:
                 args = _without_rows(args, failed, self.capacity)
                 if not (args[0] < self.capacity).any():
                     return out, failed
+            if not plan.resume:  # a prefill's pinned expert out of its slot: run it again
+                continue  # whole (it sets its rows' state alike; the others it leaves)
             tokens, positions, sampler = out.start  # the step's input, run again
             self.state = self.state.replace(tokens=tokens, positions=positions, sampler=sampler)
             # committed where `_from_start`'s layer is: an uncommitted scalar is another

@@ -5,6 +5,7 @@ import collections
 import glob
 import gzip
 import json
+import re
 import shutil
 import tempfile
 
@@ -266,7 +267,8 @@ def test_stats_and_timeline_export(ckpt, tmp_path):
     assert stats["h2d_bytes"] >= stats["h2d_wasted_bytes"] >= 0
     assert stats["link_gbps"] > 0 and stats["link_busy"] > 0
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    assert {e["name"] for e in events} >= {"decode", "prefill8"}
+    names = {e["name"] for e in events}  # a packed prefill program: prefill{rows}x{tokens}
+    assert "decode" in names and any(re.fullmatch(r"prefill\d+x\d+", n) for n in names)
 
 
 

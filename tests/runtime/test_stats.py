@@ -6,7 +6,7 @@ from dataclasses import fields
 import numpy as np
 import pytest
 
-from strata_jax import step
+from strata_jax import packing
 from strata_runtime.bench import _counts, engine_sizes, prediction
 from strata_runtime.cost_model import HardwareProfile
 from strata_runtime.engine import Engine, EngineConfig
@@ -42,7 +42,8 @@ def run(tmp_path_factory):
 def test_each_phase_is_counted_and_the_totals_are_their_sum(run):
     stats, counts, _, per_layer, _ = run
     decode, prefill = stats["by_phase"]["decode"], stats["by_phase"]["prefill"]
-    assert prefill["calls"] == sum(len(step.prefill_chunks(len(p), 32)) for p in PROMPTS) == 3
+    # one packed program: the 9- and 3-token prompts' 16-token chunks; another: the 1-token one
+    assert prefill["calls"] == len(packing.pack([len(p) for p in PROMPTS], 32, 4)) == 2
     assert decode["calls"] == stats["decode_steps"] + 1 > 1  # the compiling step is a call
     assert counts.prefill_chunks == prefill["calls"]
     names = set(decode["totals"])
