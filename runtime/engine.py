@@ -301,10 +301,12 @@ def _measured_ledger(reader: CheckpointReader, config: EngineConfig, chunk: int)
 
 
 def _without_rows(args: tuple, rows: dict[int, str], capacity: int) -> tuple:
-    """A prefill program's arguments with `rows` made padding (past the batch, no tokens)."""
+    """A prefill program's arguments with `rows` made padding (past the batch, no tokens)
+    and off its riders."""
     cut = np.isin(args[0], list(rows))
+    riders = args[5] & ~np.isin(np.arange(capacity), list(rows))
     return (np.where(cut, capacity, args[0]).astype(np.int32), args[1], args[2],
-            np.where(cut, 0, args[3]).astype(np.int32), *args[4:])
+            np.where(cut, 0, args[3]).astype(np.int32), args[4], riders)
 
 
 def _ledger(reader: CheckpointReader, config: EngineConfig, workspace: int,
@@ -403,7 +405,7 @@ class Engine:
             load_trace(config.replay_trace), num_layers=cfg.num_layers,
             num_experts=cfg.num_experts, top_k=cfg.top_k, source=config.replay_trace)
         self.closed = False  # close() has freed the engine's memory
-        self._starts: dict[tuple[int, int], step.Resume] = {}  # per (rows, tokens)
+        self._starts: dict[int, step.Resume] = {}  # per token count
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
         self._live = [False] * self.capacity  # the host's copy of state.live
@@ -584,13 +586,15 @@ class Engine:
 
     # --- the contract: prefill / step / free over integer rows ---------------------------------
 
-    def prefill(self, admissions: Sequence[Admission]) -> list[tuple[int | None, str | None]]:
+    def prefill(self, admissions: Sequence[Admission], ride: packing.Ride | None = None
+                ) -> list[tuple[int | None, str | None]]:
         """Write each admission's tokens into its row's KV from its start and make the rows
         live, in the packed programs of `packing.run` (chunks of `prefill_chunk` tokens, up to
-        `prefill_rows` prompts a program); each row draws its tokens by its sampling (a seed
-        of None draws a new one: fix it per request); `request` names it in the routing trace.
-        Returns per admission (its next token, None), or (None, the reason) if an expert it
-        needs could not be read (the row is then free)."""
+        `prefill_rows` prompts a program), the live rows that `ride` names taking a decode
+        step in each; each row draws its tokens by its sampling (a seed of None draws a new
+        one: fix it per request); `request` names it in the routing trace. Returns per
+        admission (its next token, None), or (None, the reason) if an expert it needs could
+        not be read (the row is then free)."""
         self._check_open()
         self._check_admissions(admissions)
         self._observe_pending()
@@ -599,20 +603,23 @@ class Engine:
             self._greedy[a.row] = a.sampling.greedy
             self._request[a.row] = a.request
 
-        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, dict[int, str]]:
-            rows, tokens, starts, counts, values = args
-            args = (rows, tokens, starts, counts, self._agreed(values))
+        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+            rows, tokens, starts, counts, values, riders = args
+            *values, riders = self._agreed((*values, riders & np.array(self._live)))
+            args = (rows, tokens, starts, counts, tuple(values), riders)
             out, failed = self._run("prefill{}x{}".format(*tokens.shape), self._prefill,
                                     self.plan, args, sync=True)
+            self.counters.ridden_tokens += int(riders.sum())
             if self.trace is not None:
                 real = (np.arange(tokens.shape[1])[None] < counts[:, None]).reshape(-1)
                 requests = [self._request[r] if r < self.capacity else None
-                            for r in np.repeat(rows, tokens.shape[1])]
-                self.trace.add(out.record.experts, real, requests, prefill=True)
-            return np.asarray(out.tokens), failed
+                            for r in np.repeat(rows, tokens.shape[1])] + self._request
+                self.trace.add(out.record.experts, np.concatenate([real, riders]), requests,
+                               prefill=True)
+            return np.asarray(out.tokens), np.asarray(out.riders), failed
 
         results = packing.run(admissions, self.prefill_chunk, self.prefill_rows,
-                              self.capacity, call)
+                              self.capacity, call, ride)
         for a, (_, error) in zip(admissions, results, strict=True):
             self._live[a.row] = error is None
         self.counters.prefill_s += time.perf_counter() - t0
@@ -680,7 +687,8 @@ class Engine:
         resume = self._from_start(args) if plan.resume else None
         forced = None
         if self.replay is not None:  # one trace step per step, re-runs included
-            kind, rows = ("prefill", args[1].size) if args else ("decode", self.capacity)
+            kind, rows = (("prefill", args[1].size + self.capacity) if args
+                          else ("decode", self.capacity))
             forced = self._replicated(self.replay.picks(kind, rows))
         done = None  # the record of the layers before the resume layer
         while True:
@@ -709,9 +717,9 @@ class Engine:
                      if self.config.disk_lookahead else [])
             self.counters.phase(phase).resumed_layers += self.cfg.num_layers - layer
             failed.update(self._from_disk(keys, record, args, phase, ahead))
-            if args and failed:  # failed prefill rows (freed) leave the re-run as padding
+            if args and failed:  # failed prefill rows and riders (freed) leave the re-run
                 args = _without_rows(args, failed, self.capacity)
-                if not (args[0] < self.capacity).any():
+                if not (args[0] < self.capacity).any() and not args[5].any():
                     return out, failed
             if not plan.resume:  # a prefill's pinned expert out of its slot: run it again
                 continue  # whole (it sets its rows' state alike; the others it leaves)
@@ -730,12 +738,13 @@ class Engine:
         return tiers.replace(host_work=self.host_misses.work(self.shares[0].residency.host))
 
     def _from_start(self, args: tuple) -> step.Resume:
-        """The resume argument of a run from the first layer, kept per shape (a decode step
-        when `args` is empty, else a prefill program of `args[1]`'s [rows, tokens])."""
-        shape = args[1].shape if args else (self.capacity, 1)
-        if shape not in self._starts:
-            self._starts[shape] = self._replicated(step.from_start(self.cfg, *shape))
-        return self._starts[shape]
+        """The resume argument of a run from the first layer, kept per token count (a decode
+        step when `args` is empty, else a prefill program of `args[1]`'s tokens and its
+        riders)."""
+        n = args[1].size + self.capacity if args else self.capacity
+        if n not in self._starts:
+            self._starts[n] = self._replicated(step.from_start(self.cfg, n))
+        return self._starts[n]
 
     def _from_disk(self, keys: list[Key], record, args, phase: str,
                    ahead: list[Key] = ()) -> dict[int, str]:
@@ -808,11 +817,13 @@ class Engine:
         """Live rows whose tokens routed to `key` in the step of `record`."""
         layer, expert = key
         picked = (np.asarray(record.experts[layer]) == expert).any(axis=-1)
-        if args:  # a prefill program: token i is row args[0][i // T]'s, real below its count
-            rows, tokens, _, counts = args[:4]
+        if args:  # a prefill program: token i is row args[0][i // T]'s, real below its count,
+            rows, tokens, _, counts, _, riders = args  # then one token per rider
             real = np.arange(tokens.shape[1])[None] < counts[:, None]
-            hit = (picked.reshape(tokens.shape) & real).any(axis=1) & (rows < self.capacity)
-            return [int(r) for r in rows[hit]]
+            main = picked[: tokens.size].reshape(tokens.shape)
+            hit = (main & real).any(axis=1) & (rows < self.capacity)
+            return [int(r) for r in rows[hit]] + [
+                int(r) for r in np.nonzero(picked[tokens.size:] & riders)[0]]
         return [int(r) for r in np.nonzero(picked & np.array(self._live))[0]]
 
     def _host_victims(self, share: Share, count: int, keep: set[Key]) -> list[Key]:

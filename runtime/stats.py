@@ -119,6 +119,7 @@ class EngineStats:
     compile_s: float = 0.0
     prefill_s: float = 0.0
     prefill_tokens: int = 0
+    ridden_tokens: int = 0  # decode tokens drawn by rows riding along prefill programs
     decode: PhaseCounts = field(default_factory=PhaseCounts)
     prefill: PhaseCounts = field(default_factory=PhaseCounts)
     swaps: int = 0  # rebalancing swaps (between decode steps)
@@ -192,6 +193,7 @@ class EngineStats:
             "step_ms_p99": float(np.percentile(t, 99) * 1e3) if t is not None else None,
             "compile_s": self.compile_s,
             "prefill_tok_s": self.prefill_tokens / self.prefill_s if self.prefill_s else None,
+            "ridden_tokens": self.ridden_tokens,
             "tier0_hit_rate": self.hits / self.routed if self.routed else None,
             "prefetch_hit_rate": self.prefetched / self.routed if self.routed else None,
             "misses_per_step": self.fetched / self.decode_steps if self.decode_steps else None,

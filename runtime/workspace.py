@@ -104,5 +104,6 @@ def _lowered(cfg: ModelConfig, dense: str, plan: step.StepPlan, batch: int, max_
     one = jax.ShapeDtypeStruct((1,), jnp.int32)
     values = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype),
                           stack_values([row_values(GREEDY)]))
+    riders = jax.ShapeDtypeStruct((batch,), jnp.bool_)
     return [prefill.lower(cfg, plan, params, pool, tiers, state, one, tokens, one, one,
-                          values)]
+                          values, riders)]

@@ -74,7 +74,8 @@ class LayerCarry(NamedTuple):
     the experts it prefetched into the next layer's staging half (-1: none)."""
 
     x: jax.Array
-    """[B, T, D] residual stream."""
+    """[N, D] residual stream of the chunk's tokens, flat: the B x T tokens of its rows, then
+    the riders' (`ChunkInputs.riders`)."""
     k: jax.Array
     """[L, B, max_len, kv, hd] key cache."""
     v: jax.Array
@@ -84,7 +85,7 @@ class LayerCarry(NamedTuple):
     prefetched: jax.Array
     """[max(staging, 1)] int32 expert ids prefetched for the next layer."""
     saved: jax.Array | None = None
-    """[B, T, D]: the input of the first layer that routed to an expert found only on disk,
+    """[N, D]: the input of the first layer that routed to an expert found only on disk,
     what the step resumes from (None: no resume compiled)."""
     stalled: jax.Array | None = None
     """bool []: a layer so far routed to an expert found only on disk."""
@@ -118,17 +119,21 @@ class ChunkInputs(NamedTuple):
     positions: jax.Array
     """[B, T] int32 cache position of each token (out of range: dropped)."""
     token_live: jax.Array
-    """[B * T] bool: tokens whose routing counts and moves experts."""
+    """[N] bool: tokens whose routing counts and moves experts (the riders' last)."""
     host: ExpertPool | None
     """The pinned-host tier (None when every expert has a device slot)."""
     row: jax.Array | None
     """[B] int32 the cache row each row of a prefill chunk writes (at or past the batch
     capacity: a padding row, which writes nothing), or None: row b of the batch."""
     resume: tuple[jax.Array, jax.Array] | None = None
-    """(first layer, its input [B, T, D]): layers before the first pass their input through
+    """(first layer, its input [N, D]): layers before the first pass their input through
     and write nothing (-1: a run from the start); None: no resume compiled."""
     host_work: Any = None
     """`misses.HostWork` for plans that compute misses on the host, else None."""
+    riders: jax.Array | None = None
+    """[C] int32: a decode step of the batch's C rows riding along in the same program (row c
+    attends over cache row c with its one token at this position; out of range: not riding,
+    docs/design.md, "Prefill"), or None: no riders compiled."""
 
 
 class DecoderLayer(nn.Module):
@@ -157,8 +162,8 @@ class DecoderLayer(nn.Module):
         # (docs/design.md, "Measured").
         x_in, positions, token_live = jax.lax.optimization_barrier(
             (x_in, positions, token_live))
-        x, k_all, v_all = cached_attention(cfg, lp, x_in, positions, carry.k, carry.v,
-                                           rows.layer, inputs.row)
+        x, k_all, v_all = _attention(cfg, lp, x_in, positions, carry.k, carry.v, rows.layer,
+                                     inputs.row)
         half = rows.layer % 2  # staging half this layer's demand copies use
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
@@ -180,17 +185,34 @@ class DecoderLayer(nn.Module):
                           carry.stalled | stall), record
 
 
+def _attention(cfg: ModelConfig, lp, x, positions, k_all, v_all, layer, row):
+    """`cached_attention` of the chunk's rows (positions[0] [B, T], cache rows `row`) and of
+    the riders (positions[1] [C] or None, cache row c each) over the flat stream x [N, D]."""
+    main, riders = positions
+    b, t = main.shape
+    x_main, k_all, v_all = cached_attention(cfg, lp, x[: b * t].reshape(b, t, -1), main,
+                                            k_all, v_all, layer, row)
+    x_main = x_main.reshape(b * t, -1)
+    if riders is None:
+        return x_main, k_all, v_all
+    x_ride, k_all, v_all = cached_attention(cfg, lp, x[b * t:, None], riders[:, None],
+                                            k_all, v_all, layer, None)
+    return jnp.concatenate([x_main, x_ride[:, 0]]), k_all, v_all
+
+
 def _resumed(carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
-    """(the layer's input, positions, live tokens, whether it is skipped): a layer before the
-    resume layer is skipped (positions out of range drop its cache writes, no token routes or
-    moves an expert) and the resume layer takes the saved input (docs/design.md, "Disk
-    stalls"). Without resume compiled, the chunk's own, and skip None."""
+    """(the layer's input, (positions, the riders' positions), live tokens, whether it is
+    skipped): a layer before the resume layer is skipped (positions out of range drop its
+    cache writes, no token routes or moves an expert) and the resume layer takes the saved
+    input (docs/design.md, "Disk stalls"). Without resume compiled, the chunk's own, and skip
+    None."""
+    positions = (inputs.positions, inputs.riders)
     if inputs.resume is None:
-        return carry.x, inputs.positions, inputs.token_live, None
+        return carry.x, positions, inputs.token_live, None
     first, saved = inputs.resume
     skip = rows.layer < first
     x = jnp.where(rows.layer == first, saved, carry.x)
-    positions = jnp.where(skip, carry.k.shape[2], inputs.positions)
+    positions = jax.tree.map(lambda p: jnp.where(skip, carry.k.shape[2], p), positions)
     return x, positions, inputs.token_live & ~skip, skip
 
 
@@ -236,25 +258,38 @@ class MoEModel(nn.Module):
         return logits, record
 
     def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-              v_all, row=None, pick=None, resume=None, forced=None):
+              v_all, row=None, pick=None, resume=None, forced=None, riders=None):
         """Tokens [B, T] at `positions` [B, T] against the caches: embed, `run_layers`, the LM
-        head of `pick(x)` (None: every position). Returns (float32 logits, (k_all, v_all,
-        pool, the record's fields, the saved input to resume from (None without resume)))."""
+        head of `pick(x)` (None: every position). `riders`: (tokens [C], positions [C]) of a
+        decode step riding along (`ChunkInputs.riders`). Returns (float32 logits, (k_all,
+        v_all, pool, the record's fields, the saved input to resume from (None without
+        resume))); with riders the logits are (the chunk's, the riders' [C, V])."""
+        b, t = tokens.shape
         x = self.globals["embed"][tokens]
+        ride = None
+        if riders is not None:
+            ride = (self.globals["embed"][riders[0]], riders[1])
         x, k_all, v_all, pool, record, saved = self.run_layers(
-            x, positions, token_live, pool, tiers, k_all, v_all, row, resume, forced)
-        return lm_head(self.cfg, self.globals, x if pick is None else pick(x)), (
-            k_all, v_all, pool, record, saved)
+            x, positions, token_live, pool, tiers, k_all, v_all, row, resume, forced, ride)
+        x_main = x[: b * t].reshape(b, t, -1)
+        logits = lm_head(self.cfg, self.globals, x_main if pick is None else pick(x_main))
+        if riders is not None:
+            logits = (logits, lm_head(self.cfg, self.globals, x[b * t:]))
+        return logits, (k_all, v_all, pool, record, saved)
 
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-                   v_all, row=None, resume=None, forced=None):
-        """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [B * T]
+                   v_all, row=None, resume=None, forced=None, riders=None):
+        """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [N]
         marks tokens whose routing counts (and moves experts); `row` [B]: the cache rows of a
         prefill chunk's rows (None: row b is batch row b); `resume`: (first layer, its input), see
         `ChunkInputs.resume`; `forced` [L, N, k]: replayed picks (-1: the router's; None:
-        the router's everywhere). Returns x, the caches, the pool, the record's fields
-        (`step.StepRecord`), each [L, ...], and the input of the first layer that stalled
-        on disk (None without resume)."""
+        the router's everywhere); `riders`: (x [C, D], positions [C]) of a decode step riding
+        along. Returns x [N, D] (flat, the riders' last), the caches, the pool, the record's
+        fields (`step.StepRecord`), each [L, ...], and the input of the first layer that
+        stalled on disk (None without resume)."""
+        x = x.reshape(-1, x.shape[-1])
+        if riders is not None:
+            x = jnp.concatenate([x, riders[0]])
         n = self.cfg.num_layers
         rows = LayerRows(layer=jnp.arange(n), page=tiers.page, host_page=tiers.host_page,
                          next_router=self._next_router(), next_page=_next_rows(tiers.page),
@@ -266,7 +301,8 @@ class MoEModel(nn.Module):
             carry = carry._replace(saved=jnp.zeros_like(x), stalled=jnp.zeros((), jnp.bool_))
         carry, record = self.layers(carry, rows,
                                     ChunkInputs(positions, token_live, tiers.host, row, resume,
-                                                tiers.host_work))
+                                                tiers.host_work,
+                                                None if riders is None else riders[1]))
         return carry.x, carry.k, carry.v, carry.pool, record, carry.saved
 
     def _next_router(self) -> dict[str, jax.Array] | None:

@@ -102,15 +102,16 @@ def shapes(chunk: int, max_rows: int) -> list[tuple[int, int]]:
     return out
 
 
-ProgramArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple]
+ProgramArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple, np.ndarray]
 """`step.prefill`'s (rows [R], tokens [R, T], starts [R], counts [R], stacked sampling
-values) of one program."""
+values, riders bool [capacity]) of one program."""
 
 
-def program_args(program: Program, admissions: Sequence[Admission], capacity: int
-                 ) -> ProgramArgs:
-    """The arguments of `program` over `admissions`: padding rows are row `capacity` (past the
-    batch: they write nothing) with no tokens."""
+def program_args(program: Program, admissions: Sequence[Admission], capacity: int,
+                 riders: Sequence[int] = ()) -> ProgramArgs:
+    """The arguments of `program` over `admissions`, the batch rows `riders` taking a decode
+    step in it: padding rows are row `capacity` (past the batch: they write nothing) with no
+    tokens."""
     r, t = program.rows, program.tokens
     rows, starts, counts = (np.full(r, capacity, np.int32), np.zeros(r, np.int32),
                             np.zeros(r, np.int32))
@@ -121,26 +122,41 @@ def program_args(program: Program, admissions: Sequence[Admission], capacity: in
         rows[i], starts[i], counts[i] = a.row, a.start + piece.start, piece.count
         tokens[i, :piece.count] = a.tokens[piece.start : piece.start + piece.count]
         values[i] = row_values(a.sampling)
-    return rows, tokens, starts, counts, stack_values(values)
+    ride = np.zeros(capacity, np.bool_)
+    ride[list(riders)] = True
+    return rows, tokens, starts, counts, stack_values(values), ride
 
 
-Call = Callable[[ProgramArgs], tuple[np.ndarray, dict[int, str]]]
-"""Runs one program: (its tokens [R], the rows that failed with why)."""
+Call = Callable[[ProgramArgs], tuple[np.ndarray, np.ndarray, dict[int, str]]]
+"""Runs one program: (its tokens [R], the riders' tokens [capacity], the rows that failed
+with why)."""
+
+Ride = Callable[[dict[int, int], dict[int, str]], Sequence[int]]
+"""Decode steps riding along the programs (docs/design.md, "Prefill"): called with the last
+program's riders' tokens {row: token} and the riders that failed {row: why} (once before the
+first program with neither), returns the rows that ride the next program."""
 
 
 def run(admissions: Sequence[Admission], chunk: int, max_rows: int, capacity: int,
-        call: Call) -> list[tuple[int | None, str | None]]:
-    """Prefill `admissions` by the programs of `pack`, each through `call`: per admission
-    (its next token, None), or (None, why it failed). A failed prompt's later chunks are
-    dropped from their programs (the shapes stay)."""
+        call: Call, ride: Ride | None = None) -> list[tuple[int | None, str | None]]:
+    """Prefill `admissions` by the programs of `pack`, each through `call`, with the decode
+    steps of `ride` riding along: per admission (its next token, None), or (None, why it
+    failed). A failed prompt's later chunks are dropped from their programs (the shapes
+    stay). With `max_rows` 1 nothing rides: a row's bits then depend on no other row's
+    timing (docs/design.md, "Prefill")."""
     results: list[tuple[int | None, str | None]] = [(None, "not prefilled")] * len(admissions)
     failed: set[int] = set()
+    ride = ride if max_rows > 1 else None
+    riders = list(ride({}, {})) if ride is not None else []
     for program in pack([len(a.tokens) for a in admissions], chunk, max_rows):
         program = replace(program, pieces=tuple(p for p in program.pieces
                                                 if p.prompt not in failed))
         if not program.pieces:
             continue
-        tokens, errors = call(program_args(program, admissions, capacity))
+        tokens, ridden, errors = call(program_args(program, admissions, capacity, riders))
+        if ride is not None:
+            riders = list(ride({r: int(ridden[r]) for r in riders if r not in errors},
+                               {r: errors[r] for r in riders if r in errors}))
         for i, piece in enumerate(program.pieces):
             a = admissions[piece.prompt]
             if a.row in errors:

@@ -35,18 +35,19 @@ class ResidentEngine:
         self._greedy = [True] * capacity  # per row: may decode with the plain argmax
         self._live = [False] * capacity
 
-    def prefill(self, admissions: Sequence[Admission]) -> list[tuple[int, None]]:
+    def prefill(self, admissions: Sequence[Admission], ride: packing.Ride | None = None
+                ) -> list[tuple[int, None]]:
         """Write each admission's tokens into its row's KV from its start, packed and chunked
-        as on every path (`packing.run`), and make the rows live; returns (each row's next
-        token, None)."""
+        as on every path (`packing.run`), with the decode steps of `ride` riding along, and
+        make the rows live; returns (each row's next token, None)."""
 
-        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, dict[int, str]]:
+        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
             self.state, out, _ = self._prefill(self.cfg, step.StepPlan(), *self._args,
                                                self.state, *args)
-            return np.asarray(out.tokens), {}
+            return np.asarray(out.tokens), np.asarray(out.riders), {}
 
         results = packing.run(admissions, self.prefill_chunk, self.prefill_rows,
-                              self.capacity, call)
+                              self.capacity, call, ride)
         for a in admissions:
             self._greedy[a.row], self._live[a.row] = a.sampling.greedy, True
         return results

@@ -13,6 +13,8 @@ The host reads step n's tokens after it has dispatched step n + 1 (docs/design.m
 generation loop"), so the device never waits on the host between steps. A row whose token
 limit ends the request is not stepped again; a row that stops on a stop id is stepped once
 more, and that token is dropped (its KV write lands where a resumed turn writes anyway).
+While requests are prefilled, the running rows ride along: each prefill program also takes
+their decode step (docs/design.md, "Prefill"), so they do not wait for the prompts.
 """
 
 from __future__ import annotations
@@ -138,9 +140,12 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        """Admit queued requests, dispatch a decode step of the running rows, then take the
+        """Admit queued requests (the running rows riding along their prefill, the step in
+        flight taken first), dispatch a decode step of the running rows, then take the
         previous step's tokens."""
         self.steps += 1
+        if self.queue and self._flight is not None:
+            self._collect()  # the riders' next inputs: the step in flight's tokens
         self._admit()
         ahead = {i for i, _, _ in self._flight[1]} if self._flight else set()
         running = [i for i, r in enumerate(self.rows)
@@ -188,13 +193,28 @@ class Scheduler:
             return
         admissions = [Admission(row, req.sequence[self.kv_len[row]:], self.kv_len[row],
                                 req.sampling, req.id) for row, req in admitted]
-        results = self.engine.prefill(admissions)
+        admitting = {row for row, _ in admitted}
+        results = self.engine.prefill(admissions, lambda tokens, failed: self._ride(
+            tokens, failed, admitting))
         for (row, req), (token, error) in zip(admitted, results, strict=True):
             self.kv_len[row] = len(req.sequence)
             if error is not None:
                 self._fail(row, error)
             else:
                 self._emit(row, token)
+
+    def _ride(self, tokens: dict[int, int], failed: dict[int, str], admitting: set[int]
+              ) -> list[int]:
+        """Take the riders' tokens of a prefill program; the rows that ride the next: every
+        running row not being admitted (`packing.Ride`)."""
+        for row, error in failed.items():
+            self.kv_len[row] += 1
+            self._fail(row, error)
+        for row, token in tokens.items():
+            self.kv_len[row] += 1
+            self._emit(row, token)
+        return [i for i, r in enumerate(self.rows)
+                if r is not None and not r.done and i not in admitting]
 
     def _row_of(self, req: Request) -> int | None:
         return next((i for i, r in enumerate(self.rows) if r is req), None)

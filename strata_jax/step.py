@@ -188,21 +188,24 @@ class StepOutput:
     """With `StepPlan.resume`: the input state's (tokens, positions, sampler), which the step
     replaces and a run of it again needs (the state is donated; copied in the same program,
     so a step that may stall is still one dispatch)."""
+    riders: jax.Array | None = None
+    """A prefill program's riders' next tokens [C] (`prefill_step`; None: none compiled)."""
 
 
 @chex.dataclass(frozen=True)
 class Resume:
     """Where a run of a step starts: at layer `layer` (int32 []; -1: the start) from its
-    input `saved` [B, T, D] (`StepOutput.saved` of the stalled run; ignored at -1)."""
+    input `saved` [N, D] (`StepOutput.saved` of the stalled run; ignored at -1)."""
 
     layer: jax.Array
     saved: jax.Array
 
 
-def from_start(cfg: ModelConfig, rows: int, tokens: int) -> Resume:
-    """A `Resume` that runs a step of `rows` x `tokens` from its first layer."""
+def from_start(cfg: ModelConfig, tokens: int) -> Resume:
+    """A `Resume` that runs a step of `tokens` tokens (riders included) from its first
+    layer."""
     return Resume(layer=jnp.full((), -1, jnp.int32),
-                  saved=jnp.zeros((rows, tokens, cfg.hidden_size), jnp.dtype(cfg.dtype)))
+                  saved=jnp.zeros((tokens, cfg.hidden_size), jnp.dtype(cfg.dtype)))
 
 
 def init_state(cfg: ModelConfig, batch: int, max_len: int,
@@ -233,13 +236,13 @@ def resident_tiers(page: jax.Array) -> Tiers:
 _STATIC = ("cfg", "plan")
 
 
-def _resume(cfg: ModelConfig, plan: StepPlan, resume: Resume | None, rows: int,
+def _resume(cfg: ModelConfig, plan: StepPlan, resume: Resume | None,
             tokens: int) -> tuple[jax.Array, jax.Array] | None:
     """The model's resume argument: None without `plan.resume`; else `resume` (default: from
     the start)."""
     if not plan.resume:
         return None
-    resume = resume if resume is not None else from_start(cfg, rows, tokens)
+    resume = resume if resume is not None else from_start(cfg, tokens)
     return resume.layer, resume.saved
 
 
@@ -258,7 +261,7 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
     logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
         params, state.tokens[:, None], positions, state.live, pool, tiers, state.k, state.v,
         pick=lambda x: x[:, 0], method="chunk",
-        resume=_resume(cfg, plan, resume, state.tokens.shape[0], 1),
+        resume=_resume(cfg, plan, resume, state.tokens.shape[0]),
         forced=_forced(plan, forced))
     # a row's sequence takes its input token here, not the token it draws: a step whose
     # token the scheduler drops (a row stepped once past its stop id) leaves no trace
@@ -282,38 +285,62 @@ def _start(plan: StepPlan, state: DecodeState) -> tuple | None:
 
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
-                 state: DecodeState, rows, tokens, starts, counts, sampling=None,
+                 state: DecodeState, rows, tokens, starts, counts, sampling=None, riders=None,
                  resume: Resume | None = None, forced: jax.Array | None = None):
     """Chunks of R rows' prompts in one program (`packing`): tokens [R, T], row r's first
     `counts[r]` real, placed at positions starts[r], starts[r] + 1, ... of cache row `rows[r]`
     (at or past the batch capacity: a padding row, which writes and draws nothing). Each row
     becomes live with its next token at position starts[r] + counts[r], drawn by `sampling`
     (`sampling.stack_values` of the rows' `row_values`; None: greedy), its settings from now
-    on (at start 0 its sequence starts anew). Returns (state, StepOutput with the tokens [R]
-    and the logits [R, V] of each row's last real token, pool (None when `plan.staging` is
-    0)). `resume` (with `plan.resume`): run from a layer; `forced` [L, R * T, k] (with
-    `plan.replay`): the replayed picks."""
+    on (at start 0 its sequence starts anew). `riders` bool [C] (None: none compiled): live
+    rows of the batch that take a decode step in the same program, as `decode_step` would
+    with its sampler, so each expert read serves them too (docs/design.md, "Prefill").
+    Returns (state, StepOutput with the tokens [R] and the logits [R, V] of each row's last
+    real token, the riders' tokens [C], pool (None when `plan.staging` is 0)). `resume`
+    (with `plan.resume`): run from a layer; `forced` [L, N, k] (with `plan.replay`): the
+    replayed picks."""
     r, t = tokens.shape
     real = jnp.arange(t)[None, :] < counts[:, None]
     positions = jnp.where(real, starts[:, None] + jnp.arange(t)[None, :],
                           state.max_len).astype(jnp.int32)
     last = jnp.maximum(counts - 1, 0)
+    live = real.reshape(-1)
+    ride = None
+    if riders is not None:
+        riders = riders & state.live
+        ride = (state.tokens, jnp.where(riders, state.positions, state.max_len))
+        live = jnp.concatenate([live, riders])
     logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
-        params, tokens, positions, real.reshape(-1), pool, tiers, state.k, state.v, row=rows,
-        pick=lambda x: x[jnp.arange(r), last], method="chunk",
-        resume=_resume(cfg, plan, resume, r, t), forced=_forced(plan, forced))
+        params, tokens, positions, live, pool, tiers, state.k, state.v, row=rows,
+        pick=lambda x: x[jnp.arange(r), last], method="chunk", riders=ride,
+        resume=_resume(cfg, plan, resume, live.shape[0]), forced=_forced(plan, forced))
+    before = state
+    ridden = None
+    if riders is not None:
+        logits, ride_logits = logits
+        state, ridden = _ride(state, ride_logits, riders)
     values = _greedy_values(r) if sampling is None else sampling
     sampler = set_row(state.sampler, rows, values, starts == 0)
     sampler = mark_seen(sampler, jnp.repeat(rows, t), tokens.reshape(-1), real.reshape(-1))
     own = jax.tree.map(lambda a: a[jnp.minimum(rows, state.tokens.shape[0] - 1)], sampler)
     nxt = sample(logits, own, starts + counts)
-    before = state
     state = state.replace(tokens=state.tokens.at[rows].set(nxt, mode="drop"), sampler=sampler,
                           positions=state.positions.at[rows].set(starts + counts, mode="drop"),
                           live=state.live.at[rows].set(True, mode="drop"), k=k, v=v)
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
-                     start=_start(plan, before))
+                     start=_start(plan, before), riders=ridden)
     return state, out, pool if plan.staging else None
+
+
+def _ride(state: DecodeState, logits, riders) -> tuple[DecodeState, jax.Array]:
+    """The riders' decode step after their logits [C, V]: what `decode_step` does for its
+    live rows (the input token joins the sequence, the next is drawn at position + 1), by
+    `sample` for greedy rows too (it takes their argmax bit for bit)."""
+    sampler = mark_seen(state.sampler, jnp.arange(riders.shape[0]), state.tokens, riders)
+    nxt = jnp.where(riders, sample(logits, sampler, state.positions + 1), state.tokens)
+    state = state.replace(tokens=nxt, positions=state.positions + riders.astype(jnp.int32),
+                          sampler=sampler)
+    return state, nxt
 
 
 def _greedy_values(rows: int) -> tuple:

@@ -6,6 +6,8 @@ import strata_jax
 from strata_jax import packing
 from strata_jax.packing import Admission, Piece, pack
 from strata_jax.resident import ResidentEngine
+from strata_jax.sampling import GREEDY, SamplingParams
+from strata_jax.scheduler import Scheduler
 from tests.helpers import random_model, tiny_config
 
 
@@ -75,3 +77,36 @@ def test_a_prefill_call_runs_the_packed_programs_and_returns_each_rows_token(mod
     fresh = ResidentEngine(model, 8, 64, prefill_chunk=32, prefill_rows=1)
     alone = [fresh.prefill([Admission(i, p)])[0] for i, p in enumerate(PROMPTS)]
     assert results == alone
+
+
+def test_running_rows_ride_along_prefill_and_keep_their_tokens(model):
+    """Requests join while others run, in prompts of several chunks: the running rows take
+    their decode steps inside the prefill programs, and every request's tokens (greedy and
+    seeded sampled) are those it gets alone."""
+    sampled = SamplingParams(temperature=0.9, top_k=10, seed=7)
+    settings = [GREEDY, sampled, GREEDY, sampled, GREEDY]
+    shape = {"batch_capacity": 4, "max_len": 64, "prefill_chunk": 16}
+    alone = [strata_jax.generate(model, [p], 9, sampling=s, prefill_rows=1, **shape)[0]
+             for p, s in zip(PROMPTS, settings, strict=True)]
+    engine = ResidentEngine(model, 4, 64, prefill_chunk=16)
+    rides: list[tuple[dict[int, int], list[int]]] = []
+    prefill = engine.prefill
+
+    def watched(admissions, ride=None):
+        def spy(tokens, failed):
+            rows = ride(tokens, failed)
+            rides.append((dict(tokens), list(rows)))
+            return rows
+        return prefill(admissions, spy)
+
+    engine.prefill = watched
+    sched = Scheduler(engine)
+    reqs = [sched.submit(PROMPTS[1], 9, settings[1])]
+    for i in (0, 2, 3, 4):  # each joins two steps after the last, the others running
+        sched.step()
+        sched.step()
+        reqs.insert(i, sched.submit(PROMPTS[i], 9, settings[i]))
+    sched.run()
+    assert [r.tokens for r in reqs] == alone
+    took = [t for t, _ in rides if t]
+    assert len(took) >= 4 and sum(map(len, took)) > len(took)  # several rows, several times

@@ -132,7 +132,7 @@ class _LoggingEngine:
         self.n = 0
         self.numbers: dict[int, int] = {}
 
-    def prefill(self, admissions):
+    def prefill(self, admissions, ride=None):  # nothing rides: the loop's order alone
         out = []
         for a in admissions:
             self.calls.append(("prefill", a.row))

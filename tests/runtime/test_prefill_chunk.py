@@ -1,6 +1,7 @@
 """Long prefill chunks: a prompt runs in ceil(len / chunk) programs, each routed expert is
 copied once per layer per chunk, the tokens are the resident API's at every chunk length, and
-the ledger picks the longest default chunk whose workspace fits the budget."""
+the ledger picks the longest default chunk whose workspace fits the budget; running rows ride
+along a prompt's programs and keep their tokens."""
 
 import math
 
@@ -9,6 +10,7 @@ import pytest
 import strata_jax
 from strata_jax import step
 from strata_jax.checkpoint import CheckpointReader
+from strata_jax.scheduler import Scheduler
 from strata_runtime.engine import Engine, EngineConfig, plan_for
 from tests.helpers import tiny_config, write_checkpoint
 
@@ -72,3 +74,25 @@ def test_the_ledger_halves_the_default_chunk_until_its_workspace_fits(ckpt):
     assert step.MIN_PREFILL_CHUNK <= ledger.prefill_chunk < 256
     with pytest.raises(ValueError, match="power of two"):
         EngineConfig(prefill_chunk=48)
+
+
+@pytest.mark.parametrize("knobs", [OFFLOADED, {**OFFLOADED, "host_experts": 0}],
+                         ids=["tier1", "disk"])
+def test_a_running_row_rides_along_a_long_prompts_chunks(ckpt, knobs):
+    """A row decodes inside each of a 130-token prompt's 5 prefill programs (copies and disk
+    stalls included): both requests keep the resident API's tokens."""
+    new = 12
+    expected = strata_jax.generate(strata_jax.load(ckpt), PROMPTS, new, **SHAPE)
+    config = EngineConfig(prefill_chunk=32, **knobs, **SHAPE)
+    with Engine(CheckpointReader(ckpt), config) as engine:
+        sched = Scheduler(engine)
+        running = sched.submit(PROMPTS[1], new)
+        sched.step()
+        sched.step()
+        joining = sched.submit(PROMPTS[0], new)
+        sched.run()
+        stats = engine.stats()
+    assert [joining.tokens, running.tokens] == expected
+    assert stats["ridden_tokens"] == 5  # one per program of the joining prompt
+    if "host_experts" in knobs:
+        assert stats["by_phase"]["prefill"]["totals"]["disk_loads"] > 0
