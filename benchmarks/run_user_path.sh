@@ -19,14 +19,16 @@
 source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-570}
 PARTS=${PARTS:-"prep kernels"}
-CK=${CK:-/tmp/strata_mx8}
+LAYERS=${LAYERS:-8}  # fewer: a shorter "prep" (the bound scales with them)
+CK=${CK:-/tmp/strata_mx$LAYERS}
+HBM_OFF=${HBM_OFF:-3GiB}  # the offloaded rows' budget (1.5GiB at 4 layers)
 exec > >(tee -a "$OUT/user_path_log.txt") 2>&1
 echo "user path $(git rev-parse --short HEAD 2>/dev/null) $(date -Is) on" \
   "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
 strata() { python3 -m strata_runtime.cli "$@"; }
 
 prep() {  # QUANT_ONLY=i8: the int8 copy alone (the shortest preparation)
-  [[ -f $CK/config.json ]] || strata synth --shape mixtral-8x7b --layers 8 --skew 0.7 "$CK"
+  [[ -f $CK/config.json ]] || strata synth --shape mixtral-8x7b --layers "$LAYERS" --skew 0.7 "$CK"
   [[ -f ${CK}_i8/config.json ]] || strata quantize "$CK" "${CK}_i8" --experts int4-rtn --dense int8
   [[ ${QUANT_ONLY:-} == i8 || -f ${CK}_bf/config.json ]] || \
     strata quantize "$CK" "${CK}_bf" --experts int4-rtn --dense none
@@ -67,6 +69,7 @@ fi
 if [[ -n ${PREP:-} ]]; then wait "$PREP"; cat "$OUT/prep_log.txt" | tail -5; fi
 if [[ $PARTS == *overhead* ]]; then  # the engine against its own program at one row
   for ck in "${CK}_bf" "${CK}_i8"; do
+    [[ -f $ck/config.json ]] || continue
     timeout -k 5 150 python3 -m benchmarks.engine_overhead "$ck" --out "$OUT" 2>&1 \
       | grep -v "^[WI]0" | head -24 | cut -c1-160
   done
@@ -76,13 +79,13 @@ if [[ $PARTS == *int8ab* || $PARTS == *rows* ]]; then
   STRATA_INT8_KERNEL=0 row "int8+int4 resident B=1, XLA int8" 90 "${CK}_i8" $B1
 fi
 if [[ $PARTS == *short-prefill* ]]; then  # the int8 checkpoint only
-  row "prefill 2K int4+int8 3GiB" 120 "${CK}_i8" $P2K --hbm 3GiB
-  row "prefill 2K int4+int8 3GiB chunk 64" 120 "${CK}_i8" $P2K --hbm 3GiB --prefill-chunk 64
+  row "prefill 2K int4+int8 $HBM_OFF" 120 "${CK}_i8" $P2K --hbm "$HBM_OFF"
+  row "prefill 2K int4+int8 $HBM_OFF chunk 64" 120 "${CK}_i8" $P2K --hbm "$HBM_OFF" --prefill-chunk 64
 fi
 if [[ $PARTS == *short-processes* ]]; then
   for run in 1 2; do
-    STRATA_COMPILE_CACHE=off row "int4+int8 3GiB B=16, fresh process $run" 120 "${CK}_i8" $B16 \
-      --hbm 3GiB
+    STRATA_COMPILE_CACHE=off row "int4+int8 $HBM_OFF B=16, fresh process $run" 120 "${CK}_i8" $B16 \
+      --hbm "$HBM_OFF"
   done
 fi
 if [[ $PARTS == *rows* ]]; then
@@ -99,16 +102,16 @@ if [[ $PARTS == *rows* ]]; then
   fi
 fi
 if [[ $PARTS == *prefill* ]]; then
-  row "prefill 2K int4 3GiB" 120 "${CK}_bf" $P2K --hbm 3GiB
-  row "prefill 2K int4 3GiB chunk 64" 120 "${CK}_bf" $P2K --hbm 3GiB --prefill-chunk 64
+  row "prefill 2K int4 $HBM_OFF" 120 "${CK}_bf" $P2K --hbm "$HBM_OFF"
+  row "prefill 2K int4 $HBM_OFF chunk 64" 120 "${CK}_bf" $P2K --hbm "$HBM_OFF" --prefill-chunk 64
   row "prefill 2K bf16 8GiB" 150 "$CK" $P2K --hbm 8GiB
 fi
 if [[ $PARTS == *processes* ]]; then
   for run in $(seq "${PROC_RUNS:-2}"); do
-    STRATA_COMPILE_CACHE=off row "int4 3GiB B=16, fresh process $run" 150 "${CK}_bf" $B16 --hbm 3GiB
+    STRATA_COMPILE_CACHE=off row "int4 $HBM_OFF B=16, fresh process $run" 150 "${CK}_bf" $B16 --hbm "$HBM_OFF"
   done
-  STRATA_XLA_AUTOTUNE=1 STRATA_COMPILE_CACHE=off row "int4 3GiB B=16, autotuned" 150 "${CK}_bf" \
-    $B16 --hbm 3GiB
+  STRATA_XLA_AUTOTUNE=1 STRATA_COMPILE_CACHE=off row "int4 $HBM_OFF B=16, autotuned" 150 "${CK}_bf" \
+    $B16 --hbm "$HBM_OFF"
 fi
 [[ -f $OUT/user_path.jsonl ]] && python3 -c "import json
 for l in open('$OUT/user_path.jsonl'):

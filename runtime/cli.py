@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import strata_jax
+from strata_jax.api import cut_at_stop
 from strata_jax.sampling import SamplingParams
 from strata_runtime.compile_cache import ENV as CACHE_ENV
 from strata_runtime.compile_cache import enable_compile_cache
@@ -119,7 +120,7 @@ def _sampling(args: argparse.Namespace, eos_ids: frozenset[int]) -> SamplingPara
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed,
-        stop_ids=frozenset(stop_ids))
+        stop_ids=frozenset(stop_ids), stop=tuple(args.stop))
 
 
 def _needs_hbm(args: argparse.Namespace) -> None:
@@ -161,7 +162,7 @@ def _run_resident(args, prompts, sampling: SamplingParams) -> Run:
     return _timed(args, run, load_s, None)
 
 
-def _run_engine(args, config, prompts, sampling: SamplingParams) -> Run:
+def _run_engine(args, config, prompts, sampling: SamplingParams, tok) -> Run:
     from strata_runtime.engine import Engine
 
     if args.export_timeline is not None:
@@ -171,7 +172,7 @@ def _run_engine(args, config, prompts, sampling: SamplingParams) -> Run:
         load_s = time.perf_counter() - t0
 
         def run(n: int) -> list[list[int]]:
-            return engine.generate(prompts, n, sampling)
+            return engine.generate(prompts, n, sampling, tok)
 
         result = _timed(args, run, load_s, engine)
         if args.record_heat and is_first():  # the same heat on every process
@@ -196,20 +197,15 @@ def _timed(args, run, load_s: float, engine) -> Run:
     return Run(tokens=tokens, load_s=load_s, warmup_s=warmup_s, run_s=run_s, stats=stats)
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """`text` before the earliest stop string, and whether one was found."""
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
-
-
 def _requests(prompts, out, tok, args, sampling) -> list[dict[str, object]]:
     reqs = []
     for prompt, new in zip(prompts, out, strict=True):
         req: dict[str, object] = {"prompt_ids": prompt, "new_ids": new}
         stopped = bool(new) and new[-1] in sampling.stop_ids
         if tok is not None:
-            text, cut = _cut_at_stop(tok.decode(new), args.stop)
-            req["text"], stopped = text, stopped or cut
+            full = tok.decode(new)  # ends with the token that completed a stop string
+            req["text"] = cut_at_stop(full, args.stop)
+            stopped = stopped or any(s in full for s in args.stop)
         req["finish"] = "stop" if stopped else "length"
         reqs.append(req)
     return reqs
@@ -295,7 +291,7 @@ def _generate(args: argparse.Namespace) -> int:
     if config is None:
         run = _run_resident(args, prompts, sampling)
     else:
-        run = _run_engine(args, config, prompts, sampling)
+        run = _run_engine(args, config, prompts, sampling, tok)
     reqs = _requests(prompts, run.tokens, tok, args, sampling)
     timing = _timing(run, reqs)
     if not is_first():  # process 0 prints what every process computed

@@ -101,8 +101,9 @@ class EngineConfig:
     """KV positions per row (prompt + generated tokens)."""
     prefill_rows: int | None = None
     """Most prompts whose chunks share a prefill program (`strata_jax.packing`; None: the batch
-    capacity): each expert a program routes to is read and copied once for all of them. 1:
-    each prompt alone, so its bits never depend on what else is admitted with it."""
+    capacity): each expert a program routes to is read and copied once for all of them, and
+    the running rows take their decode steps in the same programs (they ride along). 1: each
+    prompt alone and nothing riding, so a row's bits never depend on what else runs."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill program (a power of two >= 8): each expert the chunk routes to
     is copied once per layer for all of them. None: the ledger's choice, the longest up to
@@ -953,14 +954,15 @@ class Engine:
         self.timeline.export(path)
 
     def generate_results(self, prompts: list[list[int]], max_new_tokens: int,
-                         sampling: SamplingParams | list[SamplingParams] = GREEDY):
+                         sampling: SamplingParams | list[SamplingParams] = GREEDY,
+                         tokenizer=None):
         """One RequestResult per prompt (any number: continuous batching over the rows);
-        `sampling` for every prompt, or one per prompt. A request the scheduler refuses (an
-        empty prompt, ids outside the vocabulary, more tokens than max_len) gets its error
-        and the others run."""
+        `sampling` for every prompt, or one per prompt; `tokenizer` matches their stop
+        strings (`Scheduler`). A request the scheduler refuses (an empty prompt, ids outside
+        the vocabulary, more tokens than max_len) gets its error and the others run."""
         from strata_jax.scheduler import Scheduler
 
-        sched = Scheduler(self)
+        sched = Scheduler(self, tokenizer)
         settings = api.per_request(sampling, len(prompts))
         reqs: list = []
         for p, s in zip(prompts, settings, strict=True):
@@ -973,10 +975,11 @@ class Engine:
                 RequestResult(r.tokens if r.error is None else [], r.error) for r in reqs]
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+                 sampling: SamplingParams | list[SamplingParams] = GREEDY,
+                 tokenizer=None) -> list[list[int]]:
         """The new tokens of each prompt (`strata_jax.generate`'s, bit for bit); raises
         RequestFailed if any request failed."""
-        results = self.generate_results(prompts, max_new_tokens, sampling)
+        results = self.generate_results(prompts, max_new_tokens, sampling, tokenizer)
         failed = {i: r.error for i, r in enumerate(results) if r.error}
         if failed:
             raise RequestFailed(failed, results)

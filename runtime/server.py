@@ -30,11 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from strata_jax.text import TextStream
 from strata_runtime import metrics, protocol
 from strata_runtime.access import Guard, check_bind
 from strata_runtime.serve_flags import add_serve_arguments
 from strata_runtime.serving import EngineLoop, QueueFull, ShuttingDown, Stream, warm_up
-from strata_runtime.text import TextStream
 
 log = logging.getLogger("strata.serve")
 

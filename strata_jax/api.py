@@ -188,8 +188,12 @@ def _forward(model: Model, tokens: Any):
 
 
 def check_tokens(cfg: ModelConfig, tokens: Any, what: str = "tokens") -> None:
-    """Refuse ids outside the vocabulary, naming `what` (a request, a flag) and the value."""
+    """Refuse ids that are not integers or lie outside the vocabulary, naming `what` (a
+    request, a flag) and the value."""
     tokens = np.asarray(tokens)
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{what}: token ids must be integers, got {tokens.dtype} values "
+                         f"such as {tokens.reshape(-1)[0].item()!r}")
     bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
     if bad.size:
         raise ValueError(f"{what}: token id {int(bad[0])} is outside the vocabulary "
@@ -219,23 +223,31 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
     through the one compiled step and the scheduler's continuous batch (`step.prefill` of a
     request into a free row in chunks of `prefill_chunk` tokens (None:
     `step.default_prefill_chunk`), the chunks of up to `prefill_rows` requests admitted
-    together in one program (None: `batch_capacity`; 1: a prompt's bits never depend on the
-    others'), `step.decode` over `batch_capacity` rows of `max_len`
-    positions; a queued prompt takes the row of the first that finishes). `sampling`: one
+    together in one program, the running rows riding along (None: `batch_capacity`; 1: a
+    prompt's bits never depend on the others'), `step.decode` over `batch_capacity` rows of
+    `max_len` positions; a queued prompt takes the row of the first that finishes). `sampling`: one
     SamplingParams for every prompt, or one per prompt. The offload engine with the same
     capacity, length, prefill chunk and rows and seeds gives the same bits.
 
-    Prompts of token ids give the new ids. Text prompts (every prompt a str; `chat` applies
-    the model's chat template) go through the checkpoint's tokenizer and give text: the model's
-    end-of-sequence ids stop a request (unless `ignore_eos`), and the text is cut before the
-    first of `sampling.stop`'s strings."""
-    if not prompts:
+    Prompts of token ids (lists, or an int array [batch, time]) give the new ids. Text
+    prompts (every prompt a str; `chat` applies the model's chat template) go through the
+    checkpoint's tokenizer and give text: the model's end-of-sequence ids stop a request
+    (unless `ignore_eos`). `sampling.stop`'s strings stop a request where its text first
+    holds one (with the checkpoint's tokenizer, id prompts too: the ids end with the token
+    that completed it), and text is cut before it."""
+    if isinstance(prompts, str | bytes):
+        raise TypeError("generate takes a list of prompts, got one string: pass [prompt]")
+    if isinstance(prompts, np.ndarray):  # [batch, time] ids: one prompt per row
+        if prompts.ndim != 2:
+            raise ValueError(f"an array of prompts is [batch, time] ids, got {prompts.shape}")
+        prompts = list(prompts)
+    if not len(prompts):
         raise ValueError("generate needs at least one prompt")
     if not any(isinstance(p, str) for p in prompts):
         if chat:
             raise ValueError("chat=True needs text prompts (the template applies to text)")
         return _generate_ids(model, prompts, max_new_tokens, sampling, batch_capacity, max_len,
-                             prefill_chunk, prefill_rows)
+                             prefill_chunk, prefill_rows, model.tokenizer)
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("give every prompt as text or every prompt as token ids, not both")
     from strata_jax.tokenizer import encode_prompts
@@ -246,7 +258,7 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
     if not ignore_eos:
         settings = [dataclasses.replace(s, stop_ids=s.stop_ids | tok.eos_ids) for s in settings]
     out = _generate_ids(model, ids, max_new_tokens, settings, batch_capacity, max_len,
-                        prefill_chunk, prefill_rows)
+                        prefill_chunk, prefill_rows, tok)
     return [cut_at_stop(tok.decode(o), s.stop) for o, s in zip(out, settings, strict=True)]
 
 
@@ -257,8 +269,8 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 
 
 def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_capacity: int,
-                  max_len: int, prefill_chunk: int | None,
-                  prefill_rows: int | None) -> list[list[int]]:
+                  max_len: int, prefill_chunk: int | None, prefill_rows: int | None,
+                  tokenizer) -> list[list[int]]:
     from strata_jax.resident import ResidentEngine
     from strata_jax.scheduler import Scheduler
 
@@ -266,9 +278,9 @@ def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_ca
     for i, p in enumerate(prompts):
         check_request(model.config, i, p, max_new_tokens, max_len)
     sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk,
-                                     prefill_rows))
-    reqs = [sched.submit(list(p), max_new_tokens, s) for p, s in zip(prompts, settings,
-                                                                     strict=True)]
+                                     prefill_rows), tokenizer)
+    reqs = [sched.submit([int(t) for t in p], max_new_tokens, s)
+            for p, s in zip(prompts, settings, strict=True)]
     sched.run()
     return [r.tokens for r in reqs]
 

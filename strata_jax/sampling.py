@@ -41,8 +41,8 @@ class SamplingParams:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     """Token ids that end the request (the stop token is returned)."""
     stop: tuple[str, ...] = ()
-    """Strings that end the request, matched on the detokenized text, which is cut before the
-    stop string (`strata_jax.generate` after generation; the server while streaming)."""
+    """Strings that end the request, matched on the detokenized text as it is generated
+    (`text.TextStream`), which is cut before the stop string."""
 
     def __post_init__(self) -> None:
         checks = [

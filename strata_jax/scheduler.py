@@ -1,9 +1,10 @@
 """Continuous batching over the engine's rows, through its public contract only.
 
 Requests join at any step: the queued requests take free rows, are prefilled into them
-together (`Engine.prefill`), and from then on every `Engine.step` decodes one token for it, whatever
-else shares the batch. A request finishes on a stop id or its token limit and its row is freed
-(`Engine.free`), unless it was submitted with `keep=True`: then it stays idle in its row with
+together (`Engine.prefill`), and from then on every `Engine.step` decodes one token for it,
+whatever else shares the batch. A request finishes on a stop id, a stop string (with a
+tokenizer: its text is followed by a `text.TextStream`) or its token limit and its row is
+freed (`Engine.free`), unless it was submitted with `keep=True`: then it stays idle in its row with
 its KV, and `resume` prefills only the new input after it. When a request waits and no row is
 free, the least recently active idle request is evicted (its KV dropped, its tokens kept); a
 later `resume` prefills its whole sequence again. A request whose expert chunk is unreadable
@@ -31,6 +32,7 @@ import numpy as np
 from strata_jax.api import check_request
 from strata_jax.packing import Admission
 from strata_jax.sampling import GREEDY, SamplingParams
+from strata_jax.text import Decoder, TextStream
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,19 @@ class Request:
     budget: int = 0  # tokens still to generate this turn
     last_active: int = 0
     evicted: bool = False
+    text: TextStream | None = None  # this turn's text, where stop strings end it
 
 
 class Scheduler:
     """Runs an engine's rows as a continuous batch. The engine needs `cfg`, `capacity`,
-    `max_len`, `prefill(admissions)` -> (token, error) of each `packing.Admission`, `step()`
-    -> StepResult, `read(result)` -> the tokens as numpy, and `free(row)`."""
+    `max_len`, `prefill(admissions, ride)` -> (token, error) of each `packing.Admission`,
+    `step()` -> StepResult, `read(result)` -> the tokens as numpy, and `free(row)`.
+    `tokenizer`: what stop strings are matched through (requests with stop strings need
+    one)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, tokenizer: Decoder | None = None) -> None:
         self.engine = engine
+        self.tokenizer = tokenizer
         self.capacity, self.max_len = engine.capacity, engine.max_len
         self.rows: list[Request | None] = [None] * self.capacity
         self.kv_len = [0] * self.capacity  # tokens in each row's KV
@@ -89,8 +95,18 @@ class Scheduler:
         sampling = dataclasses.replace(sampling, seed=sampling.resolved_seed())
         req = Request(rid, list(prompt), max_new_tokens, sampling, keep,
                       sequence=list(prompt), budget=max_new_tokens)
+        req.text = self._text(req)
         self.queue.append(req)
         return req
+
+    def _text(self, req: Request) -> TextStream | None:
+        """A new turn's text stream where stop strings can end it."""
+        if not req.sampling.stop:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"request {req.id}: stop strings {list(req.sampling.stop)} need a "
+                             "tokenizer to match the text")
+        return TextStream(self.tokenizer, req.sampling.stop)
 
     def resume(self, req: Request, tokens: list[int], max_new_tokens: int) -> Request:
         """Continue a finished `keep` request with more input (e.g. the next chat turn)."""
@@ -100,6 +116,7 @@ class Scheduler:
                       self.max_len)
         req.sequence += tokens
         req.done, req.budget, req.last_active = False, max_new_tokens, self.steps
+        req.text = self._text(req)
         if req.evicted:
             req.evicted = False
         self.queue.append(req)
@@ -234,13 +251,16 @@ class Scheduler:
         return i
 
     def _emit(self, row: int, token: int) -> None:
-        """Append a row's token; finish it on a stop id or its token limit."""
+        """Append a row's token; finish it on a stop id, a stop string or its token limit."""
         req = self.rows[row]
         req.last_active = self.steps
         req.tokens.append(token)
         req.sequence.append(token)
         req.budget -= 1
-        req.done = req.budget == 0 or token in req.sampling.stop_ids
+        if req.text is not None:
+            req.text.push(token)
+        stopped = req.text is not None and req.text.finished
+        req.done = req.budget == 0 or token in req.sampling.stop_ids or stopped
         if req.done:
             self.engine.free(row)
             self.kv_len[row] = len(req.sequence) - 1  # the last token is not in the KV yet

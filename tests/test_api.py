@@ -56,3 +56,34 @@ def test_mixed_prompts_and_missing_tokenizer_are_refused(synthetic, tmp_path):
     with pytest.raises(ValueError, match="no tokenizer; pass ids"):
         strata_jax.generate(bare, ["hi"], 4, **SHAPE)
     assert np.asarray(strata_jax.generate(bare, [[1, 2]], 4, **SHAPE)).shape == (1, 4)
+
+
+def test_stop_strings_stop_generation_of_id_prompts_too(synthetic):
+    model, tok = synthetic
+    ids = [tok.encode("Four score")]
+    full = strata_jax.generate(model, ids, 16, **SHAPE)[0]
+    text = tok.decode(full)
+    stop = next((c for c in text[1:] if c.isascii() and c.isalnum()), None)
+    if stop is None:
+        pytest.skip("the continuation has no ASCII letter to stop at")
+    ends = next(n for n in range(1, len(full) + 1) if stop in tok.decode(full[:n]))
+    got = strata_jax.generate(model, ids, 16, sampling=SamplingParams(stop=(stop,)), **SHAPE)
+    assert got == [full[:ends]] and ends < len(full)
+
+
+def test_prompts_given_the_wrong_way_are_refused_or_taken(synthetic, tmp_path):
+    model, _ = synthetic
+    with pytest.raises(TypeError, match="got one string: pass \\[prompt\\]"):
+        strata_jax.generate(model, "hello", 4, **SHAPE)
+    with pytest.raises(ValueError, match="request 1: token ids must be integers, got float64"):
+        strata_jax.generate(model, [[1, 2], [3.5, 4.0]], 4, **SHAPE)
+    with pytest.raises(ValueError, match=r"\[batch, time\] ids, got \(3,\)"):
+        strata_jax.generate(model, np.array([1, 2, 3]), 4, **SHAPE)
+    lists = strata_jax.generate(model, [[1, 2, 3], [4, 5, 6]], 4, **SHAPE)
+    assert strata_jax.generate(model, np.array([[1, 2, 3], [4, 5, 6]]), 4, **SHAPE) == lists
+    assert strata_jax.generate(model, [np.array([1, 2, 3], np.int64), (4, 5, 6)], 4,
+                               **SHAPE) == lists
+    write_checkpoint(tiny_config("mixtral"), tmp_path / "bare", seed=1)
+    with pytest.raises(ValueError, match="request 0: stop strings \\['x'\\] need a tokenizer"):
+        strata_jax.generate(strata_jax.load(tmp_path / "bare"), [[1, 2]], 4,
+                            sampling=SamplingParams(stop=("x",)), **SHAPE)

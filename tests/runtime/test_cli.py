@@ -215,6 +215,9 @@ def test_generate_chat_and_stops(text_ckpt, tmp_path):
     by_text = run_json([*base, "--chat", "--prompt", "Hi", "--stop", stop],
                        tmp_path / "c.json")["requests"][0]
     assert by_text["text"] == full["text"][: full["text"].index(stop)]
+    # generation stopped at the token that completed the stop string: ids and text agree
+    ends = next(n for n in range(1, len(new) + 1) if stop in tok.decode(new[:n]))
+    assert by_text["new_ids"] == new[:ends] and by_text["finish"] == "stop"
 
 
 def test_sampling_flags(text_ckpt, tmp_path):

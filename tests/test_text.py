@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from strata_runtime.text import TextStream
+from strata_jax.text import TextStream
 
 
 @pytest.fixture(scope="module")
