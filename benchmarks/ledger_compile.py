@@ -8,7 +8,7 @@ compiles them, alternately, one after another and on threads (as `workspace._mea
 programs lowered again before each run), and writes one JSON line per run.
 
     python -m benchmarks.ledger_compile --checkpoint /tmp/strata_seed6_bf16 --out $OUT \
-        --hbm 24GB --host 12GB --batch 1
+        --hbm 24GB --host-mem 12GB --batch 1
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ def main() -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", default=".")
     ap.add_argument("--hbm", default="24GB")
-    ap.add_argument("--host", default="12GB")
+    ap.add_argument("--host-mem", default="12GB")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
     reader = CheckpointReader(Path(args.checkpoint))
-    config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host, policy="static",
+    config = EngineConfig(hbm_budget=args.hbm, host_budget=args.host_mem, policy="static",
                           cache_fraction=0.0, batch_capacity=args.batch, max_len=args.max_len)
     for r in range(args.repeats):
         for threads in ((False, True) if r % 2 == 0 else (True, False)):
@@ -70,7 +70,7 @@ def main() -> None:
             t0 = time.perf_counter()
             lowered = _lowered(reader, config)
             row = {"checkpoint": args.checkpoint, "batch": args.batch, "max_len": args.max_len,
-                   "hbm": args.hbm, "host": args.host, "programs": len(lowered),
+                   "hbm": args.hbm, "host": args.host_mem, "programs": len(lowered),
                    "lower_s": time.perf_counter() - t0, "threads": threads, "repeat": r,
                    "compile_s": _timed(lowered, threads), "host_cores": os.cpu_count(),
                    "device": jax.devices()[0].device_kind}

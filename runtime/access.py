@@ -37,7 +37,7 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, api_key: str | None) -> None:
     """ValueError if `host` is not loopback and there is no API key."""
     if not is_loopback(host) and not api_key:
-        raise ValueError(f"--bind {host} is not a loopback address: set an API key "
+        raise ValueError(f"--host {host} is not a loopback address: set an API key "
                          "(--api-key, or the STRATA_API_KEY environment variable) to serve it")
 
 

@@ -348,7 +348,7 @@ def _add_generate_parser(sub: argparse._SubParsersAction, common) -> None:
             'strata generate CKPT --prompt "The history of" --max-new-tokens 32',
             'strata generate CKPT --chat --prompt "Hello!" --temperature 0.7 --seed 1',
             "strata generate CKPT --prompt-ids 1,2,3 --prompt-ids 4,5 --json out.json",
-            "strata generate CKPT --hbm 8GB --host 64GB --prompt hi --record-heat heat.json",
+            "strata generate CKPT --hbm 8GB --host-mem 64GB --prompt hi --record-heat heat.json",
             "strata generate CKPT --hbm 8GB --heat heat.json --policy lru --prompt hi"))
     gen.add_argument("ckpt", help="Strata checkpoint folder")
     gen.add_argument("--prompt", action="append", dest="prompts", metavar="TEXT",
@@ -765,7 +765,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, common) -> None:
             "over ceilings measured at the start, and the cost model's prediction. Without "
             "--hbm every expert gets an HBM slot (runtime/bench.py)."),
         epilog=_examples(
-            "strata bench CKPT --hbm 8GB --host 32GB --repeats 5 --json-out bench.jsonl",
+            "strata bench CKPT --hbm 8GB --host-mem 32GB --repeats 5 --json-out bench.jsonl",
             "strata bench CKPT --resident-experts 8 --batch-capacity 4 --max-len 64 "
             "--prompts 8 --prompt-len 8 --new 16",
             "strata bench CKPT --hbm 24GB --predictor none --policy static --hardware "
@@ -832,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="strata", description=__doc__, formatter_class=_Formatter,
         epilog=_examples("strata synth --shape tiny tiny",
                          'strata generate tiny --prompt "Four score" --max-new-tokens 16',
-                         "strata plan CKPT --hbm 24GB --host 64GB",
+                         "strata plan CKPT --hbm 24GB --host-mem 64GB",
                          "strata serve CKPT --port 8000",
                          "strata <command> --help"))
     parser.add_argument("--version", action="version",
@@ -878,7 +878,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", parents=[common], formatter_class=_Formatter,
         help="print how an HBM budget splits (the ledger) and tiers",
-        epilog=_examples("strata plan CKPT --hbm 24GB --host 64GB",
+        epilog=_examples("strata plan CKPT --hbm 24GB --host-mem 64GB",
                          "strata plan CKPT --hbm 8GB --dequant host --staging-slots 4"))
     plan.add_argument("ckpt")
     add_engine_flags(plan)

@@ -22,7 +22,7 @@ from strata_runtime.cache_policy import ADMITS, POLICIES
 from strata_runtime.engine import DEQUANT, LAYOUTS, EngineConfig
 from strata_runtime.ledger import parse_bytes
 
-FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host", "heat_file": "--heat"}
+FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host-mem", "heat_file": "--heat"}
 """Fields whose flag is not `--field-name`."""
 CHOICES = {"predictor": PREDICTORS, "policy": POLICIES, "cache_admit": ADMITS,
            "dequant": DEQUANT, "weight_layout": LAYOUTS, "miss": MISS_MODES}
@@ -96,8 +96,18 @@ def _help(doc: str, default: object) -> str:
     return f"{doc} (default: {shown})".replace("%", "%%")
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` field, in an "engine" group of `parser`."""
+class _HostMoved(argparse.Action):
+    """The old spelling of the host-memory budget: a clear error, not a silent other meaning."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"--host {values}: the host-memory budget is --host-mem SIZE (--host is "
+                     "the address `strata serve` listens on)")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, host_moved: bool = True) -> None:
+    """One flag per `EngineConfig` field, in an "engine" group of `parser`; with `host_moved`
+    (every command but `strata serve`, whose --host is its address) --host is refused with
+    the budget's flag named."""
     group = parser.add_argument_group(
         "engine", "offload engine knobs (runtime/engine.py, EngineConfig); all but "
                   f"{', '.join(map(flag_name, WITHOUT_HBM))} need --hbm")
@@ -111,6 +121,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             kwargs["metavar"] = METAVARS.get(f.name, {int: "N", float: "X"}.get(kwargs["type"]))
         group.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS,
                            help=_help(docs.get(f.name, ""), f.default), **kwargs)
+    if host_moved:
+        group.add_argument("--host", action=_HostMoved, help=argparse.SUPPRESS)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig | None:

@@ -18,9 +18,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-compile-cache", action="store_true",
                        help="do not use JAX's persistent compilation cache "
                             "(also: STRATA_COMPILE_CACHE=off)")
-    group.add_argument("--bind", default="127.0.0.1", metavar="ADDRESS",
-                       help="interface to listen on (default: 127.0.0.1; any other needs an "
-                            "API key). Not --host: that is the engine's host-memory budget")
+    group.add_argument("--host", dest="bind", default="127.0.0.1", metavar="ADDRESS",
+                       help="address to listen on, as in vLLM and llama-server (default: "
+                            "127.0.0.1; any other needs an API key). The host-memory budget "
+                            "is --host-mem")
     group.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     group.add_argument("--api-key", default=None,
                        help="required as 'Authorization: Bearer KEY' (default: the "
@@ -50,7 +51,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction,
         "serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)",
         description=DESCRIPTION)
     add_serve_arguments(parser)
-    add_engine_flags(parser)
+    add_engine_flags(parser, host_moved=False)
     parser.set_defaults(func=serve)
 
 

@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(parser)
-    add_engine_flags(parser)
+    add_engine_flags(parser, host_moved=False)
     args = parser.parse_args(argv)
     try:
         return serve(args)

@@ -48,7 +48,7 @@ def test_plan_prints_the_engine_ledger_with_its_knobs(tmp_path, capsys):
 
 FIELD_FLAGS = {  # field: (argv, the value engine_config must give); every field, non-default
     "hbm_budget": (["--hbm", "8GB"], "8GB"),
-    "host_budget": (["--host", "1.5GiB"], "1.5GiB"),
+    "host_budget": (["--host-mem", "1.5GiB"], "1.5GiB"),
     "batch_capacity": (["--batch-capacity", "3"], 3),
     "max_len": (["--max-len", "96"], 96),
     "prefill_rows": (["--prefill-rows", "4"], 4),
@@ -291,3 +291,18 @@ def test_second_call_hits_the_compilation_cache(tmp_path):
     second = run("second")
     assert set(p.name for p in cache.iterdir()) - entries == set()
     assert second["warmup_s"] < first["warmup_s"], (first, second)
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "plan"])
+def test_the_old_host_flag_names_the_host_memory_budget(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "ck", "--hbm", "8GB", "--host", "64GB"])
+    assert done.value.code == 2
+    assert "--host 64GB: the host-memory budget is --host-mem SIZE" in capsys.readouterr().err
+
+
+def test_serve_host_is_the_address_to_listen_on():
+    args = build_parser().parse_args(["serve", "ck", "--host", "0.0.0.0", "--hbm", "8GB",
+                                      "--host-mem", "64GB"])
+    assert args.bind == "0.0.0.0" and engine_config(args).host_budget == "64GB"
+    assert build_parser().parse_args(["serve", "ck"]).bind == "127.0.0.1"

@@ -82,7 +82,7 @@ def test_expert_devices_beyond_the_devices_present_is_refused_by_name(ckpt, caps
 
 
 def test_strata_plan_shows_each_devices_figures_and_all_of_theirs(ckpt, capsys):
-    args = ["plan", str(ckpt), "--hbm", "200KiB", "--host", "100KiB", "--workspace", "64KiB",
+    args = ["plan", str(ckpt), "--hbm", "200KiB", "--host-mem", "100KiB", "--workspace", "64KiB",
             "--max-len", "32", "--batch-capacity", "2"]
     assert main([*args, "--expert-devices", "3"]) == 0  # planned without the devices present
     out = capsys.readouterr().out

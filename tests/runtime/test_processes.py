@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["5,6,7", "1,2,3,4,5,6,7,8", "42"]
 COMMON = ["--max-new-tokens", "6", "--batch-capacity", "4", "--max-len", "32", "--no-warmup",
           "--no-compile-cache", *[a for p in PROMPTS for a in ("--prompt-ids", p)]]
-OFFLOAD = ["--hbm", "200KiB", "--host", "100KiB", "--workspace", "64KiB", "--expert-devices",
+OFFLOAD = ["--hbm", "200KiB", "--host-mem", "100KiB", "--workspace", "64KiB", "--expert-devices",
            "4", "--cache-fraction", "0.5"]
 
 

@@ -261,7 +261,7 @@ def test_api_key_is_enforced(server):
 
 def test_other_interfaces_need_an_api_key(checkpoint, monkeypatch, capsys):
     monkeypatch.delenv("STRATA_API_KEY", raising=False)
-    assert server_main([str(checkpoint), "--bind", "0.0.0.0"]) == 2
+    assert server_main([str(checkpoint), "--host", "0.0.0.0"]) == 2
     assert "API key" in capsys.readouterr().err
 
 
