@@ -49,8 +49,8 @@ def decode(ckpt: Path, config: EngineConfig, batch_prompts: list[list[int]], new
     tokens with the counters reset after the prefill: the figures are decode's alone."""
     with Engine.from_checkpoint(ckpt, config) as engine:
         engine.generate(batch_prompts, 2)
-        first = [t for t, _ in engine.prefill([Admission(row, p)
-                                               for row, p in enumerate(batch_prompts)])]
+        first = [d.token for d in engine.prefill([Admission(row, p)
+                                                  for row, p in enumerate(batch_prompts)])]
         engine.reset_stats()
         if before_timed is not None:
             before_timed()

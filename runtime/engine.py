@@ -307,7 +307,7 @@ def _without_rows(args: tuple, rows: dict[int, str], capacity: int) -> tuple:
     cut = np.isin(args[0], list(rows))
     riders = args[5] & ~np.isin(np.arange(capacity), list(rows))
     return (np.where(cut, capacity, args[0]).astype(np.int32), args[1], args[2],
-            np.where(cut, 0, args[3]).astype(np.int32), args[4], riders)
+            np.where(cut, 0, args[3]).astype(np.int32), args[4], riders, args[6])
 
 
 def _ledger(reader: CheckpointReader, config: EngineConfig, workspace: int,
@@ -588,14 +588,14 @@ class Engine:
     # --- the contract: prefill / step / free over integer rows ---------------------------------
 
     def prefill(self, admissions: Sequence[Admission], ride: packing.Ride | None = None
-                ) -> list[tuple[int | None, str | None]]:
+                ) -> list[packing.Prefilled]:
         """Write each admission's tokens into its row's KV from its start and make the rows
         live, in the packed programs of `packing.run` (chunks of `prefill_chunk` tokens, up to
         `prefill_rows` prompts a program), the live rows that `ride` names taking a decode
         step in each; each row draws its tokens by its sampling (a seed of None draws a new
-        one: fix it per request); `request` names it in the routing trace. Returns per
-        admission (its next token, None), or (None, the reason) if an expert it needs could
-        not be read (the row is then free)."""
+        one: fix it per request); `request` names it in the routing trace. Returns each
+        admission's `packing.Prefilled`: its next token (and scores), or why it failed (an
+        expert it needs could not be read: the row is then free)."""
         self._check_open()
         self._check_admissions(admissions)
         self._observe_pending()
@@ -604,10 +604,10 @@ class Engine:
             self._greedy[a.row] = a.sampling.greedy
             self._request[a.row] = a.request
 
-        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
-            rows, tokens, starts, counts, values, riders = args
+        def call(args: packing.ProgramArgs) -> packing.ProgramOut:
+            rows, tokens, starts, counts, values, riders, targets = args
             *values, riders = self._agreed((*values, riders & np.array(self._live)))
-            args = (rows, tokens, starts, counts, tuple(values), riders)
+            args = (rows, tokens, starts, counts, tuple(values), riders, targets)
             out, failed = self._run("prefill{}x{}".format(*tokens.shape), self._prefill,
                                     self.plan, args, sync=True)
             self.counters.ridden_tokens += int(riders.sum())
@@ -617,12 +617,13 @@ class Engine:
                             for r in np.repeat(rows, tokens.shape[1])] + self._request
                 self.trace.add(out.record.experts, np.concatenate([real, riders]), requests,
                                prefill=True)
-            return np.asarray(out.tokens), np.asarray(out.riders), failed
+            return (np.asarray(out.tokens), np.asarray(out.riders), failed,
+                    packing.host_scores(out.scores))
 
         results = packing.run(admissions, self.prefill_chunk, self.prefill_rows,
                               self.capacity, call, ride)
-        for a, (_, error) in zip(admissions, results, strict=True):
-            self._live[a.row] = error is None
+        for a, result in zip(admissions, results, strict=True):
+            self._live[a.row] = result.error is None
         self.counters.prefill_s += time.perf_counter() - t0
         self.counters.prefill_tokens += sum(len(a.tokens) for a in admissions)
         return results
@@ -819,7 +820,7 @@ class Engine:
         layer, expert = key
         picked = (np.asarray(record.experts[layer]) == expert).any(axis=-1)
         if args:  # a prefill program: token i is row args[0][i // T]'s, real below its count,
-            rows, tokens, _, counts, _, riders = args  # then one token per rider
+            rows, tokens, _, counts, _, riders = args[:6]  # then one token per rider
             real = np.arange(tokens.shape[1])[None] < counts[:, None]
             main = picked[: tokens.size].reshape(tokens.shape)
             hit = (main & real).any(axis=1) & (rows < self.capacity)
@@ -973,6 +974,14 @@ class Engine:
         sched.run()
         return [r if isinstance(r, RequestResult) else
                 RequestResult(r.tokens if r.error is None else [], r.error) for r in reqs]
+
+    def score(self, pairs) -> list:
+        """`strata_jax.score` of (context ids, continuation ids) pairs on this engine: the
+        same bits as the resident API's with the same shape."""
+        from strata_jax.scheduler import Scheduler
+        from strata_jax.scoring import loglikelihood
+
+        return loglikelihood(Scheduler(self), pairs)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingParams | list[SamplingParams] = GREEDY,

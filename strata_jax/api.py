@@ -285,6 +285,31 @@ def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_ca
     return [r.tokens for r in reqs]
 
 
+def score(model: Model, pairs: Sequence[tuple[Any, Any]], *, batch_capacity: int = 16,
+          max_len: int = 256, prefill_chunk: int | None = None,
+          prefill_rows: int | None = None) -> list:
+    """`scoring.Likelihood` of each (context, continuation) pair: ids, or text through the
+    checkpoint's tokenizer (each part encoded alone, without special tokens, as lm-eval
+    does), run as prompts through the scheduler like `generate` (same shape knobs). The
+    offload engine's `Engine.score` gives the same bits."""
+    from strata_jax.resident import ResidentEngine
+    from strata_jax.scheduler import Scheduler
+    from strata_jax.scoring import loglikelihood
+
+    ids = [tuple(_score_ids(model, part) for part in pair) for pair in pairs]
+    sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk,
+                                     prefill_rows))
+    return loglikelihood(sched, ids)
+
+
+def _score_ids(model: Model, part: Any) -> list[int]:
+    if not isinstance(part, str):
+        return [int(t) for t in np.asarray(part).reshape(-1)]
+    if model.tokenizer is None:
+        raise ValueError("the checkpoint has no tokenizer; pass ids")
+    return model.tokenizer.encode(part, add_special_tokens=False)
+
+
 def per_request(sampling: SamplingParams | Sequence[SamplingParams],
                 count: int) -> list[SamplingParams]:
     """One SamplingParams per request, each with its seed fixed (None draws one now)."""

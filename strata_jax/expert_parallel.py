@@ -261,7 +261,7 @@ def programs(mesh: Mesh) -> Programs:
         return state, _with_counters(out, counters), pool
 
     def prefill(cfg, plan, params, pool, tiers_, state, rows, tokens, starts, counts,
-                sampling=None, riders=None, resume=None, forced=None):
+                sampling=None, riders=None, targets=None, resume=None, forced=None):
         def local(params, pool, tiers_, state, args, resume, forced):
             state, out, pool = step.prefill_step(cfg, _sharded(plan), params, pool,
                                                  _local(tiers_), state, *args, resume=resume,
@@ -271,8 +271,8 @@ def programs(mesh: Mesh) -> Programs:
         state, out, pool, counters = shard_map(
             local, in_specs=(everyone, experts, tiers_spec, everyone, everyone, everyone, everyone),
             out_specs=(everyone, everyone, experts, everyone),
-        )(params, pool, tiers_, state, (rows, tokens, starts, counts, sampling, riders), resume,
-          forced)
+        )(params, pool, tiers_, state, (rows, tokens, starts, counts, sampling, riders, targets),
+          resume, forced)
         return state, _with_counters(out, counters), pool
 
     def forward(cfg, plan, params, pool, tiers_, tokens):

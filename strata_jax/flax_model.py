@@ -258,12 +258,13 @@ class MoEModel(nn.Module):
         return logits, record
 
     def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-              v_all, row=None, pick=None, resume=None, forced=None, riders=None):
+              v_all, row=None, pick=None, resume=None, forced=None, riders=None, every=False):
         """Tokens [B, T] at `positions` [B, T] against the caches: embed, `run_layers`, the LM
         head of `pick(x)` (None: every position). `riders`: (tokens [C], positions [C]) of a
         decode step riding along (`ChunkInputs.riders`). Returns (float32 logits, (k_all,
         v_all, pool, the record's fields, the saved input to resume from (None without
-        resume))); with riders the logits are (the chunk's, the riders' [C, V])."""
+        resume))); with riders or `every` the logits are a dict: "picked" (as above),
+        "riders" ([C, V] or None) and "every" (every position's [B, T, V], or None)."""
         b, t = tokens.shape
         x = self.globals["embed"][tokens]
         ride = None
@@ -273,8 +274,11 @@ class MoEModel(nn.Module):
             x, positions, token_live, pool, tiers, k_all, v_all, row, resume, forced, ride)
         x_main = x[: b * t].reshape(b, t, -1)
         logits = lm_head(self.cfg, self.globals, x_main if pick is None else pick(x_main))
-        if riders is not None:
-            logits = (logits, lm_head(self.cfg, self.globals, x[b * t:]))
+        if riders is not None or every:
+            logits = {"picked": logits,
+                      "riders": None if riders is None else lm_head(self.cfg, self.globals,
+                                                                    x[b * t:]),
+                      "every": lm_head(self.cfg, self.globals, x_main) if every else None}
         return logits, (k_all, v_all, pool, record, saved)
 
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,

@@ -35,6 +35,33 @@ class Admission:
     """How the row draws its tokens from now on (its seed resolved)."""
     request: int | None = None
     """The request's id, for the routing trace."""
+    scores: bool = False
+    """Score its tokens: the log-probability of each given those before it (`PromptScores`)."""
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """An admission's tokens 1 .. n-1, each scored given those before it (`step.Scores`:
+    natural-log probabilities of the model's own softmax)."""
+
+    target: np.ndarray
+    """float32 [n - 1]: of the token itself."""
+    top: np.ndarray
+    """float32 [n - 1, step.SCORE_TOP]: of the most likely tokens at its place, highest first."""
+    top_ids: np.ndarray
+    """int32 [n - 1, step.SCORE_TOP]: those tokens."""
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What `prefill` gives an admission."""
+
+    token: int | None
+    """Its next token (None: it failed)."""
+    error: str | None = None
+    """Why it failed: an expert it needed could not be read (its row is then free)."""
+    scores: PromptScores | None = None
+    """With `Admission.scores`."""
 
 
 @dataclass(frozen=True)
@@ -102,9 +129,10 @@ def shapes(chunk: int, max_rows: int) -> list[tuple[int, int]]:
     return out
 
 
-ProgramArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple, np.ndarray]
+ProgramArgs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple, np.ndarray,
+                    np.ndarray | None]
 """`step.prefill`'s (rows [R], tokens [R, T], starts [R], counts [R], stacked sampling
-values, riders bool [capacity]) of one program."""
+values, riders bool [capacity], targets [R, T] or None) of one program."""
 
 
 def program_args(program: Program, admissions: Sequence[Admission], capacity: int,
@@ -117,19 +145,35 @@ def program_args(program: Program, admissions: Sequence[Admission], capacity: in
                             np.zeros(r, np.int32))
     tokens = np.zeros((r, t), np.int32)
     values = [row_values(GREEDY)] * r
+    scored = any(admissions[p.prompt].scores for p in program.pieces)
+    targets = np.full((r, t), -1, np.int32) if scored else None
     for i, piece in enumerate(program.pieces):
         a = admissions[piece.prompt]
         rows[i], starts[i], counts[i] = a.row, a.start + piece.start, piece.count
         tokens[i, :piece.count] = a.tokens[piece.start : piece.start + piece.count]
         values[i] = row_values(a.sampling)
+        if scored and a.scores:  # each position scores the prompt's next token
+            nxt = a.tokens[piece.start + 1 : piece.start + piece.count + 1]
+            targets[i, : len(nxt)] = nxt
     ride = np.zeros(capacity, np.bool_)
     ride[list(riders)] = True
-    return rows, tokens, starts, counts, stack_values(values), ride
+    return rows, tokens, starts, counts, stack_values(values), ride, targets
 
 
-Call = Callable[[ProgramArgs], tuple[np.ndarray, np.ndarray, dict[int, str]]]
-"""Runs one program: (its tokens [R], the riders' tokens [capacity], the rows that failed
-with why)."""
+ProgramOut = tuple[np.ndarray, np.ndarray, dict[int, str], tuple | None]
+"""What one program gives: its tokens [R], the riders' tokens [capacity], the rows that
+failed with why, and (with targets) its scores as numpy (target [R, T], top [R, T, K],
+top_ids [R, T, K])."""
+
+Call = Callable[[ProgramArgs], ProgramOut]
+"""Runs one program."""
+
+
+def host_scores(scores) -> tuple | None:
+    """A program's `step.Scores` as numpy (target, top, top_ids); None stays None."""
+    if scores is None:
+        return None
+    return tuple(np.asarray(x) for x in (scores.target, scores.top, scores.top_ids))
 
 Ride = Callable[[dict[int, int], dict[int, str]], Sequence[int]]
 """Decode steps riding along the programs (docs/design.md, "Prefill"): called with the last
@@ -138,13 +182,14 @@ first program with neither), returns the rows that ride the next program."""
 
 
 def run(admissions: Sequence[Admission], chunk: int, max_rows: int, capacity: int,
-        call: Call, ride: Ride | None = None) -> list[tuple[int | None, str | None]]:
+        call: Call, ride: Ride | None = None) -> list[Prefilled]:
     """Prefill `admissions` by the programs of `pack`, each through `call`, with the decode
-    steps of `ride` riding along: per admission (its next token, None), or (None, why it
-    failed). A failed prompt's later chunks are dropped from their programs (the shapes
-    stay). With `max_rows` 1 nothing rides: a row's bits then depend on no other row's
-    timing (docs/design.md, "Prefill")."""
-    results: list[tuple[int | None, str | None]] = [(None, "not prefilled")] * len(admissions)
+    steps of `ride` riding along: a `Prefilled` per admission. A failed prompt's later chunks
+    are dropped from their programs (the shapes stay). With `max_rows` 1 nothing rides: a
+    row's bits then depend on no other row's timing (docs/design.md, "Prefill")."""
+    results = [Prefilled(None, "not prefilled")] * len(admissions)
+    sink: dict[int, PromptScores | None] = {i: None for i, a in enumerate(admissions)
+                                            if a.scores}
     failed: set[int] = set()
     ride = ride if max_rows > 1 else None
     riders = list(ride({}, {})) if ride is not None else []
@@ -153,15 +198,36 @@ def run(admissions: Sequence[Admission], chunk: int, max_rows: int, capacity: in
                                                 if p.prompt not in failed))
         if not program.pieces:
             continue
-        tokens, ridden, errors = call(program_args(program, admissions, capacity, riders))
+        tokens, ridden, errors, scores = call(program_args(program, admissions, capacity,
+                                                           riders))
         if ride is not None:
             riders = list(ride({r: int(ridden[r]) for r in riders if r not in errors},
                                {r: errors[r] for r in riders if r in errors}))
         for i, piece in enumerate(program.pieces):
             a = admissions[piece.prompt]
             if a.row in errors:
-                results[piece.prompt] = (None, errors[a.row])
+                results[piece.prompt] = Prefilled(None, errors[a.row])
                 failed.add(piece.prompt)
-            elif piece.start + piece.count == len(a.tokens):
-                results[piece.prompt] = (int(tokens[i]), None)
+                continue
+            if piece.prompt in sink:
+                sink[piece.prompt] = _keep_scores(sink[piece.prompt], len(a.tokens), piece,
+                                                  [x[i] for x in scores])
+            if piece.start + piece.count == len(a.tokens):
+                results[piece.prompt] = Prefilled(int(tokens[i]), None, sink.get(piece.prompt))
     return results
+
+
+def _keep_scores(into: PromptScores | None, n: int, piece: Piece,
+                 row: list[np.ndarray]) -> PromptScores:
+    """`into` (None: a new one for a prompt of `n` tokens) with a piece's positions' scores
+    copied in (`row`: target [T], top [T, K], top_ids [T, K]); position j scores token j + 1,
+    so the prompt's last position scores none."""
+    target, top, ids = row
+    if into is None:
+        into = PromptScores(target=np.zeros(n - 1, np.float32),
+                            top=np.zeros((n - 1, top.shape[-1]), np.float32),
+                            top_ids=np.zeros((n - 1, top.shape[-1]), np.int32))
+    count = min(piece.count, n - 1 - piece.start)
+    at = slice(piece.start, piece.start + count)
+    into.target[at], into.top[at], into.top_ids[at] = target[:count], top[:count], ids[:count]
+    return into

@@ -36,15 +36,16 @@ class ResidentEngine:
         self._live = [False] * capacity
 
     def prefill(self, admissions: Sequence[Admission], ride: packing.Ride | None = None
-                ) -> list[tuple[int, None]]:
+                ) -> list[packing.Prefilled]:
         """Write each admission's tokens into its row's KV from its start, packed and chunked
         as on every path (`packing.run`), with the decode steps of `ride` riding along, and
-        make the rows live; returns (each row's next token, None)."""
+        make the rows live; returns each row's `packing.Prefilled`."""
 
-        def call(args: packing.ProgramArgs) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+        def call(args: packing.ProgramArgs) -> packing.ProgramOut:
             self.state, out, _ = self._prefill(self.cfg, step.StepPlan(), *self._args,
                                                self.state, *args)
-            return np.asarray(out.tokens), np.asarray(out.riders), {}
+            return (np.asarray(out.tokens), np.asarray(out.riders), {},
+                    packing.host_scores(out.scores))
 
         results = packing.run(admissions, self.prefill_chunk, self.prefill_rows,
                               self.capacity, call, ride)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from strata_jax.api import check_request
-from strata_jax.packing import Admission
+from strata_jax.packing import Admission, PromptScores
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_jax.text import Decoder, TextStream
 
@@ -64,6 +64,8 @@ class Request:
     last_active: int = 0
     evicted: bool = False
     text: TextStream | None = None  # this turn's text, where stop strings end it
+    score_prompt: bool = False  # score the prompt's tokens (`scores`)
+    scores: PromptScores | None = None  # the prompt's log-probabilities, with `score_prompt`
 
 
 class Scheduler:
@@ -87,14 +89,17 @@ class Scheduler:
         self._flight: tuple[StepResult, list[tuple[int, Request, int]]] | None = None
 
     def submit(self, prompt: list[int], max_new_tokens: int,
-               sampling: SamplingParams = GREEDY, keep: bool = False) -> Request:
+               sampling: SamplingParams = GREEDY, keep: bool = False,
+               score_prompt: bool = False) -> Request:
         """Queue a request; it joins the batch at the next step with a free row. A seed of
-        None in `sampling` is drawn now, so an evicted request resumes the same draws."""
+        None in `sampling` is drawn now, so an evicted request resumes the same draws.
+        `score_prompt`: its prompt's log-probabilities (`Request.scores`) come with its first
+        token."""
         rid = next(self._ids)
         check_request(self.engine.cfg, rid, prompt, max_new_tokens, self.max_len)
         sampling = dataclasses.replace(sampling, seed=sampling.resolved_seed())
         req = Request(rid, list(prompt), max_new_tokens, sampling, keep,
-                      sequence=list(prompt), budget=max_new_tokens)
+                      sequence=list(prompt), budget=max_new_tokens, score_prompt=score_prompt)
         req.text = self._text(req)
         self.queue.append(req)
         return req
@@ -209,16 +214,19 @@ class Scheduler:
         if not admitted:
             return
         admissions = [Admission(row, req.sequence[self.kv_len[row]:], self.kv_len[row],
-                                req.sampling, req.id) for row, req in admitted]
+                                req.sampling, req.id,
+                                scores=req.score_prompt and self.kv_len[row] == 0)
+                      for row, req in admitted]
         admitting = {row for row, _ in admitted}
         results = self.engine.prefill(admissions, lambda tokens, failed: self._ride(
             tokens, failed, admitting))
-        for (row, req), (token, error) in zip(admitted, results, strict=True):
+        for (row, req), done in zip(admitted, results, strict=True):
             self.kv_len[row] = len(req.sequence)
-            if error is not None:
-                self._fail(row, error)
+            if done.error is not None:
+                self._fail(row, done.error)
             else:
-                self._emit(row, token)
+                req.scores = done.scores or req.scores
+                self._emit(row, done.token)
 
     def _ride(self, tokens: dict[int, int], failed: dict[int, str], admitting: set[int]
               ) -> list[int]:

@@ -172,6 +172,32 @@ PER_DEVICE = ("hits", "prefetched", "fetched", "issued")
 """The `StepRecord` counters that an expert axis keeps per device."""
 
 
+SCORE_TOP = 20
+"""Alternatives a score gives per position (the most OpenAI's `top_logprobs` asks for)."""
+
+
+@chex.dataclass(frozen=True)
+class Scores:
+    """Log-probabilities (float32, natural log, of the model's own softmax: no sampling
+    filters) at each position of a prefill program's tokens [R, T]."""
+
+    target: jax.Array
+    """[R, T] of the position's target token (0 where it has none)."""
+    top: jax.Array
+    """[R, T, SCORE_TOP] of the most likely tokens, highest first."""
+    top_ids: jax.Array
+    """[R, T, SCORE_TOP] int32: those tokens."""
+
+
+def score(logits: jax.Array, targets: jax.Array) -> Scores:
+    """`Scores` of float32 logits [..., V] at `targets` [...] (-1: none)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logp, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    top, ids = jax.lax.top_k(logp, min(SCORE_TOP, logp.shape[-1]))
+    return Scores(target=jnp.where(targets >= 0, target, 0.0), top=top,
+                  top_ids=ids.astype(jnp.int32))
+
+
 @chex.dataclass(frozen=True)
 class StepOutput:
     """What a step gives back besides the state it donates and returns: the new tokens
@@ -190,6 +216,8 @@ class StepOutput:
     so a step that may stall is still one dispatch)."""
     riders: jax.Array | None = None
     """A prefill program's riders' next tokens [C] (`prefill_step`; None: none compiled)."""
+    scores: Scores | None = None
+    """A prefill program's `Scores` of its targets (None: none compiled)."""
 
 
 @chex.dataclass(frozen=True)
@@ -286,7 +314,7 @@ def _start(plan: StepPlan, state: DecodeState) -> tuple | None:
 
 def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tiers: Tiers,
                  state: DecodeState, rows, tokens, starts, counts, sampling=None, riders=None,
-                 resume: Resume | None = None, forced: jax.Array | None = None):
+                 targets=None, resume: Resume | None = None, forced: jax.Array | None = None):
     """Chunks of R rows' prompts in one program (`packing`): tokens [R, T], row r's first
     `counts[r]` real, placed at positions starts[r], starts[r] + 1, ... of cache row `rows[r]`
     (at or past the batch capacity: a padding row, which writes and draws nothing). Each row
@@ -295,8 +323,10 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     on (at start 0 its sequence starts anew). `riders` bool [C] (None: none compiled): live
     rows of the batch that take a decode step in the same program, as `decode_step` would
     with its sampler, so each expert read serves them too (docs/design.md, "Prefill").
-    Returns (state, StepOutput with the tokens [R] and the logits [R, V] of each row's last
-    real token, the riders' tokens [C], pool (None when `plan.staging` is 0)). `resume`
+    `targets` int32 [R, T] (None: no scores compiled): the token whose log-probability each
+    position scores (-1: none), for prompt log-probabilities (`Scores`). Returns (state,
+    StepOutput with the tokens [R] and the logits [R, V] of each row's last real token, the
+    riders' tokens [C], the scores, pool (None when `plan.staging` is 0)). `resume`
     (with `plan.resume`): run from a layer; `forced` [L, N, k] (with `plan.replay`): the
     replayed picks."""
     r, t = tokens.shape
@@ -313,12 +343,16 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
         params, tokens, positions, live, pool, tiers, state.k, state.v, row=rows,
         pick=lambda x: x[jnp.arange(r), last], method="chunk", riders=ride,
-        resume=_resume(cfg, plan, resume, live.shape[0]), forced=_forced(plan, forced))
+        every=targets is not None, resume=_resume(cfg, plan, resume, live.shape[0]),
+        forced=_forced(plan, forced))
     before = state
-    ridden = None
-    if riders is not None:
-        logits, ride_logits = logits
-        state, ridden = _ride(state, ride_logits, riders)
+    ridden = scores = None
+    if isinstance(logits, dict):
+        if targets is not None:
+            scores = score(logits["every"], targets)
+        if riders is not None:
+            state, ridden = _ride(state, logits["riders"], riders)
+        logits = logits["picked"]
     values = _greedy_values(r) if sampling is None else sampling
     sampler = set_row(state.sampler, rows, values, starts == 0)
     sampler = mark_seen(sampler, jnp.repeat(rows, t), tokens.reshape(-1), real.reshape(-1))
@@ -328,7 +362,7 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
                           positions=state.positions.at[rows].set(starts + counts, mode="drop"),
                           live=state.live.at[rows].set(True, mode="drop"), k=k, v=v)
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
-                     start=_start(plan, before), riders=ridden)
+                     start=_start(plan, before), riders=ridden, scores=scores)
     return state, out, pool if plan.staging else None
 
 

@@ -73,7 +73,7 @@ def test_a_prefill_call_runs_the_packed_programs_and_returns_each_rows_token(mod
     # round 0, longest first: 32 (prompt 0) and 20 alone (a 32-token bucket fills the chunk),
     # 12 and 6 in 2 x 16, 1 in 1 x 8; round 1: prompt 0's tail of 5
     assert calls == [(1, 32), (1, 32), (2, 16), (1, 8), (1, 8)]
-    assert [e for _, e in results] == [None] * len(PROMPTS)
+    assert [r.error for r in results] == [None] * len(PROMPTS)
     fresh = ResidentEngine(model, 8, 64, prefill_chunk=32, prefill_rows=1)
     alone = [fresh.prefill([Admission(i, p)])[0] for i, p in enumerate(PROMPTS)]
     assert results == alone

@@ -14,9 +14,9 @@ def run_rows(engine: Engine, prompts: list[list[int]], new: int):
     """Prefill each prompt into its own row, then `new - 1` decode steps: every row's tokens
     [rows, new] and the logits of every decode step [new - 1, rows, vocab]."""
     first = []
-    for token, error in engine.prefill([Admission(row, p) for row, p in enumerate(prompts)]):
-        assert error is None, error
-        first.append(token)
+    for done in engine.prefill([Admission(row, p) for row, p in enumerate(prompts)]):
+        assert done.error is None, done.error
+        first.append(done.token)
     tokens, logits = [np.array(first)], []
     for _ in range(new - 1):
         result = engine.step()
