@@ -1,10 +1,12 @@
 """The OpenAI API's request and response shapes, as far as the server implements them.
 
 Requests are validated by pydantic; a field the server does not implement is refused with a
-message (never silently ignored): unknown fields, `n` != 1, logprobs, penalties other than
-`repetition_penalty`, tools. Extra fields beyond OpenAI's (vLLM's names): `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos` (generate to the token limit whatever the
-eos ids; for benchmarks).
+message (never silently ignored): unknown fields, `n` != 1, chat logprobs, penalties other than
+`repetition_penalty`, tools; sent at OpenAI's defaults (or null) they are accepted. Extra
+fields beyond OpenAI's (vLLM's names): `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos` (generate to the token limit whatever the eos ids; for
+benchmarks). Completions score: `echo` with `logprobs` gives the prompt's tokens' log-
+probabilities (`max_tokens` 0: nothing generated), as evaluation harnesses ask.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from strata_jax.sampling import SamplingParams
+from strata_jax.step import SCORE_TOP
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 NOT_IMPLEMENTED = {
-    "logprobs": None, "top_logprobs": None, "logit_bias": None, "echo": False, "suffix": None,
-    "best_of": None, "frequency_penalty": 0.0, "presence_penalty": 0.0, "tools": None,
-    "tool_choice": None, "response_format": None, "functions": None, "function_call": None,
+    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,),
+    "suffix": ("",), "best_of": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
+    "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+    "functions": ([],), "function_call": ("none",),
 }
-"""Fields accepted only at their default (the OpenAI client may send them explicitly)."""
+"""Fields accepted only at OpenAI's defaults (or null): clients send them explicitly."""
+COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default `max_tokens` for /v1/completions (chat defaults to the rest of max_len)."""
+MAX_PROMPTS = 64
+"""Prompts one /v1/completions request may carry."""
 IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier")
 """Fields that do not change the output; accepted and ignored."""
 
@@ -33,6 +41,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     """A last chunk carries the usage."""
+    continuous_usage_stats: bool = False
+    """Every chunk carries the usage so far (vLLM's field)."""
 
 
 class _Common(BaseModel):
@@ -55,13 +65,21 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's API reads it."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @model_validator(mode="after")
     def _supported(self) -> _Common:
         extra = dict(self.model_extra or {})
         for name in IGNORED:
             extra.pop(name, None)
-        for name, default in NOT_IMPLEMENTED.items():
-            if name in extra and extra.pop(name) not in (default, None):
+        for name, defaults in NOT_IMPLEMENTED.items():
+            if name in extra and extra.pop(name) not in defaults:
                 raise ValueError(f"'{name}' is not supported by this server")
         if extra:
             raise ValueError(f"unknown field(s): {', '.join(sorted(extra))}")
@@ -96,20 +114,33 @@ class CompletionRequest(_Common):
     """POST /v1/completions."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    """The prompt comes back before the completion (its tokens in `logprobs` too)."""
+    logprobs: int | None = Field(default=None, ge=0, le=SCORE_TOP)
+    """Log-probabilities of the returned tokens with this many alternatives each."""
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise ValueError(f"one prompt per request (got a batch of {len(p)})")
+    def _prompts(self) -> CompletionRequest:
+        count = len(self.prompt_values())
+        if not 1 <= count <= MAX_PROMPTS:
+            raise ValueError(f"give 1 to {MAX_PROMPTS} prompts, got {count}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 returns nothing without echo")
+        if self.stream and (count > 1 or self.echo or self.logprobs is not None):
+            raise ValueError("stream takes one prompt, without echo or logprobs")
+        limit = COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        if self.logprobs is not None and limit > 1:
+            raise ValueError("logprobs are given for the prompt (with echo) and the first "
+                             "generated token: set max_tokens to 0 or 1")
         return self
 
-    def prompt_value(self) -> str | list[int]:
+    def prompt_values(self) -> list[str | list[int]]:
+        """The prompts, each text or ids."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], str | list):
-            return p[0]
-        return p
+            return list(p)
+        return [p]
 
 
 class TextPart(BaseModel):
@@ -164,12 +195,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def completion(rid: str, model: str, text: str, finish: str | None,
                use: dict[str, int] | None) -> dict[str, Any]:
     """A text_completion object: the whole answer, or (use None) one streamed chunk."""
-    out: dict[str, Any] = {
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    return completions(rid, model, [choice(0, text, finish)], use)
+
+
+def choice(index: int, text: str, finish: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completions(rid: str, model: str, choices: list[dict[str, Any]],
+                use: dict[str, int] | None) -> dict[str, Any]:
+    """A text_completion object of several choices (one per prompt)."""
+    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                           "model": model, "choices": choices}
     if use is not None:
         out["usage"] = use
     return out
+
+
+def logprobs(tokens: list[str], ids: list[int], scores, first: int, top: int,
+             texts: dict[int, str]) -> dict[str, Any]:
+    """The completions `logprobs` object of tokens `ids` (their strings `tokens`) where
+    `scores` (`packing.PromptScores`, entry j scoring token j + 1 of the prompt) covers from
+    entry `first` on (the prompt's first token, when echoed, has none); `top` alternatives
+    each, named by `texts[id]` (the token itself is always among them)."""
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    at = first
+    for i in range(len(ids)):
+        if at < 0:
+            values.append(None)
+            tops.append(None)
+        else:
+            values.append(float(scores.target[at]))
+            alt = {texts[int(t)]: float(v) for t, v in zip(scores.top_ids[at, :top],
+                                                           scores.top[at, :top], strict=True)}
+            alt.setdefault(tokens[i], values[-1])
+            tops.append(alt)
+        at += 1
+    offsets = [0]
+    for t in tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def chat_completion(rid: str, model: str, text: str, finish: str,
@@ -181,11 +249,15 @@ def chat_completion(rid: str, model: str, text: str, finish: str,
         "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None) -> dict[str, Any]:
-    return {
+def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,
+               use: dict[str, int] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    if use is not None:
+        out["usage"] = use
+    return out
 
 
 def usage_chunk(rid: str, model: str, obj: str, use: dict[str, int]) -> dict[str, Any]:

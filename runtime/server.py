@@ -25,12 +25,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from strata_jax.text import TextStream
+from strata_jax import packing
+from strata_jax.text import CONTEXT_IDS, TextStream
 from strata_runtime import metrics, protocol
 from strata_runtime.access import Guard, check_bind
 from strata_runtime.serve_flags import add_serve_arguments
@@ -38,11 +40,6 @@ from strata_runtime.serving import EngineLoop, QueueFull, ShuttingDown, Stream, 
 
 log = logging.getLogger("strata.serve")
 
-CONTEXT_IDS = 4
-"""Prompt ids before the first generated one that its text is decoded with (a SentencePiece
-word keeps its leading space)."""
-COMPLETION_MAX_TOKENS = 16
-"""OpenAI's default `max_tokens` for /v1/completions (chat defaults to the rest of max_len)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +95,10 @@ class Piece:
     """"stop" or "length" on the last piece, else None."""
     tokens: int
     """Tokens generated so far."""
+    ids: tuple[int, ...] = ()
+    """The tokens this piece adds."""
+    scores: packing.PromptScores | None = None
+    """The prompt's scores, on the first piece (requests started with `score_prompt`)."""
 
 
 class Service:
@@ -109,11 +110,9 @@ class Service:
 
     # --- requests -> ids ------------------------------------------------------------------
 
-    def completion_prompt(self, body: protocol.CompletionRequest) -> list[int]:
-        prompt = body.prompt_value()
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+    def completion_prompts(self, body: protocol.CompletionRequest) -> list[list[int]]:
+        return [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
+                else list(p) for p in body.prompt_values()]
 
     def chat_prompt(self, body: protocol.ChatRequest) -> list[int]:
         if not self.tokenizer.has_chat_template:
@@ -125,8 +124,9 @@ class Service:
             raise ApiError(400, str(e)) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def start(self, body: protocol._Common, prompt: list[int], default_max: int) -> Started:
-        """Check the request and submit it."""
+    def start(self, body: protocol._Common, prompt: list[int], default_max: int,
+              score_prompt: bool = False) -> Started:
+        """Check the request and submit it (`score_prompt`: with its prompt's scores)."""
         if body.model != self.config.model_name:
             raise ApiError(404, f"the model '{body.model}' does not exist: this server serves "
                                 f"'{self.config.model_name}'", code="model_not_found")
@@ -134,10 +134,10 @@ class Service:
         if len(prompt) > cap:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; at most {cap} are "
                                 "accepted")
-        max_tokens = body.max_tokens or default_max
+        max_tokens = default_max if body.max_tokens is None else max(1, body.max_tokens)
         try:
             sampling = body.sampling(self.tokenizer.eos_ids)
-            stream = self.loop.submit(prompt, max_tokens, sampling)
+            stream = self.loop.submit(prompt, max_tokens, sampling, score_prompt)
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", "queue_full") from None
         except ShuttingDown as e:
@@ -153,19 +153,22 @@ class Service:
     async def pieces(self, started: Started) -> AsyncIterator[Piece]:
         """The request's text as it is generated; cancels the request if left early."""
         stream, text = started.stream, started.text
-        count, last, over = 0, None, False
+        count, last, over, scores = 0, None, False, None
         try:
             async for update in stream:
+                scores = scores or update.scores
                 for token in update.tokens:
                     count, last = count + 1, token
                     delta = text.push(token)
                     if text.finished:  # a stop string: the rest is not wanted
                         over = True
                         self.loop.cancel(stream, stopped=True)
-                        yield Piece(text=delta, finish="stop", tokens=count)
+                        yield Piece(text=delta, finish="stop", tokens=count, ids=(token,),
+                                    scores=scores)
                         return
-                    if delta:
-                        yield Piece(text=delta, finish=None, tokens=count)
+                    yield Piece(text=delta, finish=None, tokens=count, ids=(token,),
+                                scores=scores)
+                    scores = None
                 if update.done:
                     over = True
                     if update.error is not None:
@@ -202,7 +205,9 @@ def create_app(service: Service) -> Guard:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model",
-                                            "created": service.created, "owned_by": "strata"}]}
+                                            "created": service.created, "owned_by": "strata",
+                                            "root": name,
+                                            "max_model_len": service.loop.max_len}]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -211,8 +216,10 @@ def create_app(service: Service) -> Guard:
 
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
-        prompt = await asyncio.to_thread(service.completion_prompt, body)  # up to a MiB of text
-        started = service.start(body, prompt, COMPLETION_MAX_TOKENS)
+        prompts = await asyncio.to_thread(service.completion_prompts, body)  # a MiB of text
+        if len(prompts) > 1 or body.echo or body.logprobs is not None:
+            return await _complete_all(service, request, body, prompts)
+        started = service.start(body, prompts[0], protocol.COMPLETION_MAX_TOKENS)
         return await _respond(service, request, body, started, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -244,11 +251,62 @@ async def _respond(service: Service, request: Request, body: protocol._Common,
 
 
 async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str, int]:
-    parts, piece = [], None
+    text, finish, count, _, _ = await _gather(pieces)
+    return text, finish, count
+
+
+async def _gather(pieces: AsyncIterator[Piece]):
+    """(text, finish, tokens, their ids, the prompt's scores) of a whole request."""
+    parts, ids, scores, piece = [], [], None, None
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
             parts.append(piece.text)
-    return "".join(parts), piece.finish, piece.tokens
+            ids.extend(piece.ids)
+            scores = scores or piece.scores
+    return "".join(parts), piece.finish, piece.tokens, ids, scores
+
+
+async def _complete_all(service: Service, request: Request, body: protocol.CompletionRequest,
+                        prompts: list[list[int]]) -> Response:
+    """A completion of several prompts, or with echo or logprobs (not streamed): every prompt
+    a request of its own in the batch, the answers in order."""
+    started: list[Started] = []
+    try:
+        for prompt in prompts:
+            started.append(service.start(body, prompt, protocol.COMPLETION_MAX_TOKENS,
+                                         score_prompt=body.logprobs is not None))
+    except ApiError:
+        for s in started:
+            service.loop.cancel(s.stream)
+        raise
+    work = asyncio.gather(*(_gather(service.pieces(s)) for s in started))
+    outcome = await _unless_disconnected(request, work)
+    if outcome is None:
+        return Response(status_code=499)
+    choices, generated = [], 0
+    for i, (prompt, (text, finish, count, ids, scores)) in enumerate(
+            zip(prompts, outcome, strict=True)):
+        if body.max_tokens == 0:  # scored only: the drawn token is not returned
+            text, finish, count, ids = "", "length", 0, []
+        generated += count
+        shown = (service.tokenizer.decode(prompt) if body.echo else "") + text
+        choices.append(protocol.choice(i, shown, finish, _logprobs(
+            service, body, prompt, ids, scores)))
+    use = protocol.usage(sum(map(len, prompts)), generated)
+    return JSONResponse(protocol.completions(protocol.new_id("cmpl"), body.model, choices, use))
+
+
+def _logprobs(service: Service, body: protocol.CompletionRequest, prompt: list[int],
+              ids: list[int], scores) -> dict | None:
+    """The choice's `logprobs` object (None when not asked for)."""
+    if body.logprobs is None:
+        return None
+    shown = (prompt if body.echo else []) + ids[:1]
+    decode = service.tokenizer.decode
+    texts = {int(t): decode([int(t)]) for t in np.unique(scores.top_ids)}
+    tokens = [decode([t]) for t in shown]
+    first = -1 if body.echo else len(prompt) - 1
+    return protocol.logprobs(tokens, shown, scores, first, body.logprobs, texts)
 
 
 async def _unless_disconnected(request: Request, work):
@@ -282,15 +340,18 @@ async def _events(pieces: AsyncIterator[Piece], rid: str, body: protocol._Common
             if chat:
                 yield _sse(protocol.chat_chunk(rid, model, {"role": "assistant", "content": ""},
                                                None))
+            running = body.stream_options is not None and \
+                body.stream_options.continuous_usage_stats
             async for piece in pieces:
                 count = piece.tokens
                 if not piece.text and piece.finish is None:
                     continue
+                use = protocol.usage(prompt_tokens, count) if running else None
                 if chat:
                     delta = {"content": piece.text} if piece.text else {}
-                    yield _sse(protocol.chat_chunk(rid, model, delta, piece.finish))
+                    yield _sse(protocol.chat_chunk(rid, model, delta, piece.finish, use))
                 else:
-                    yield _sse(protocol.completion(rid, model, piece.text, piece.finish, None))
+                    yield _sse(protocol.completion(rid, model, piece.text, piece.finish, use))
             if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield _sse(protocol.usage_chunk(rid, model, obj,
@@ -378,7 +439,7 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or Path(args.ckpt).resolve().name, api_key=api_key,
         max_prompt_tokens=args.max_prompt_tokens or config.max_len - 1,
         max_body_bytes=args.max_body_bytes, drain_s=args.drain_seconds)
-    loop = EngineLoop(engine, max_queue=args.max_queue)
+    loop = EngineLoop(engine, max_queue=args.max_queue, tokenizer=tokenizer)
     app = create_app(Service(loop, tokenizer, server_config))
     try:
         uvicorn.run(app, host=args.bind, port=args.port, log_level=args.log_level,

@@ -51,6 +51,9 @@ class Update:
     """Why it failed (then `done`)."""
     cancelled: bool = False
     """It was cancelled (then `done`)."""
+    scores: packing.PromptScores | None = None
+    """The prompt's `packing.PromptScores`, on the update with the first token (requests
+    submitted with `score_prompt`)."""
 
 
 class Stream:
@@ -106,6 +109,7 @@ class _Job:
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams
+    score_prompt: bool = False
     request: Request | None = None
     sent: int = 0
 
@@ -177,14 +181,16 @@ class EngineLoop:
     """Runs `engine` on its own thread for asyncio consumers. `start`, then `submit` from any
     thread; `shutdown` to stop."""
 
-    def __init__(self, engine, *, max_queue: int) -> None:
+    def __init__(self, engine, *, max_queue: int, tokenizer=None) -> None:
+        """`tokenizer`: the scheduler's, for requests with stop strings."""
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
         self.capacity, self.max_len = engine.capacity, engine.max_len
         self.max_queue = max_queue
         self.counters = ServingCounters()
-        self._scheduler = Scheduler(engine)
+        self.tokenizer = tokenizer
+        self._scheduler = Scheduler(engine, tokenizer)
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # in_flight, accepting, ids and counters
         self._in_flight = 0
@@ -200,8 +206,9 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: list[int], max_new_tokens: int,
-               sampling: SamplingParams = GREEDY) -> Stream:
-        """Queue a request (ValueError if it is malformed, QueueFull, ShuttingDown)."""
+               sampling: SamplingParams = GREEDY, score_prompt: bool = False) -> Stream:
+        """Queue a request (ValueError if it is malformed, QueueFull, ShuttingDown);
+        `score_prompt`: its prompt's log-probabilities come with its first token."""
         check_request(self.engine.cfg, 0, prompt, max_new_tokens, self.max_len)
         with self._lock:
             if not self._accepting:
@@ -215,7 +222,7 @@ class EngineLoop:
             rid, self._next_id = self._next_id, self._next_id + 1
         stream = Stream(rid, asyncio.get_running_loop())
         job = _Job(stream=stream, prompt=list(prompt), max_new_tokens=max_new_tokens,
-                   sampling=sampling)
+                   sampling=sampling, score_prompt=score_prompt)
         self._inbox.put(_Command(kind="submit", job=job))
         return stream
 
@@ -284,7 +291,8 @@ class EngineLoop:
 
     def _admit(self, job: _Job, state: _State) -> None:
         try:
-            job.request = self._scheduler.submit(job.prompt, job.max_new_tokens, job.sampling)
+            job.request = self._scheduler.submit(job.prompt, job.max_new_tokens, job.sampling,
+                                                 score_prompt=job.score_prompt)
         except Exception as err:  # noqa: BLE001  (this request's input; the others go on)
             self._finish(job, state, error=str(err))
             return
@@ -309,11 +317,12 @@ class EngineLoop:
     def _publish(self, job: _Job, state: _State) -> None:
         req = job.request
         new = tuple(req.tokens[job.sent :])
+        scores = req.scores if new and not job.sent else None  # with the first token
         job.sent = len(req.tokens)
         if req.done:
-            self._finish(job, state, tokens=new, error=req.error)
+            self._finish(job, state, tokens=new, error=req.error, scores=scores)
         elif new:
-            job.stream.post(Update(tokens=new))
+            job.stream.post(Update(tokens=new, scores=scores))
             with self._lock:
                 self.counters.generated_tokens += len(new)
 
@@ -326,7 +335,7 @@ class EngineLoop:
         self._finish(job, state, tokens=new, error=error, cancelled=not stopped)
 
     def _finish(self, job: _Job, state: _State, tokens: tuple[int, ...] = (),
-                error: str | None = None, cancelled: bool = False) -> None:
+                error: str | None = None, cancelled: bool = False, scores=None) -> None:
         state.jobs.pop(job.stream.id, None)
         with self._lock:  # before the post: a consumer told "done" may submit at once
             self._in_flight -= 1
@@ -337,7 +346,8 @@ class EngineLoop:
                 self.counters.failed += 1
             else:
                 self.counters.finished += 1
-        job.stream.post(Update(tokens=tokens, done=True, error=error, cancelled=cancelled))
+        job.stream.post(Update(tokens=tokens, done=True, error=error, cancelled=cancelled,
+                               scores=scores))
 
     def _reset_scheduler(self) -> None:
         """After an exception out of a step: free every row, start a fresh scheduler."""
@@ -346,7 +356,7 @@ class EngineLoop:
                 self.engine.free(row)
             except Exception:  # noqa: BLE001  (best effort on a broken engine)
                 log.exception("freeing row %d failed", row)
-        self._scheduler = Scheduler(self.engine)
+        self._scheduler = Scheduler(self.engine, self.tokenizer)
 
     def _snapshot(self, state: _State) -> Snapshot:
         sched, counters = self._scheduler, self.engine.counters

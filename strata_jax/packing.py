@@ -36,20 +36,21 @@ class Admission:
     request: int | None = None
     """The request's id, for the routing trace."""
     scores: bool = False
-    """Score its tokens: the log-probability of each given those before it (`PromptScores`)."""
+    """Score its tokens and the one it draws, each given those before it (`PromptScores`)."""
 
 
 @dataclass(frozen=True)
 class PromptScores:
-    """An admission's tokens 1 .. n-1, each scored given those before it (`step.Scores`:
-    natural-log probabilities of the model's own softmax)."""
+    """An admission's tokens 1 .. n-1 and then the token it drew, each scored given those
+    before it (`step.Scores`: natural-log probabilities of the model's own softmax)."""
 
     target: np.ndarray
-    """float32 [n - 1]: of the token itself."""
+    """float32 [n]: of the token itself."""
     top: np.ndarray
-    """float32 [n - 1, step.SCORE_TOP]: of the most likely tokens at its place, highest first."""
+    """float32 [n, K]: of the most likely tokens at its place, highest first (K: `step.SCORE_TOP`
+    or the vocabulary, if smaller)."""
     top_ids: np.ndarray
-    """int32 [n - 1, step.SCORE_TOP]: those tokens."""
+    """int32 [n, K]: those tokens."""
 
 
 @dataclass(frozen=True)
@@ -221,13 +222,13 @@ def _keep_scores(into: PromptScores | None, n: int, piece: Piece,
                  row: list[np.ndarray]) -> PromptScores:
     """`into` (None: a new one for a prompt of `n` tokens) with a piece's positions' scores
     copied in (`row`: target [T], top [T, K], top_ids [T, K]); position j scores token j + 1,
-    so the prompt's last position scores none."""
+    the prompt's last the token drawn after it."""
     target, top, ids = row
     if into is None:
-        into = PromptScores(target=np.zeros(n - 1, np.float32),
-                            top=np.zeros((n - 1, top.shape[-1]), np.float32),
-                            top_ids=np.zeros((n - 1, top.shape[-1]), np.int32))
-    count = min(piece.count, n - 1 - piece.start)
+        into = PromptScores(target=np.zeros(n, np.float32),
+                            top=np.zeros((n, top.shape[-1]), np.float32),
+                            top_ids=np.zeros((n, top.shape[-1]), np.int32))
+    count = piece.count
     at = slice(piece.start, piece.start + count)
     into.target[at], into.top[at], into.top_ids[at] = target[:count], top[:count], ids[:count]
     return into

@@ -32,7 +32,7 @@ import numpy as np
 from strata_jax.api import check_request
 from strata_jax.packing import Admission, PromptScores
 from strata_jax.sampling import GREEDY, SamplingParams
-from strata_jax.text import Decoder, TextStream
+from strata_jax.text import CONTEXT_IDS, Decoder, TextStream
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,8 @@ class Scheduler:
         if self.tokenizer is None:
             raise ValueError(f"request {req.id}: stop strings {list(req.sampling.stop)} need a "
                              "tokenizer to match the text")
-        return TextStream(self.tokenizer, req.sampling.stop)
+        return TextStream(self.tokenizer, req.sampling.stop,
+                          context=req.sequence[-CONTEXT_IDS:])
 
     def resume(self, req: Request, tokens: list[int], max_new_tokens: int) -> Request:
         """Continue a finished `keep` request with more input (e.g. the next chat turn)."""

@@ -324,7 +324,8 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     rows of the batch that take a decode step in the same program, as `decode_step` would
     with its sampler, so each expert read serves them too (docs/design.md, "Prefill").
     `targets` int32 [R, T] (None: no scores compiled): the token whose log-probability each
-    position scores (-1: none), for prompt log-probabilities (`Scores`). Returns (state,
+    position scores (-1: none; at a row's last real token: the token it draws), for prompt
+    log-probabilities (`Scores`). Returns (state,
     StepOutput with the tokens [R] and the logits [R, V] of each row's last real token, the
     riders' tokens [C], the scores, pool (None when `plan.staging` is 0)). `resume`
     (with `plan.resume`): run from a layer; `forced` [L, N, k] (with `plan.replay`): the
@@ -346,18 +347,20 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
         every=targets is not None, resume=_resume(cfg, plan, resume, live.shape[0]),
         forced=_forced(plan, forced))
     before = state
-    ridden = scores = None
-    if isinstance(logits, dict):
-        if targets is not None:
-            scores = score(logits["every"], targets)
-        if riders is not None:
-            state, ridden = _ride(state, logits["riders"], riders)
-        logits = logits["picked"]
+    ridden = None
+    heads = logits if isinstance(logits, dict) else {}
+    logits = heads.get("picked", logits)
+    if riders is not None:
+        state, ridden = _ride(state, heads["riders"], riders)
     values = _greedy_values(r) if sampling is None else sampling
     sampler = set_row(state.sampler, rows, values, starts == 0)
     sampler = mark_seen(sampler, jnp.repeat(rows, t), tokens.reshape(-1), real.reshape(-1))
     own = jax.tree.map(lambda a: a[jnp.minimum(rows, state.tokens.shape[0] - 1)], sampler)
     nxt = sample(logits, own, starts + counts)
+    scores = None
+    if targets is not None:
+        at_last = (jnp.arange(t)[None, :] == last[:, None]) & (targets < 0)
+        scores = score(heads["every"], jnp.where(at_last, nxt[:, None], targets))
     state = state.replace(tokens=state.tokens.at[rows].set(nxt, mode="drop"), sampler=sampler,
                           positions=state.positions.at[rows].set(starts + counts, mode="drop"),
                           live=state.live.at[rows].set(True, mode="drop"), k=k, v=v)

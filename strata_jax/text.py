@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
+CONTEXT_IDS = 4
+"""Ids before the first generated one that its text is decoded with (a SentencePiece word
+keeps its leading space)."""
 
 
 class Decoder(Protocol):

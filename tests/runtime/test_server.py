@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import strata_jax
 from strata_jax.synth import synthesize
 from strata_runtime.server import main as server_main
 
@@ -164,7 +165,9 @@ MALFORMED = [
     ({"model": MODEL, "prompt": "hi", "bogus": 1}, 400, "bogus"),
     ({"model": MODEL, "prompt": [1, 10**6]}, 400, "vocab"),
     ({"model": MODEL, "prompt": []}, 400, "empty"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt"),
+    ({"model": MODEL, "prompt": ["a"] * 65}, 400, "give 1 to 64 prompts"),
+    ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400, "stream takes one prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "without echo"),
     ({"model": MODEL, "prompt": "x" * (MAX_LEN + 10)}, 400, "prompt has"),
     ({"model": "other", "prompt": "hi"}, 404, "does not exist"),
     ({"prompt": "hi"}, 400, "model"),
@@ -244,6 +247,66 @@ def test_metrics_parse_as_prometheus_text(http):
     assert families["strata_decode_steps"].type == "counter"
     assert families["strata_decode_steps"].samples[0].value > 0
     assert metric(http, "strata_queue_depth") == 0
+
+
+def test_echo_and_logprobs_score_the_prompt_as_the_python_api(client, checkpoint):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1), several prompts in
+    one request, and a score-only one (max_tokens 0): each prompt token's log-probability is
+    `strata_jax.score`'s."""
+    model = strata_jax.load(checkpoint)
+    tok = model.tokenizer
+    prompts = [tok.encode("Four score and seven"), tok.encode("hello world, hello")]
+    out = client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1,
+                                    max_tokens=1, temperature=0)
+    shape = {"batch_capacity": ROWS, "max_len": MAX_LEN}
+    for ids, c in zip(prompts, out.choices, strict=True):
+        lp = c.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+        want = strata_jax.score(model, [(ids[:1], ids[1:])], **shape)[0]
+        assert lp.token_logprobs[1:-1] == pytest.approx(want.token_logprobs, rel=1e-5)
+        for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+            assert value in top.values() and max(top.values()) >= value
+        assert c.text.startswith(tok.decode(ids))
+    new = strata_jax.generate(model, prompts, 1, **shape)
+    assert [c.text for c in out.choices] == [tok.decode(p) + tok.decode(n)
+                                             for p, n in zip(prompts, new, strict=True)]
+    scored = client.completions.create(model=MODEL, prompt=prompts[0], echo=True, logprobs=2,
+                                       max_tokens=0)
+    c = scored.choices[0]
+    assert c.text == tok.decode(prompts[0]) and scored.usage.completion_tokens == 0
+    assert c.logprobs.token_logprobs[1:] == out.choices[0].logprobs.token_logprobs[1:-1]
+    assert all(len(t) <= 3 for t in c.logprobs.top_logprobs[1:])
+
+
+def test_several_prompts_answer_in_order_as_alone(client):
+    alone = [complete(client, p, max_tokens=6)[0] for p in PROMPTS[:3]]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], max_tokens=6,
+                                    temperature=0)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == alone
+
+
+def test_openai_defaults_sent_explicitly_are_accepted(client, http):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": False, "response_format": {"type": "text"}, "tool_choice": "none",
+            "logit_bias": {}, "temperature": None, "top_p": None, "seed": None}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code in (200, 400), r.text  # 400 only where the tiny model has no template
+    if r.status_code == 400:
+        assert "chat template" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                           "logprobs": None, "echo": False, "logit_bias": {},
+                                           "temperature": None, "best_of": 1})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1}})
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
+    models = http.get("/v1/models").json()["data"][0]
+    assert models["root"] == MODEL and models["max_model_len"] == MAX_LEN
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=5, temperature=0, stream=True,
+        stream_options={"continuous_usage_stats": True, "include_usage": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage]
+    assert counts and counts == sorted(counts) and counts[-1] == 5
 
 
 def test_api_key_is_enforced(server):
