@@ -180,6 +180,33 @@ class ChatRequest(_Common):
         return self
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): text, or a chat through the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    """For `prompt`: add what the tokenizer adds (e.g. bos); a chat's template writes its own."""
+    add_generation_prompt: bool = True
+    """For `messages`: end with the assistant's turn opening."""
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
 # --- responses -------------------------------------------------------------------------------
 
 

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from strata_jax import packing
+from strata_jax.api import check_tokens
 from strata_jax.text import CONTEXT_IDS, TextStream
 from strata_runtime import metrics, protocol
 from strata_runtime.access import Guard, check_bind
@@ -115,21 +116,36 @@ class Service:
                 else list(p) for p in body.prompt_values()]
 
     def chat_prompt(self, body: protocol.ChatRequest) -> list[int]:
+        return self._chat_ids(body.messages, add_generation_prompt=True)
+
+    def _chat_ids(self, messages: list[protocol.Message], add_generation_prompt: bool
+                  ) -> list[int]:
         if not self.tokenizer.has_chat_template:
             raise ApiError(400, f"model {self.config.model_name} has no chat template: use "
                                 "/v1/completions")
         try:
-            text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
+            text = self.tokenizer.apply_chat_template(
+                [m.as_dict() for m in messages], add_generation_prompt=add_generation_prompt)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def check_model(self, model: str | None) -> None:
+        """A request naming a model must name this server's (None: any)."""
+        if model is not None and model != self.config.model_name:
+            raise ApiError(404, f"the model '{model}' does not exist: this server serves "
+                                f"'{self.config.model_name}'", code="model_not_found")
+
+    def tokenize(self, body: protocol.TokenizeRequest) -> list[int]:
+        self.check_model(body.model)
+        if body.prompt is not None:
+            return self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return self._chat_ids(body.messages, body.add_generation_prompt)
+
     def start(self, body: protocol._Common, prompt: list[int], default_max: int,
               score_prompt: bool = False) -> Started:
         """Check the request and submit it (`score_prompt`: with its prompt's scores)."""
-        if body.model != self.config.model_name:
-            raise ApiError(404, f"the model '{body.model}' does not exist: this server serves "
-                                f"'{self.config.model_name}'", code="model_not_found")
+        self.check_model(body.model)
         cap = self.config.max_prompt_tokens
         if len(prompt) > cap:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; at most {cap} are "
@@ -208,6 +224,27 @@ def create_app(service: Service) -> Guard:
                                             "created": service.created, "owned_by": "strata",
                                             "root": name,
                                             "max_model_len": service.loop.max_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: protocol.TokenizeRequest) -> dict:
+        ids = await asyncio.to_thread(service.tokenize, body)
+        return {"count": len(ids), "max_model_len": service.loop.max_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: protocol.DetokenizeRequest) -> dict:
+        service.check_model(body.model)
+        try:
+            check_tokens(service.loop.engine.cfg, body.tokens, "tokens")
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return {"prompt": service.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        tok = service.tokenizer
+        return {**tok.special_tokens, "chat_template": tok.chat_template,
+                "eos_token_ids": sorted(tok.eos_ids), "bos_token_id": tok.bos_id,
+                "vocab_size": tok.vocab_size, "model_max_length": service.loop.max_len}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -58,6 +58,8 @@ class Tokenizer:
     """Whether `apply_chat_template` works."""
     source: str
     """The folder it was read from (named in errors)."""
+    chat_template: str | None
+    """The chat template's source text (None: none)."""
 
     def __init__(self, backend: Backend, *, special: dict[str, str], eos_ids: frozenset[int],
                  bos_id: int | None, chat_template: str | None, clean_up_spaces: bool,
@@ -67,6 +69,12 @@ class Tokenizer:
         self.eos_ids, self.bos_id, self.source = eos_ids, bos_id, source
         self._template = None if chat_template is None else _compile(chat_template, source)
         self.has_chat_template = self._template is not None
+        self.chat_template = chat_template
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens ("eos_token", "bos_token", ...) it has."""
+        return dict(self._special)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`; `add_special_tokens` adds what the tokenizer adds (e.g. bos)."""

@@ -309,6 +309,21 @@ def test_openai_defaults_sent_explicitly_are_accepted(client, http):
     assert counts and counts == sorted(counts) and counts[-1] == 5
 
 
+def test_tokenize_detokenize_and_tokenizer_info(http, checkpoint):
+    tok = strata_jax.load(checkpoint).tokenizer
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": "hello there"})
+    ids = tok.encode("hello there")
+    assert r.json() == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids}
+    r = http.post("/detokenize", json={"tokens": ids})
+    assert r.json() == {"prompt": tok.decode(ids)}
+    assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+    assert http.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+    assert http.post("/tokenize", json={"model": MODEL}).status_code == 400
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token_ids"] == sorted(tok.eos_ids) and info["model_max_length"] == MAX_LEN
+    assert info["chat_template"] == tok.chat_template
+
+
 def test_api_key_is_enforced(server):
     base = server[1]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
