@@ -416,6 +416,21 @@ def _miss_lines(ledger, config, cfg) -> str:
             f"{p['layer_ms']:.3g} ms per layer (link alone {p['link_only_ms']:.3g} ms)")
 
 
+def _eval_lm(rest: list[str]) -> int:
+    """`lm-eval run REST` with the model "strata" registered (and chosen, unless REST names
+    another): every flag goes to lm-eval's own parser."""
+    from lm_eval.__main__ import cli_evaluate
+
+    import strata_runtime.lm_eval_model  # noqa: F401  (registers the model "strata")
+
+    rest = list(rest)
+    if "--model" not in rest:
+        rest = ["--model", "strata", *rest]
+    sys.argv = ["strata eval lm", "run", *rest]  # lm-eval's parser reads sys.argv
+    cli_evaluate()
+    return 0
+
+
 def _eval_quant(args: argparse.Namespace) -> int:
     from strata_jax.quant_eval import evaluate_quantization, write_json
 
@@ -491,6 +506,21 @@ def _add_quantize_parsers(sub: argparse._SubParsersAction, common) -> None:
     evq.add_argument("--seed", type=int, default=0)
     evq.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     evq.set_defaults(func=_eval_quant)
+
+    evl = ev_sub.add_parser(
+        "lm", formatter_class=_Formatter,
+        help="lm-eval's `run` with the model `strata` (runtime/lm_eval_model.py)",
+        description=_describe(
+            "lm-eval's command line (`lm-eval run ...`, every flag passed on) with this "
+            "project's model registered and chosen: --model_args checkpoint=CKPT, plus hbm=SIZE "
+            "for the offload engine and any EngineConfig field (host_mem for the host budget)."),
+        epilog=_examples(
+            "strata eval lm --model_args checkpoint=CKPT --tasks arc_easy --limit 100",
+            "strata eval lm --model_args checkpoint=CKPT,hbm=8GB,max_len=2048 --tasks "
+            "hellaswag --output_path out/"))
+    evl.add_argument("lm_eval_args", nargs="*", metavar="FLAG",
+                     help="lm-eval run's flags (--model defaults to strata)")
+    evl.set_defaults(func=lambda args: _eval_lm(args.lm_eval_args))
 
     evp = ev_sub.add_parser(
         "ppl", parents=[common], formatter_class=_Formatter,
@@ -891,6 +921,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["eval", "lm"] and not {"-h", "--help"} & set(argv[2:]):
+        return _eval_lm(argv[2:])  # lm-eval's flags, parsed by lm-eval
     args = build_parser().parse_args(argv)
     try:
         start_processes(args)  # before anything starts a JAX backend
