@@ -419,9 +419,14 @@ def _miss_lines(ledger, config, cfg) -> str:
 def _eval_lm(rest: list[str]) -> int:
     """`lm-eval run REST` with the model "strata" registered (and chosen, unless REST names
     another): every flag goes to lm-eval's own parser."""
-    from lm_eval.__main__ import cli_evaluate
+    try:
+        from lm_eval.__main__ import cli_evaluate
 
-    import strata_runtime.lm_eval_model  # noqa: F401  (registers the model "strata")
+        import strata_runtime.lm_eval_model  # noqa: F401  (registers the model "strata")
+    except ModuleNotFoundError as e:
+        print(f"strata eval lm: error: {e.name} is not installed: pip install 'lm-eval[api]' "
+              "(the test environment, `make test`, has it)", file=sys.stderr)
+        return 2
 
     rest = list(rest)
     if "--model" not in rest:
