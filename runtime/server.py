@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -187,6 +188,9 @@ class Service:
                     scores = None
                 if update.done:
                     over = True
+                    if update.cancelled:  # the server shut down first: what was made, ended
+                        yield Piece(text=text.finish(), finish="abort", tokens=count)
+                        return
                     if update.error is not None:
                         raise GenerationFailed(update.error)
                     finish = "stop" if last in started.stop_ids else "length"
@@ -452,7 +456,6 @@ def _validation_message(e: RequestValidationError) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     """Load, warm up and serve until SIGINT/SIGTERM."""
-    import uvicorn
 
     from strata_jax.tokenizer import load_tokenizer
     from strata_runtime.compile_cache import enable_compile_cache
@@ -478,12 +481,32 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, drain_s=args.drain_seconds)
     loop = EngineLoop(engine, max_queue=args.max_queue, tokenizer=tokenizer)
     app = create_app(Service(loop, tokenizer, server_config))
+    config = uvicorn.Config(app, host=args.bind, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(args.drain_seconds) + GRACE_S)
     try:
-        uvicorn.run(app, host=args.bind, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=int(args.drain_seconds) or None)
+        _Server(config, loop, args.drain_seconds).run()
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down gracefully
         return 130
     return 0
+
+
+GRACE_S = 5
+"""Seconds uvicorn waits for connections past the drain: requests the drain cancelled end
+their responses (finish_reason "abort") in that time."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that starts the engine loop's drain on SIGINT/SIGTERM, so the
+    requests in flight end with a well-formed answer before uvicorn waits for them (it runs
+    the app's shutdown only after its connections have closed)."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop, drain_s: float) -> None:
+        super().__init__(config)
+        self._engine_loop, self._drain_s = loop, drain_s
+
+    def handle_exit(self, sig, frame) -> None:
+        self._engine_loop.begin_shutdown(self._drain_s)
+        super().handle_exit(sig, frame)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -241,13 +241,20 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def shutdown(self, drain_s: float = 10.0) -> None:
-        """Stop accepting, let the requests in flight finish for up to `drain_s` seconds,
-        cancel the rest, join the thread and close the engine."""
+    def begin_shutdown(self, drain_s: float = 10.0) -> None:
+        """Stop accepting and let the requests in flight finish for up to `drain_s` seconds;
+        then they are cancelled (their streams end with `cancelled`). Returns at once; the
+        first call sets the deadline."""
         with self._lock:
+            if not self._accepting:
+                return
             self._accepting = False
+        self._inbox.put(_Command(kind="stop", deadline=time.monotonic() + drain_s))
+
+    def shutdown(self, drain_s: float = 10.0) -> None:
+        """`begin_shutdown` (if not begun), then join the thread and close the engine."""
+        self.begin_shutdown(drain_s)
         if self._thread.is_alive():
-            self._inbox.put(_Command(kind="stop", deadline=time.monotonic() + drain_s))
             self._thread.join()
         self.engine.close()
 
@@ -256,7 +263,7 @@ class EngineLoop:
     def _run(self) -> None:
         state = _State()
         while True:
-            busy = bool(state.jobs)
+            busy = bool(state.jobs) or state.stopping  # stopping: leave once the jobs end
             for command in self._drain(block=not busy):
                 self._handle(command, state)
             if state.stopping and (not state.jobs or time.monotonic() >= state.deadline):
