@@ -392,9 +392,41 @@ def _plan(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     print(ledger.render())
+    floor = _tier1_line(ledger, config, reader.config)
+    if floor:
+        print(floor)
     if config.miss != "fetch" and not ledger.resident:
         print(_miss_lines(ledger, config, reader.config))
     return 0
+
+
+def _tier1_line(ledger, config, cfg) -> str | None:
+    """What the run will hold in tier 1 when that is more than the host budget gives (one
+    device: `engine.tier1_floor`), and the knobs that lower it."""
+    from strata_runtime.engine import tier1_floor
+    from strata_runtime.ledger import fmt_bytes
+
+    owned = cfg.num_layers * cfg.num_experts
+    if ledger.resident or (config.expert_devices or 1) > 1:
+        return None
+    slots = min(owned, config.resident_experts or ledger.pool_slots)
+    host = min(owned, ledger.host_share if config.host_experts is None else config.host_experts)
+    cache = 0 if config.policy == "static" else int(config.cache_fraction * slots)
+    if host >= owned:
+        return None
+    rows = max(config.batch_capacity, ledger.prefill_chunk)
+    floor = tier1_floor(cfg.top_k, owned=owned, owned_per_layer=cfg.num_experts,
+                        pinned=slots - cache, cache=cache, rows=rows,
+                        rebalance=bool(config.rebalance_every))
+    if floor <= host:
+        return None
+    bpe = ledger.bytes_per_expert
+    return (f"tier 1: the run holds {floor} experts ({fmt_bytes(floor * bpe)}), more than "
+            f"the {host} ({fmt_bytes(host * bpe)}) the host budget gives: a step that "
+            f"stalls on disk resumes at a layer once its experts are all in tier 1 (top_k x "
+            f"max(--batch-capacity, --prefill-chunk) = {cfg.top_k} x {rows} picks, at most a "
+            "layer's experts, plus the cache slots). Give --host-mem at least "
+            f"{fmt_bytes(floor * bpe)}, or lower --prefill-chunk / --batch-capacity")
 
 
 def _miss_lines(ledger, config, cfg) -> str:

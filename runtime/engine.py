@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -69,6 +70,8 @@ from strata_runtime.stats import PHASES, DeviceCounts, EngineStats
 from strata_runtime.timeline import Timeline
 from strata_runtime.trace import TraceReplay, TraceWriter, load_trace
 from strata_runtime.workspace import compiled_workspace, held_expert_shapes
+
+log = logging.getLogger("strata.engine")
 
 DEQUANT = ("device", "host")
 LAYOUTS = ("auto", "rows", "tiles")
@@ -301,6 +304,18 @@ def _measured_ledger(reader: CheckpointReader, config: EngineConfig, chunk: int)
     return _ledger(reader, config, measured[ledger.staging_slots])
 
 
+def tier1_floor(top_k: int, *, owned: int, owned_per_layer: int, pinned: int, cache: int,
+                rows: int, rebalance: bool) -> int:
+    """The fewest tier-1 experts a device of an engine that can stall on disk holds: what
+    one layer's disk misses of its `owned` experts can need (`top_k` picks of `rows` tokens,
+    at most a layer's experts) besides the tier-1 experts that also hold a device slot (the
+    `cache` slots, and the `pinned` ones once rebalancing swaps them in), since a stalled
+    step resumes at that layer once they are all in tier 1 (docs/design.md, "Disk stalls")."""
+    per_layer = min(owned_per_layer, top_k * rows)
+    held = cache + (pinned if rebalance else 0)
+    return min(owned - pinned, per_layer + held)
+
+
 def _without_rows(args: tuple, rows: dict[int, str], capacity: int) -> tuple:
     """A prefill program's arguments with `rows` made padding (past the batch, no tokens)
     and off its riders."""
@@ -502,16 +517,17 @@ class Engine:
         return min(slots, most), min(host, most), min(staging, per_layer)
 
     def _host_slots(self, pinned: int, cache: int, host: int, mine: np.ndarray) -> int:
-        """A device's tier-1 slots: `host`, but at least what one layer's disk misses of its
-        experts (`mine`) can need besides the tier-1 experts that also hold a device slot
-        (cached ones, and pinned ones once rebalancing has swapped them in), since a stalled
-        step resumes at that layer once they are all in tier 1 (docs/design.md, "Disk
-        stalls"; the extra slots start empty)."""
-        cfg = self.cfg
-        layer = int(mine.sum(axis=1).max())
-        per_layer = min(layer, cfg.top_k * max(self.capacity, self.prefill_chunk))
-        held = cache + (pinned if self.config.rebalance_every else 0)
-        return max(host, min(int(mine.sum()) - pinned, per_layer + held))
+        """A device's tier-1 slots: `host`, but at least `tier1_floor` (the extra slots start
+        empty); warns when that is more than the budget gave."""
+        floor = tier1_floor(self.cfg.top_k, owned=int(mine.sum()),
+                            owned_per_layer=int(mine.sum(axis=1).max()), pinned=pinned,
+                            cache=cache, rows=max(self.capacity, self.prefill_chunk),
+                            rebalance=bool(self.config.rebalance_every))
+        if floor > host:
+            log.warning("tier 1 holds %d experts where the host budget gives %d: a step that "
+                        "stalls on disk resumes at a layer once its experts are all in tier 1 "
+                        "(`strata plan` names the knobs)", floor, host)
+        return max(host, floor)
 
     def _read(self, fn, keys: list[Key]) -> list:
         """The start-up pools' reads. Each chunk's sha256 binds a core (a core hashes at about

@@ -462,7 +462,10 @@ def _over_budget(ledger: Ledger, need_slots: int, minimum: int) -> None:
         f"workspace + {need_slots} expert slots (or every expert, without staging) need "
         f"{fmt_bytes(minimum)}, short by "
         f"{fmt_bytes(shortfall)} ({shortfall:,} bytes). Raise the budget, or lower "
-        f"max_len ({ledger.max_len}) / batch_capacity ({ledger.batch_capacity}).\n"
+        f"max_len ({ledger.max_len}) / batch_capacity ({ledger.batch_capacity}) / "
+        f"prefill_chunk (the workspace grows with it) / workspace "
+        f"({fmt_bytes(ledger.workspace)}: --workspace SIZE fixes it, for programs that need "
+        "less scratch than XLA reports).\n"
         f"{ledger.render()}",
         ledger,
         shortfall,

@@ -17,7 +17,7 @@ from strata_jax.sampling import SamplingParams
 from strata_jax.tokenizer import byte_level_files, load_tokenizer
 from strata_runtime.cli import build_parser, engine_config, main
 from strata_runtime.compile_cache import ENV as CACHE_ENV
-from strata_runtime.engine import EngineConfig
+from strata_runtime.engine import Engine, EngineConfig
 from strata_runtime.engine_flags import resident_config
 from tests.helpers import tiny_config, write_checkpoint
 
@@ -306,3 +306,22 @@ def test_serve_host_is_the_address_to_listen_on():
                                       "--host-mem", "64GB"])
     assert args.bind == "0.0.0.0" and engine_config(args).host_budget == "64GB"
     assert build_parser().parse_args(["serve", "ck"]).bind == "127.0.0.1"
+
+
+def test_plan_shows_the_tier1_the_run_holds_and_the_run_warns(tmp_path, capsys, caplog):
+    from strata_jax.synth import synthesize
+
+    ck = tmp_path / "tiny"
+    synthesize("tiny", ck, progress=False)
+    flags = ["--hbm", "4MB", "--host-mem", "100KB", "--workspace", "200KB"]
+    assert main(["plan", str(ck), *flags]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("tier 1:"))
+    held = int(line.split("holds ")[1].split()[0])
+    assert "Give --host-mem at least" in line and held > 1
+    config = engine_config(build_parser().parse_args(["generate", str(ck), *flags]))
+    with caplog.at_level("WARNING", logger="strata.engine"), \
+            Engine.from_checkpoint(ck, config) as engine:
+        assert len(engine.shares[0].residency.host_key) == held
+    assert f"tier 1 holds {held} experts where the host budget gives 1" in caplog.text
+    assert main(["plan", str(ck), "--hbm", "3MB", "--workspace", "200KB"]) == 2
+    assert "--workspace SIZE fixes it" in capsys.readouterr().err
