@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from strata_jax.packing import Prefilled
 from strata_jax.sampling import SamplingParams
 from strata_jax.scheduler import Scheduler, StepResult
 from strata_runtime.engine import Engine, EngineConfig
@@ -137,7 +138,7 @@ class _LoggingEngine:
         for a in admissions:
             self.calls.append(("prefill", a.row))
             self.last[a.row] = a.tokens[-1] + 1
-            out.append((self.last[a.row], None))
+            out.append(Prefilled(self.last[a.row]))
         return out
 
     def step(self) -> StepResult:
