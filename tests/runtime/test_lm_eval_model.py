@@ -3,15 +3,11 @@ through `strata serve` (`local-completions`), on two local-data tasks (multiple 
 generate_until). The native scores equal a direct float64 computation from
 `strata_jax.logits`, the offloaded and the served runs the native one."""
 
+import contextlib
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx2
 import numpy as np
 import pytest
 
@@ -25,6 +21,7 @@ from strata_jax.api import cut_at_stop  # noqa: E402
 from strata_jax.sampling import SamplingParams  # noqa: E402
 from strata_jax.synth import synthesize  # noqa: E402
 from strata_runtime.lm_eval_model import StrataLM  # noqa: E402
+from tests.runtime.served import start_server  # noqa: E402
 
 SHAPE = "batch_capacity=4,max_len=128"
 QUESTIONS = [("The cat sat on the", ["mat", "sky", "moon"], 0),
@@ -142,47 +139,14 @@ def test_native_resident_and_offloaded_and_served_agree(setup, tmp_path):
         "acc,none"]
 
 
-class _server:
+@contextlib.contextmanager
+def _server(ckpt: Path, tmp: Path):
     """`strata serve` of `ckpt` with the native runs' shape, for the block's length."""
-
-    def __init__(self, ckpt: Path, tmp: Path) -> None:
-        self.ckpt, self.log = ckpt, tmp / "server.log"
-
-    def __enter__(self) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.out = open(self.log, "w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_runtime.server", str(self.ckpt), "--port",
-             str(port), "--batch-capacity", "4", "--max-len", "128", "--no-warmup",
-             "--served-model-name", "tiny", "--log-level", "warning"],
-            stdout=self.out, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx2.get(f"{base}/health", timeout=1).status_code == 200:
-                    return base
-            except httpx2.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.out.seek(0)
-                pytest.fail(f"the server did not start:\n{self.out.read()}")
-            time.sleep(0.2)
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.out.close()
-
-
-def test_strata_eval_lm_runs_lm_evals_command_line(setup, tmp_path):
-    from strata_runtime.cli import main
-
-    ckpt, _, tasks = setup
-    assert main(["eval", "lm", "--model_args", f"checkpoint={ckpt},{SHAPE}", "--tasks",
-                 "strata_mc", "--include_path", str(tasks), "--output_path",
-                 str(tmp_path / "out")]) == 0
-    (written,) = (tmp_path / "out").rglob("results_*.json")
-    assert "acc,none" in json.loads(written.read_text())["results"]["strata_mc"]
+    with open(tmp / "server.log", "w+") as log:
+        proc, base = start_server(ckpt, ["--batch-capacity", "4", "--max-len", "128",
+                                         "--served-model-name", "tiny"], log)
+        try:
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(30)

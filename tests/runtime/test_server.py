@@ -5,11 +5,7 @@ One server for the module (4 rows, 4 waiting, an API key from the environment); 
 stops it with SIGTERM while a request is in flight.
 """
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,18 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 import strata_jax
 from strata_jax.synth import synthesize
 from strata_runtime.server import main as server_main
+from tests.runtime.served import start_server
 
 KEY = "test-key-123"
 ROWS, QUEUE, MAX_LEN = 4, 4, 512
 LONG = {"max_tokens": MAX_LEN - 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
 MODEL = "tiny"
 PROMPTS = ["hello", "abc", "The", "xyz!", "1234", "é", "ok", "moe"]  # <= 8 tokens: one bucket
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +37,10 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    port = _free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")  # noqa: SIM115
-    env = dict(os.environ, STRATA_API_KEY=KEY, JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "strata_runtime.server", str(checkpoint), "--port", str(port),
-         "--batch-capacity", str(ROWS), "--max-len", str(MAX_LEN), "--max-queue", str(QUEUE),
-         "--no-warmup", "--log-level", "warning", "--drain-seconds", "20"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx2.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx2.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"the server did not start:\n{log.read()}")
-        time.sleep(0.2)
+    proc, base = start_server(
+        checkpoint, ["--batch-capacity", str(ROWS), "--max-len", str(MAX_LEN), "--max-queue",
+                     str(QUEUE), "--drain-seconds", "20"], log, {"STRATA_API_KEY": KEY})
     yield proc, base, log
     if proc.poll() is None:
         proc.kill()

@@ -1,10 +1,7 @@
 """SIGTERM past `--drain-seconds`: every request in flight ends with a well-formed answer
 (finish_reason "abort", a stream's last chunk and [DONE]) and the log has no traceback."""
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,7 +10,7 @@ import openai
 import pytest
 
 from strata_jax.synth import synthesize
-from tests.runtime.test_server import _free_port
+from tests.runtime.served import start_server
 
 MAX_LEN = 8192  # long enough to outlast the drain on a fast CPU
 LONG = {"max_tokens": MAX_LEN - 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -21,22 +18,9 @@ LONG = {"max_tokens": MAX_LEN - 8, "temperature": 0, "extra_body": {"ignore_eos"
 
 def test_requests_past_the_drain_end_with_abort(tmp_path):
     synthesize("tiny", tmp_path / "tiny", progress=False)
-    port, log = _free_port(), open(tmp_path / "server.log", "w+")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "strata_runtime.server", str(tmp_path / "tiny"), "--port",
-         str(port), "--batch-capacity", "2", "--max-len", str(MAX_LEN), "--no-warmup",
-         "--log-level", "warning", "--drain-seconds", "1"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx2.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx2.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    proc, base = start_server(tmp_path / "tiny", ["--batch-capacity", "2", "--max-len",
+                                                  str(MAX_LEN), "--drain-seconds", "1"], log)
     client = openai.OpenAI(api_key="x", base_url=base + "/v1", max_retries=0, timeout=120)
     started, chunks, whole = threading.Event(), [], {}
 
