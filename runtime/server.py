@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -154,7 +155,10 @@ class Service:
         max_tokens = default_max if body.max_tokens is None else max(1, body.max_tokens)
         try:
             sampling = body.sampling(self.tokenizer.eos_ids)
-            stream = self.loop.submit(prompt, max_tokens, sampling, score_prompt)
+            # the stop strings are matched here, on the text streamed out (`pieces` cancels
+            # the request at one), not a second time on the engine thread
+            stream = self.loop.submit(prompt, max_tokens,
+                                      dataclasses.replace(sampling, stop=()), score_prompt)
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", "queue_full") from None
         except ShuttingDown as e:
@@ -344,7 +348,7 @@ def _logprobs(service: Service, body: protocol.CompletionRequest, prompt: list[i
         return None
     shown = (prompt if body.echo else []) + ids[:1]
     decode = service.tokenizer.decode
-    texts = {int(t): decode([int(t)]) for t in np.unique(scores.top_ids)}
+    texts = {int(t): decode([int(t)]) for t in np.unique(scores.top_ids[:, :body.logprobs])}
     tokens = [decode([t]) for t in shown]
     first = -1 if body.echo else len(prompt) - 1
     return protocol.logprobs(tokens, shown, scores, first, body.logprobs, texts)
@@ -479,7 +483,7 @@ def serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or Path(args.ckpt).resolve().name, api_key=api_key,
         max_prompt_tokens=args.max_prompt_tokens or config.max_len - 1,
         max_body_bytes=args.max_body_bytes, drain_s=args.drain_seconds)
-    loop = EngineLoop(engine, max_queue=args.max_queue, tokenizer=tokenizer)
+    loop = EngineLoop(engine, max_queue=args.max_queue)
     app = create_app(Service(loop, tokenizer, server_config))
     config = uvicorn.Config(app, host=args.bind, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_seconds) + GRACE_S)

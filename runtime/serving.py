@@ -181,16 +181,14 @@ class EngineLoop:
     """Runs `engine` on its own thread for asyncio consumers. `start`, then `submit` from any
     thread; `shutdown` to stop."""
 
-    def __init__(self, engine, *, max_queue: int, tokenizer=None) -> None:
-        """`tokenizer`: the scheduler's, for requests with stop strings."""
+    def __init__(self, engine, *, max_queue: int) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.engine = engine
         self.capacity, self.max_len = engine.capacity, engine.max_len
         self.max_queue = max_queue
         self.counters = ServingCounters()
-        self.tokenizer = tokenizer
-        self._scheduler = Scheduler(engine, tokenizer)
+        self._scheduler = Scheduler(engine)
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # in_flight, accepting, ids and counters
         self._in_flight = 0
@@ -363,7 +361,7 @@ class EngineLoop:
                 self.engine.free(row)
             except Exception:  # noqa: BLE001  (best effort on a broken engine)
                 log.exception("freeing row %d failed", row)
-        self._scheduler = Scheduler(self.engine, self.tokenizer)
+        self._scheduler = Scheduler(self.engine)
 
     def _snapshot(self, state: _State) -> Snapshot:
         sched, counters = self._scheduler, self.engine.counters

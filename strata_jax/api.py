@@ -289,9 +289,9 @@ def score(model: Model, pairs: Sequence[tuple[Any, Any]], *, batch_capacity: int
           max_len: int = 256, prefill_chunk: int | None = None,
           prefill_rows: int | None = None) -> list:
     """`scoring.Likelihood` of each (context, continuation) pair: ids, or text through the
-    checkpoint's tokenizer (each part encoded alone, without special tokens, as lm-eval
-    does), run as prompts through the scheduler like `generate` (same shape knobs). The
-    offload engine's `Engine.score` gives the same bits."""
+    checkpoint's tokenizer (each part encoded alone, without special tokens), run as prompts
+    through the scheduler like `generate` (same shape knobs). The offload engine's
+    `Engine.score` gives the same bits."""
     from strata_jax.resident import ResidentEngine
     from strata_jax.scheduler import Scheduler
     from strata_jax.scoring import loglikelihood

@@ -264,7 +264,8 @@ class MoEModel(nn.Module):
         decode step riding along (`ChunkInputs.riders`). Returns (float32 logits, (k_all,
         v_all, pool, the record's fields, the saved input to resume from (None without
         resume))); with riders or `every` the logits are a dict: "picked" (as above),
-        "riders" ([C, V] or None) and "every" (every position's [B, T, V], or None)."""
+        "riders" ([C, V] or None) and "every" (every position's final stream [B, T, D], before
+        the norm and the LM head, or None: `step.score_positions` takes its LM head)."""
         b, t = tokens.shape
         x = self.globals["embed"][tokens]
         ride = None
@@ -278,7 +279,7 @@ class MoEModel(nn.Module):
             logits = {"picked": logits,
                       "riders": None if riders is None else lm_head(self.cfg, self.globals,
                                                                     x[b * t:]),
-                      "every": lm_head(self.cfg, self.globals, x_main) if every else None}
+                      "every": x_main if every else None}
         return logits, (k_all, v_all, pool, record, saved)
 
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,

@@ -176,6 +176,7 @@ def host_scores(scores) -> tuple | None:
         return None
     return tuple(np.asarray(x) for x in (scores.target, scores.top, scores.top_ids))
 
+
 Ride = Callable[[dict[int, int], dict[int, str]], Sequence[int]]
 """Decode steps riding along the programs (docs/design.md, "Prefill"): called with the last
 program's riders' tokens {row: token} and the riders that failed {row: why} (once before the
@@ -228,7 +229,7 @@ def _keep_scores(into: PromptScores | None, n: int, piece: Piece,
         into = PromptScores(target=np.zeros(n, np.float32),
                             top=np.zeros((n, top.shape[-1]), np.float32),
                             top_ids=np.zeros((n, top.shape[-1]), np.int32))
-    count = piece.count
-    at = slice(piece.start, piece.start + count)
-    into.target[at], into.top[at], into.top_ids[at] = target[:count], top[:count], ids[:count]
+    n = piece.count
+    at = slice(piece.start, piece.start + n)
+    into.target[at], into.top[at], into.top_ids[at] = target[:n], top[:n], ids[:n]
     return into

@@ -70,7 +70,7 @@ class Request:
 
 class Scheduler:
     """Runs an engine's rows as a continuous batch. The engine needs `cfg`, `capacity`,
-    `max_len`, `prefill(admissions, ride)` -> (token, error) of each `packing.Admission`,
+    `max_len`, `prefill(admissions, ride)` -> a `packing.Prefilled` per `packing.Admission`,
     `step()` -> StepResult, `read(result)` -> the tokens as numpy, and `free(row)`.
     `tokenizer`: what stop strings are matched through (requests with stop strings need
     one)."""

@@ -30,6 +30,7 @@ from strata_jax.flax_model import model_for
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.misses import HostWork
+from strata_jax.model import lm_head
 from strata_jax.pool import ExpertPool
 from strata_jax.sampling import (
     SamplerRows,
@@ -174,6 +175,8 @@ PER_DEVICE = ("hits", "prefetched", "fetched", "issued")
 
 SCORE_TOP = 20
 """Alternatives a score gives per position (the most OpenAI's `top_logprobs` asks for)."""
+SCORE_BLOCK = 64
+"""Positions whose LM head a scored prefill program computes at once (`score_positions`)."""
 
 
 @chex.dataclass(frozen=True)
@@ -360,13 +363,26 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
     scores = None
     if targets is not None:
         at_last = (jnp.arange(t)[None, :] == last[:, None]) & (targets < 0)
-        scores = score(heads["every"], jnp.where(at_last, nxt[:, None], targets))
+        scores = score_positions(cfg, params, heads["every"],
+                                 jnp.where(at_last, nxt[:, None], targets))
     state = state.replace(tokens=state.tokens.at[rows].set(nxt, mode="drop"), sampler=sampler,
                           positions=state.positions.at[rows].set(starts + counts, mode="drop"),
                           live=state.live.at[rows].set(True, mode="drop"), k=k, v=v)
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
                      start=_start(plan, before), riders=ridden, scores=scores)
     return state, out, pool if plan.staging else None
+
+
+def score_positions(cfg: ModelConfig, params, hidden: jax.Array, targets: jax.Array) -> Scores:
+    """`score` of every position of the final stream `hidden` [R, T, D] at `targets` [R, T],
+    the LM head taken `SCORE_BLOCK` positions at a time: a long chunk's [R x T, V] logits are
+    never whole, so a scored program needs about the workspace the ledger measured for the
+    unscored one."""
+    r, t = targets.shape
+    block = min(SCORE_BLOCK, r * t)  # both powers of two: the block divides R x T
+    blocks = (hidden.reshape(r * t // block, block, -1), targets.reshape(-1, block))
+    out = jax.lax.map(lambda a: score(lm_head(cfg, params["params"], a[0]), a[1]), blocks)
+    return jax.tree.map(lambda x: x.reshape(r, t, *x.shape[2:]), out)
 
 
 def _ride(state: DecodeState, logits, riders) -> tuple[DecodeState, jax.Array]:

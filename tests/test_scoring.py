@@ -62,3 +62,24 @@ def test_bad_pairs_are_refused(ckpt):
     model = strata_jax.load(ckpt)
     with pytest.raises(ValueError, match="pair 1: the context and the continuation each"):
         strata_jax.score(model, [([1], [2]), ([], [3])], **SHAPE)
+
+
+def test_positions_are_scored_in_blocks_as_all_at_once(ckpt):
+    """A 2 x 128 chunk's LM head in `SCORE_BLOCK`-position blocks against one float64 log-softmax
+    of the whole [256, V] logits."""
+    from strata_jax import step
+    from strata_jax.model import lm_head
+
+    model = strata_jax.load(ckpt)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((2, 128, model.config.hidden_size)).astype(np.float32)
+    targets = rng.integers(-1, model.config.vocab_size, (2, 128)).astype(np.int32)
+    got = step.score_positions(model.config, model.params, hidden, targets)
+    assert 2 * 128 > step.SCORE_BLOCK
+    logits = np.asarray(lm_head(model.config, model.params["params"], hidden), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    want = np.take_along_axis(logp, np.maximum(targets, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(got.target, np.where(targets >= 0, want, 0), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_array_equal(got.top_ids[..., 0], logp.argmax(-1))
