@@ -101,7 +101,8 @@ class EngineConfig:
     batch_capacity: int = 16
     """Rows of the compiled step (requests decoded together)."""
     max_len: int = 256
-    """KV positions per row (prompt + generated tokens)."""
+    """KV positions per row (prompt + generated tokens). `strata serve` and the lm-eval model,
+    given none, take the model's context within the budget (`engine_flags.context_max_len`)."""
     prefill_rows: int | None = None
     """Most prompts whose chunks share a prefill program (`strata_jax.packing`; None: the batch
     capacity): each expert a program routes to is read and copied once for all of them, and
@@ -273,13 +274,20 @@ def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:
     Without a fixed `prefill_chunk` the ledger takes `step.default_prefill_chunk`, halved
     (down to `step.MIN_PREFILL_CHUNK`) while its workspace leaves the budget too small.
     Over several devices each device's workspace is measured on the one-device programs of its
-    layout (the same per-device shapes; the mesh need not be present to plan for it)."""
+    layout (the same per-device shapes; the mesh need not be present to plan for it).
+    `resident_experts` and `host_experts` replace the split the budget gives (the ledger then
+    shows what the engine holds, over budget if they ask for more)."""
     check_expert_devices(config)
     chunk = config.prefill_chunk or step.default_prefill_chunk(config.max_len)
     while True:
         try:
-            return dataclasses.replace(_measured_ledger(reader, config, chunk),
-                                       prefill_chunk=chunk)
+            ledger = _measured_ledger(reader, config, chunk)
+            return dataclasses.replace(
+                ledger, prefill_chunk=chunk,
+                pool_slots=config.resident_experts if config.resident_experts is not None
+                else ledger.pool_slots,
+                host_slots=config.host_experts if config.host_experts is not None
+                else ledger.host_slots)
         except BudgetError:
             if config.prefill_chunk or chunk <= step.MIN_PREFILL_CHUNK:
                 raise

@@ -15,12 +15,15 @@ import inspect
 import os
 from collections.abc import Callable
 
+import jax
+
+from strata_jax.checkpoint import CheckpointReader
 from strata_jax.int4_kernel import Int4Tiles
 from strata_jax.misses import MODES as MISS_MODES
 from strata_jax.step import PREDICTORS
 from strata_runtime.cache_policy import ADMITS, POLICIES
 from strata_runtime.engine import DEQUANT, LAYOUTS, EngineConfig
-from strata_runtime.ledger import parse_bytes
+from strata_runtime.ledger import ModelBytes, default_max_len, parse_bytes
 
 FLAG_NAMES = {"hbm_budget": "--hbm", "host_budget": "--host-mem", "heat_file": "--heat"}
 """Fields whose flag is not `--field-name`."""
@@ -142,6 +145,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig | None:
     if heat is not None and not os.path.isfile(heat):
         raise FileNotFoundError(f"--heat {heat}: no such file (write one with --record-heat)")
     return EngineConfig(**given)
+
+
+def context_max_len(config: EngineConfig, reader: CheckpointReader) -> tuple[EngineConfig, str]:
+    """`config` with the max_len `ledger.default_max_len` gives the checkpoint (the model's
+    context within the budget: the HBM budget offloaded, else the first device's memory less
+    the model's bytes, where the device tells it), and why: what `strata serve` and the
+    lm-eval model take when no max_len is given."""
+    model = ModelBytes.from_reader(reader)
+    if config.hbm_budget is not None:
+        budget = parse_bytes(config.hbm_budget)
+    else:
+        limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        budget = max(0, limit - model.total) if limit else None
+    length, why = default_max_len(model, reader.config.max_position, config.batch_capacity,
+                                  budget)
+    return dataclasses.replace(config, max_len=length), why
 
 
 def resident_config(args: argparse.Namespace) -> EngineConfig:

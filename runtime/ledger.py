@@ -161,6 +161,36 @@ class ModelBytes:
         return cls.from_specs(reader.config, reader.expert_specs, reader.dense_specs)
 
 
+KV_SHARE = 4
+"""A default max_len's KV cache takes at most 1/KV_SHARE of the HBM budget: the rest holds
+the dense weights, the workspace and the expert slots, whose hits make offloaded decode fast
+(docs/design.md, "Budgets")."""
+MIN_DEFAULT_MAX_LEN = 256
+"""The shortest max_len a budget shortens the default to."""
+
+
+def default_max_len(model: ModelBytes, context: int | None, batch_capacity: int,
+                    budget: int | None) -> tuple[int, str]:
+    """The max_len of a run that names none, and why: the model's `context` (None: not known,
+    `DEFAULT_MAX_LEN`), halved (not below `MIN_DEFAULT_MAX_LEN`) while the KV cache of
+    `batch_capacity` rows takes more than 1/`KV_SHARE` of `budget` bytes (None: not known,
+    then at most `DEFAULT_MAX_LEN`)."""
+    length = context or DEFAULT_MAX_LEN
+    why = (f"the model's context, {context} tokens" if context else
+           f"{DEFAULT_MAX_LEN} tokens (the model names no context)")
+    if budget is None and length > DEFAULT_MAX_LEN:
+        length, why = DEFAULT_MAX_LEN, f"{why}, cut to {DEFAULT_MAX_LEN} (no memory size known)"
+    start = length
+    kv = batch_capacity * model.kv_bytes_per_token
+    while budget is not None and length > MIN_DEFAULT_MAX_LEN and kv * length > budget // KV_SHARE:
+        length = max(MIN_DEFAULT_MAX_LEN, length // 2)
+    if length < start:
+        why += (f", halved to {length} so that the KV cache of {batch_capacity} rows "
+                f"({fmt_bytes(kv * length)}) takes at most 1/{KV_SHARE} of "
+                f"{fmt_bytes(budget)}")
+    return length, f"max_len {length}: {why} (--max-len sets it)"
+
+
 def device_experts(model: ModelBytes, devices: int) -> tuple[int, ...]:
     """The experts each of `devices` devices owns: an equal count of every layer, the first
     devices one more where the layer's experts do not divide evenly."""

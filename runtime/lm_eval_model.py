@@ -27,12 +27,14 @@ from lm_eval.api.registry import register_model
 
 import strata_jax
 from strata_jax.api import cut_at_stop
+from strata_jax.checkpoint import CheckpointReader
 from strata_jax.resident import ResidentEngine
 from strata_jax.sampling import SamplingParams
 from strata_jax.scheduler import Scheduler
 from strata_jax.scoring import loglikelihood
 from strata_jax.tokenizer import load_tokenizer
 from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.engine_flags import context_max_len
 
 RENAMED = {"hbm": "hbm_budget", "host_mem": "host_budget"}
 """Model arguments named as the command-line flags rather than as `EngineConfig` fields."""
@@ -56,6 +58,8 @@ class StrataLM(TemplateLM):
             raise ValueError(f"strata model_args: unknown {', '.join(unknown)} (give checkpoint, "
                              "max_gen_toks, hbm, host_mem or an EngineConfig field)")
         config = EngineConfig(**knobs)
+        if "max_len" not in knobs:  # the model's context, within the budget
+            config, _ = context_max_len(config, CheckpointReader(checkpoint))
         self.tokenizer = load_tokenizer(checkpoint)
         self.max_gen_toks = int(max_gen_toks)
         self.max_len = config.max_len

@@ -1,18 +1,21 @@
 """The OpenAI API's request and response shapes, as far as the server implements them.
 
 Requests are validated by pydantic; a field the server does not implement is refused with a
-message (never silently ignored): unknown fields, `n` != 1, chat logprobs, penalties other than
+message (never silently ignored): unknown fields, `n` != 1, penalties other than
 `repetition_penalty`, tools; sent at OpenAI's defaults (or null) they are accepted. Extra
 fields beyond OpenAI's (vLLM's names): `top_k`, `min_p`, `repetition_penalty`,
 `stop_token_ids`, `ignore_eos` (generate to the token limit whatever the eos ids; for
-benchmarks). Completions score: `echo` with `logprobs` gives the prompt's tokens' log-
-probabilities (`max_tokens` 0: nothing generated), as evaluation harnesses ask.
+benchmarks). Log-probabilities are the model's own softmax (before temperature and filters,
+as vLLM gives them): completions' `logprobs` N and chat's `logprobs` / `top_logprobs` give
+each generated token's, streamed or not; completions' `echo` adds the prompt's tokens'
+(`max_tokens` 0: nothing generated), as evaluation harnesses ask.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -23,7 +26,7 @@ from strata_jax.step import SCORE_TOP
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 NOT_IMPLEMENTED = {
-    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,),
+    "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,),
     "suffix": ("",), "best_of": (1,), "frequency_penalty": (0,), "presence_penalty": (0,),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
     "functions": ([],), "function_call": ("none",),
@@ -109,6 +112,12 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def logprob_top(self) -> int | None:
+        """Alternatives each generated token's log-probability comes with (None: none
+        asked for)."""
+        return None
+
 
 class CompletionRequest(_Common):
     """POST /v1/completions."""
@@ -127,13 +136,13 @@ class CompletionRequest(_Common):
             raise ValueError(f"give 1 to {MAX_PROMPTS} prompts, got {count}")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 returns nothing without echo")
-        if self.stream and (count > 1 or self.echo or self.logprobs is not None):
-            raise ValueError("stream takes one prompt, without echo or logprobs")
-        limit = COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        if self.logprobs is not None and limit > 1:
-            raise ValueError("logprobs are given for the prompt (with echo) and the first "
-                             "generated token: set max_tokens to 0 or 1")
+        if self.stream and (count > 1 or self.echo):
+            raise ValueError("stream takes one prompt, without echo")
         return self
+
+    @property
+    def logprob_top(self) -> int | None:
+        return self.logprobs
 
     def prompt_values(self) -> list[str | list[int]]:
         """The prompts, each text or ids."""
@@ -170,6 +179,10 @@ class ChatRequest(_Common):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    """Each generated token's log-probability."""
+    top_logprobs: int = Field(default=0, ge=0, le=SCORE_TOP)
+    """With `logprobs`: this many alternatives each."""
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
@@ -177,7 +190,13 @@ class ChatRequest(_Common):
             raise ValueError("give max_tokens or max_completion_tokens, not both")
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @property
+    def logprob_top(self) -> int | None:
+        return self.top_logprobs if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
@@ -220,9 +239,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion(rid: str, model: str, text: str, finish: str | None,
-               use: dict[str, int] | None) -> dict[str, Any]:
+               use: dict[str, int] | None, logprobs: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     """A text_completion object: the whole answer, or (use None) one streamed chunk."""
-    return completions(rid, model, [choice(0, text, finish)], use)
+    return completions(rid, model, [choice(0, text, finish, logprobs)], use)
 
 
 def choice(index: int, text: str, finish: str | None,
@@ -240,26 +260,24 @@ def completions(rid: str, model: str, choices: list[dict[str, Any]],
     return out
 
 
-def logprobs(tokens: list[str], ids: list[int], scores, first: int, top: int,
-             texts: dict[int, str]) -> dict[str, Any]:
-    """The completions `logprobs` object of tokens `ids` (their strings `tokens`) where
-    `scores` (`packing.PromptScores`, entry j scoring token j + 1 of the prompt) covers from
-    entry `first` on (the prompt's first token, when echoed, has none); `top` alternatives
-    each, named by `texts[id]` (the token itself is always among them)."""
+def logprobs(ids: list[int], entries: list, top: int, text: Callable[[int], str]
+             ) -> dict[str, Any]:
+    """The completions `logprobs` object of tokens `ids` with their `packing.TokenScore`
+    `entries` (None: the prompt's first token, which has none), `top` alternatives each,
+    every token named by `text(id)` (the token itself is always among its alternatives)."""
+    tokens = [text(t) for t in ids]
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
-    at = first
-    for i in range(len(ids)):
-        if at < 0:
+    for token, entry in zip(tokens, entries, strict=True):
+        if entry is None:
             values.append(None)
             tops.append(None)
-        else:
-            values.append(float(scores.target[at]))
-            alt = {texts[int(t)]: float(v) for t, v in zip(scores.top_ids[at, :top],
-                                                           scores.top[at, :top], strict=True)}
-            alt.setdefault(tokens[i], values[-1])
-            tops.append(alt)
-        at += 1
+            continue
+        values.append(entry.logprob)
+        alt = {text(int(t)): float(v) for t, v in zip(entry.top_ids[:top], entry.top[:top],
+                                                      strict=True)}
+        alt.setdefault(token, entry.logprob)
+        tops.append(alt)
     offsets = [0]
     for t in tokens[:-1]:
         offsets.append(offsets[-1] + len(t))
@@ -267,21 +285,41 @@ def logprobs(tokens: list[str], ids: list[int], scores, first: int, top: int,
             "text_offset": offsets}
 
 
+def chat_logprobs(ids: list[int], entries: list, top: int, text: Callable[[int], str]
+                  ) -> dict[str, Any]:
+    """The chat `logprobs` object of generated tokens `ids` with their `packing.TokenScore`
+    `entries`, `top` alternatives each."""
+
+    def item(token: int, value: float) -> dict[str, Any]:
+        s = text(token)
+        return {"token": s, "logprob": value, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for token, entry in zip(ids, entries, strict=True):
+        alternatives = zip(entry.top_ids[:top], entry.top[:top], strict=True)
+        content.append({**item(token, entry.logprob),
+                        "top_logprobs": [item(int(t), float(v)) for t, v in alternatives]})
+    return {"content": content, "refusal": None}
+
+
 def chat_completion(rid: str, model: str, text: str, finish: str,
-                    use: dict[str, int]) -> dict[str, Any]:
+                    use: dict[str, int], logprobs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish}],
+                     "logprobs": logprobs, "finish_reason": finish}],
         "usage": use}
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, str], finish: str | None,
-               use: dict[str, int] | None = None) -> dict[str, Any]:
+               use: dict[str, int] | None = None, logprobs: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                     "finish_reason": finish}]}
     if use is not None:
         out["usage"] = use
     return out

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -102,6 +101,8 @@ class Piece:
     """The tokens this piece adds."""
     scores: packing.PromptScores | None = None
     """The prompt's scores, on the first piece (requests started with `score_prompt`)."""
+    scored: tuple[packing.TokenScore, ...] = ()
+    """Each of `ids`' scores (requests started with `logprobs`)."""
 
 
 class Service:
@@ -110,6 +111,14 @@ class Service:
     def __init__(self, loop: EngineLoop, tokenizer, config: ServerConfig) -> None:
         self.loop, self.tokenizer, self.config = loop, tokenizer, config
         self.created = int(time.time())
+        self._texts: dict[int, str] = {}
+
+    def token_text(self, token: int) -> str:
+        """One token's text alone (as log-probabilities name tokens)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
 
     # --- requests -> ids ------------------------------------------------------------------
 
@@ -146,7 +155,8 @@ class Service:
 
     def start(self, body: protocol._Common, prompt: list[int], default_max: int,
               score_prompt: bool = False) -> Started:
-        """Check the request and submit it (`score_prompt`: with its prompt's scores)."""
+        """Check the request and submit it (`score_prompt`: with its prompt's scores; with
+        its generated tokens' where `body` asks for log-probabilities)."""
         self.check_model(body.model)
         cap = self.config.max_prompt_tokens
         if len(prompt) > cap:
@@ -158,7 +168,8 @@ class Service:
             # the stop strings are matched here, on the text streamed out (`pieces` cancels
             # the request at one), not a second time on the engine thread
             stream = self.loop.submit(prompt, max_tokens,
-                                      dataclasses.replace(sampling, stop=()), score_prompt)
+                                      dataclasses.replace(sampling, stop=()), score_prompt,
+                                      logprobs=body.logprob_top is not None)
         except QueueFull as e:
             raise ApiError(429, str(e), "rate_limit_error", "queue_full") from None
         except ShuttingDown as e:
@@ -178,17 +189,18 @@ class Service:
         try:
             async for update in stream:
                 scores = scores or update.scores
-                for token in update.tokens:
+                for j, token in enumerate(update.tokens):
                     count, last = count + 1, token
                     delta = text.push(token)
+                    scored = update.logprobs[j : j + 1]
                     if text.finished:  # a stop string: the rest is not wanted
                         over = True
                         self.loop.cancel(stream, stopped=True)
                         yield Piece(text=delta, finish="stop", tokens=count, ids=(token,),
-                                    scores=scores)
+                                    scores=scores, scored=scored)
                         return
                     yield Piece(text=delta, finish=None, tokens=count, ids=(token,),
-                                scores=scores)
+                                scores=scores, scored=scored)
                     scores = None
                 if update.done:
                     over = True
@@ -262,64 +274,83 @@ def create_app(service: Service) -> Guard:
     @app.post("/v1/completions")
     async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
         prompts = await asyncio.to_thread(service.completion_prompts, body)  # a MiB of text
-        if len(prompts) > 1 or body.echo or body.logprobs is not None:
+        if not body.stream:
             return await _complete_all(service, request, body, prompts)
         started = service.start(body, prompts[0], protocol.COMPLETION_MAX_TOKENS)
-        return await _respond(service, request, body, started, chat=False)
+        return _streamed(service, body, started, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: protocol.ChatRequest, request: Request) -> Response:
         prompt = await asyncio.to_thread(service.chat_prompt, body)
         started = service.start(body, prompt, max(1, service.loop.max_len - len(prompt)))
-        return await _respond(service, request, body, started, chat=True)
+        if body.stream:
+            return _streamed(service, body, started, chat=True)
+        return await _chat_answer(service, request, body, started)
 
     return Guard(app, api_key=service.config.api_key,
                  max_body_bytes=service.config.max_body_bytes)
 
 
-async def _respond(service: Service, request: Request, body: protocol._Common,
-                   started: Started, chat: bool) -> Response:
+def _streamed(service: Service, body: protocol._Common, started: Started, chat: bool
+              ) -> Response:
     rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-    pieces = service.pieces(started)
-    if body.stream:
-        events = _events(pieces, rid, body, started.prompt_tokens, chat)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    outcome = await _unless_disconnected(request, _collect(pieces))
+    events = _events(service, service.pieces(started), rid, body, started.prompt_tokens, chat)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _chat_answer(service: Service, request: Request, body: protocol.ChatRequest,
+                       started: Started) -> Response:
+    rid = protocol.new_id("chatcmpl")
+    outcome = await _unless_disconnected(request, _gather(service.pieces(started)))
     if outcome is None:  # the client is gone: nobody reads this
         return Response(status_code=499)
-    answer, finish, count = outcome
-    use = protocol.usage(started.prompt_tokens, count)
-    if chat:
-        return JSONResponse(protocol.chat_completion(rid, body.model, answer, finish, use))
-    return JSONResponse(protocol.completion(rid, body.model, answer, finish, use))
+    use = protocol.usage(started.prompt_tokens, outcome.count)
+    top = body.logprob_top
+    scored = None if top is None else protocol.chat_logprobs(
+        outcome.ids, outcome.scored, top, service.token_text)
+    return JSONResponse(protocol.chat_completion(rid, body.model, outcome.text, outcome.finish,
+                                                 use, scored))
 
 
-async def _collect(pieces: AsyncIterator[Piece]) -> tuple[str, str, int]:
-    text, finish, count, _, _ = await _gather(pieces)
-    return text, finish, count
+@dataclass(frozen=True, kw_only=True)
+class _Whole:
+    """A whole request's answer."""
+
+    text: str
+    finish: str
+    count: int
+    """Tokens generated."""
+    ids: list[int]
+    """Those tokens."""
+    scores: packing.PromptScores | None
+    """The prompt's (`score_prompt`)."""
+    scored: list[packing.TokenScore]
+    """Each of `ids`' (`logprobs`)."""
 
 
-async def _gather(pieces: AsyncIterator[Piece]):
-    """(text, finish, tokens, their ids, the prompt's scores) of a whole request."""
-    parts, ids, scores, piece = [], [], None, None
+async def _gather(pieces: AsyncIterator[Piece]) -> _Whole:
+    """A whole request's pieces, gathered."""
+    parts, ids, scored, scores, piece = [], [], [], None, None
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
             parts.append(piece.text)
             ids.extend(piece.ids)
+            scored.extend(piece.scored)
             scores = scores or piece.scores
-    return "".join(parts), piece.finish, piece.tokens, ids, scores
+    return _Whole(text="".join(parts), finish=piece.finish, count=piece.tokens, ids=ids,
+                  scores=scores, scored=scored)
 
 
 async def _complete_all(service: Service, request: Request, body: protocol.CompletionRequest,
                         prompts: list[list[int]]) -> Response:
-    """A completion of several prompts, or with echo or logprobs (not streamed): every prompt
-    a request of its own in the batch, the answers in order."""
+    """A completion not streamed, of one or several prompts: every prompt a request of its
+    own in the batch, the answers in order."""
     started: list[Started] = []
     try:
         for prompt in prompts:
             started.append(service.start(body, prompt, protocol.COMPLETION_MAX_TOKENS,
-                                         score_prompt=body.logprobs is not None))
+                                         score_prompt=body.echo and body.logprobs is not None))
     except ApiError:
         for s in started:
             service.loop.cancel(s.stream)
@@ -329,29 +360,29 @@ async def _complete_all(service: Service, request: Request, body: protocol.Compl
     if outcome is None:
         return Response(status_code=499)
     choices, generated = [], 0
-    for i, (prompt, (text, finish, count, ids, scores)) in enumerate(
-            zip(prompts, outcome, strict=True)):
+    for i, (prompt, whole) in enumerate(zip(prompts, outcome, strict=True)):
         if body.max_tokens == 0:  # scored only: the drawn token is not returned
-            text, finish, count, ids = "", "length", 0, []
-        generated += count
-        shown = (service.tokenizer.decode(prompt) if body.echo else "") + text
-        choices.append(protocol.choice(i, shown, finish, _logprobs(
-            service, body, prompt, ids, scores)))
+            whole = dataclasses.replace(whole, text="", finish="length", count=0, ids=[],
+                                        scored=[])
+        generated += whole.count
+        shown = (service.tokenizer.decode(prompt) if body.echo else "") + whole.text
+        choices.append(protocol.choice(i, shown, whole.finish, _logprobs(
+            service, body, prompt, whole)))
     use = protocol.usage(sum(map(len, prompts)), generated)
     return JSONResponse(protocol.completions(protocol.new_id("cmpl"), body.model, choices, use))
 
 
 def _logprobs(service: Service, body: protocol.CompletionRequest, prompt: list[int],
-              ids: list[int], scores) -> dict | None:
-    """The choice's `logprobs` object (None when not asked for)."""
+              whole: _Whole) -> dict | None:
+    """The choice's `logprobs` object (None when not asked for): the generated tokens', after
+    the prompt's with `echo` (its first token has none)."""
     if body.logprobs is None:
         return None
-    shown = (prompt if body.echo else []) + ids[:1]
-    decode = service.tokenizer.decode
-    texts = {int(t): decode([int(t)]) for t in np.unique(scores.top_ids[:, :body.logprobs])}
-    tokens = [decode([t]) for t in shown]
-    first = -1 if body.echo else len(prompt) - 1
-    return protocol.logprobs(tokens, shown, scores, first, body.logprobs, texts)
+    ids, entries = list(whole.ids), list(whole.scored)
+    if body.echo:
+        ids = prompt + ids
+        entries = [None] + [whole.scores.at(j) for j in range(len(prompt) - 1)] + entries
+    return protocol.logprobs(ids, entries, body.logprobs, service.token_text)
 
 
 async def _unless_disconnected(request: Request, work):
@@ -376,10 +407,14 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-async def _events(pieces: AsyncIterator[Piece], rid: str, body: protocol._Common,
-                  prompt_tokens: int, chat: bool) -> AsyncIterator[str]:
-    """The SSE stream: chunks, an optional usage chunk, then [DONE]."""
-    model, count = body.model, 0
+async def _events(service: Service, pieces: AsyncIterator[Piece], rid: str,
+                  body: protocol._Common, prompt_tokens: int, chat: bool) -> AsyncIterator[str]:
+    """The SSE stream: chunks, an optional usage chunk, then [DONE]. A chunk's log-
+    probabilities are those of the tokens since the last chunk (a token whose text is held
+    back, e.g. part of a stop string or of a character, goes with the next)."""
+    model, count, top = body.model, 0, body.logprob_top
+    ids: list[int] = []
+    scored: list[packing.TokenScore] = []
     async with contextlib.aclosing(pieces):
         try:
             if chat:
@@ -389,14 +424,13 @@ async def _events(pieces: AsyncIterator[Piece], rid: str, body: protocol._Common
                 body.stream_options.continuous_usage_stats
             async for piece in pieces:
                 count = piece.tokens
+                ids.extend(piece.ids)
+                scored.extend(piece.scored)
                 if not piece.text and piece.finish is None:
                     continue
                 use = protocol.usage(prompt_tokens, count) if running else None
-                if chat:
-                    delta = {"content": piece.text} if piece.text else {}
-                    yield _sse(protocol.chat_chunk(rid, model, delta, piece.finish, use))
-                else:
-                    yield _sse(protocol.completion(rid, model, piece.text, piece.finish, use))
+                yield _sse(_chunk(service, rid, model, piece, use, chat, top, ids, scored))
+                ids, scored = [], []
             if body.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield _sse(protocol.usage_chunk(rid, model, obj,
@@ -404,6 +438,18 @@ async def _events(pieces: AsyncIterator[Piece], rid: str, body: protocol._Common
         except GenerationFailed as e:
             yield _sse(protocol.error_body(str(e), "server_error", "generation_failed"))
     yield "data: [DONE]\n\n"
+
+
+def _chunk(service: Service, rid: str, model: str, piece: Piece, use: dict | None, chat: bool,
+           top: int | None, ids: list[int], scored: list[packing.TokenScore]) -> dict:
+    """One streamed chunk of `piece`, with the log-probabilities of tokens `ids`."""
+    if chat:
+        logprobs = None if top is None else protocol.chat_logprobs(ids, scored, top,
+                                                                   service.token_text)
+        delta = {"content": piece.text} if piece.text else {}
+        return protocol.chat_chunk(rid, model, delta, piece.finish, use, logprobs)
+    logprobs = None if top is None else protocol.logprobs(ids, scored, top, service.token_text)
+    return protocol.completion(rid, model, piece.text, piece.finish, use, logprobs)
 
 
 def _sse(obj: dict) -> str:
@@ -461,10 +507,11 @@ def _validation_message(e: RequestValidationError) -> str:
 def serve(args: argparse.Namespace) -> int:
     """Load, warm up and serve until SIGINT/SIGTERM."""
 
+    from strata_jax.checkpoint import CheckpointReader
     from strata_jax.tokenizer import load_tokenizer
     from strata_runtime.compile_cache import enable_compile_cache
     from strata_runtime.engine import Engine
-    from strata_runtime.engine_flags import engine_config, resident_config
+    from strata_runtime.engine_flags import context_max_len, engine_config, resident_config
 
     api_key = args.api_key or os.environ.get("STRATA_API_KEY") or None
     check_bind(args.bind, api_key)
@@ -474,6 +521,9 @@ def serve(args: argparse.Namespace) -> int:
     config = engine_config(args) or resident_config(args)
     tokenizer = load_tokenizer(args.ckpt)
     _log_to_stderr(args.log_level)
+    if not hasattr(args, "max_len"):
+        config, why = context_max_len(config, CheckpointReader(args.ckpt))
+        log.info("%s", why)
     engine = Engine.from_checkpoint(args.ckpt, config)
     if not args.no_warmup:
         t0 = time.perf_counter()

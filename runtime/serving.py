@@ -54,6 +54,8 @@ class Update:
     scores: packing.PromptScores | None = None
     """The prompt's `packing.PromptScores`, on the update with the first token (requests
     submitted with `score_prompt`)."""
+    logprobs: tuple[packing.TokenScore, ...] = ()
+    """Each of `tokens`' scores (requests submitted with `logprobs`)."""
 
 
 class Stream:
@@ -110,6 +112,7 @@ class _Job:
     max_new_tokens: int
     sampling: SamplingParams
     score_prompt: bool = False
+    logprobs: bool = False
     request: Request | None = None
     sent: int = 0
 
@@ -204,9 +207,11 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, prompt: list[int], max_new_tokens: int,
-               sampling: SamplingParams = GREEDY, score_prompt: bool = False) -> Stream:
+               sampling: SamplingParams = GREEDY, score_prompt: bool = False,
+               logprobs: bool = False) -> Stream:
         """Queue a request (ValueError if it is malformed, QueueFull, ShuttingDown);
-        `score_prompt`: its prompt's log-probabilities come with its first token."""
+        `score_prompt`: its prompt's log-probabilities come with its first token; `logprobs`:
+        each generated token's with it (`Update.logprobs`)."""
         check_request(self.engine.cfg, 0, prompt, max_new_tokens, self.max_len)
         with self._lock:
             if not self._accepting:
@@ -220,7 +225,7 @@ class EngineLoop:
             rid, self._next_id = self._next_id, self._next_id + 1
         stream = Stream(rid, asyncio.get_running_loop())
         job = _Job(stream=stream, prompt=list(prompt), max_new_tokens=max_new_tokens,
-                   sampling=sampling, score_prompt=score_prompt)
+                   sampling=sampling, score_prompt=score_prompt, logprobs=logprobs)
         self._inbox.put(_Command(kind="submit", job=job))
         return stream
 
@@ -297,7 +302,8 @@ class EngineLoop:
     def _admit(self, job: _Job, state: _State) -> None:
         try:
             job.request = self._scheduler.submit(job.prompt, job.max_new_tokens, job.sampling,
-                                                 score_prompt=job.score_prompt)
+                                                 score_prompt=job.score_prompt,
+                                                 logprobs=job.logprobs)
         except Exception as err:  # noqa: BLE001  (this request's input; the others go on)
             self._finish(job, state, error=str(err))
             return
@@ -314,6 +320,7 @@ class EngineLoop:
             for job in list(state.jobs.values()):
                 unsent = tuple(job.request.tokens[job.sent :])
                 self._finish(job, state, tokens=unsent,
+                             logprobs=tuple(job.request.token_scores[job.sent :]),
                              error=f"engine error: {type(err).__name__}: {err}")
             return
         for job in list(state.jobs.values()):
@@ -323,24 +330,30 @@ class EngineLoop:
         req = job.request
         new = tuple(req.tokens[job.sent :])
         scores = req.scores if new and not job.sent else None  # with the first token
+        scored = tuple(req.token_scores[job.sent :])
         job.sent = len(req.tokens)
         if req.done:
-            self._finish(job, state, tokens=new, error=req.error, scores=scores)
+            self._finish(job, state, tokens=new, error=req.error, scores=scores,
+                         logprobs=scored)
         elif new:
-            job.stream.post(Update(tokens=new, scores=scores))
+            job.stream.post(Update(tokens=new, scores=scores, logprobs=scored))
             with self._lock:
                 self.counters.generated_tokens += len(new)
 
     def _cancel(self, job: _Job, state: _State, error: str | None = None,
                 stopped: bool = False) -> None:
         new: tuple[int, ...] = ()
+        scored: tuple[packing.TokenScore, ...] = ()
         if job.request is not None:
             self._scheduler.cancel(job.request)
             new = tuple(job.request.tokens[job.sent :])
-        self._finish(job, state, tokens=new, error=error, cancelled=not stopped)
+            scored = tuple(job.request.token_scores[job.sent :])
+        self._finish(job, state, tokens=new, error=error, cancelled=not stopped,
+                     logprobs=scored)
 
     def _finish(self, job: _Job, state: _State, tokens: tuple[int, ...] = (),
-                error: str | None = None, cancelled: bool = False, scores=None) -> None:
+                error: str | None = None, cancelled: bool = False, scores=None,
+                logprobs: tuple[packing.TokenScore, ...] = ()) -> None:
         state.jobs.pop(job.stream.id, None)
         with self._lock:  # before the post: a consumer told "done" may submit at once
             self._in_flight -= 1
@@ -352,7 +365,7 @@ class EngineLoop:
             else:
                 self.counters.finished += 1
         job.stream.post(Update(tokens=tokens, done=True, error=error, cancelled=cancelled,
-                               scores=scores))
+                               scores=scores, logprobs=logprobs))
 
     def _reset_scheduler(self) -> None:
         """After an exception out of a step: free every row, start a fresh scheduler."""

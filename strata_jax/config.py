@@ -19,6 +19,9 @@ class ModelConfig:
     `qk_norm`: "head" normalizes each head's q/k over head_dim (Qwen3-MoE), "full" normalizes
     the whole q/k projection (OLMoE). `router_bias` adds a learned-free per-expert bias to the
     router logits; only synthetic models use it, to make expert popularity long-tailed.
+    `max_position`: the model's context, the longest sequence it was made for (Hugging Face's
+    `max_position_embeddings`; None: not known), what `max_len` defaults to where a budget
+    allows (`runtime/ledger.py` `default_max_len`).
     """
 
     family: str
@@ -42,6 +45,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     router_bias: bool = False
     dtype: str = "float32"
+    max_position: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:

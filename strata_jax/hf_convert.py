@@ -179,6 +179,8 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelC
         rms_eps=float(hf.get("rms_norm_eps") or fam.rms_eps),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype or source_dtype(hf),
+        max_position=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings")
+        else None,
     )
 
 

@@ -52,6 +52,24 @@ class PromptScores:
     top_ids: np.ndarray
     """int32 [n, K]: those tokens."""
 
+    def at(self, j: int) -> TokenScore:
+        """Entry `j` (-1: the drawn token's)."""
+        return TokenScore(logprob=float(self.target[j]), top=self.top[j],
+                          top_ids=self.top_ids[j])
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """One token's log-probability given those before it, and the most likely tokens at its
+    place (the model's own softmax, float32: no sampling filters)."""
+
+    logprob: float
+    """Of the token itself."""
+    top: np.ndarray
+    """float32 [K]: of the most likely tokens, highest first."""
+    top_ids: np.ndarray
+    """int32 [K]: those tokens."""
+
 
 @dataclass(frozen=True)
 class Prefilled:

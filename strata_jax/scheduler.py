@@ -15,7 +15,11 @@ generation loop"), so the device never waits on the host between steps. A row wh
 limit ends the request is not stepped again; a row that stops on a stop id is stepped once
 more, and that token is dropped (its KV write lands where a resumed turn writes anyway).
 While requests are prefilled, the running rows ride along: each prefill program also takes
-their decode step (docs/design.md, "Prefill"), so they do not wait for the prompts.
+their decode step (docs/design.md, "Prefill"), so they do not wait for the prompts. A request
+submitted with `logprobs` gets each generated token's log-probability (`Request.token_scores`):
+its first from its scored prefill, the others from a small program over the decode step's
+logits (`step.score_drawn`), dispatched only for steps where such a request runs; such a row
+does not ride (a prefill program gives no riders' logits).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from strata_jax import step as step_programs
 from strata_jax.api import check_request
-from strata_jax.packing import Admission, PromptScores
+from strata_jax.packing import Admission, PromptScores, TokenScore, host_scores
 from strata_jax.sampling import GREEDY, SamplingParams
 from strata_jax.text import CONTEXT_IDS, Decoder, TextStream
 
@@ -66,6 +71,8 @@ class Request:
     text: TextStream | None = None  # this turn's text, where stop strings end it
     score_prompt: bool = False  # score the prompt's tokens (`scores`)
     scores: PromptScores | None = None  # the prompt's log-probabilities, with `score_prompt`
+    logprobs: bool = False  # score each generated token (`token_scores`)
+    token_scores: list[TokenScore] = field(default_factory=list)  # one per token, `logprobs`
 
 
 class Scheduler:
@@ -86,20 +93,21 @@ class Scheduler:
         self.evictions = 0
         self._ids = itertools.count()
         self._turn = [0] * self.capacity  # prefills into each row: tells a stale token apart
-        self._flight: tuple[StepResult, list[tuple[int, Request, int]]] | None = None
+        self._flight: tuple[StepResult, list[tuple[int, Request, int]], Any] | None = None
 
     def submit(self, prompt: list[int], max_new_tokens: int,
                sampling: SamplingParams = GREEDY, keep: bool = False,
-               score_prompt: bool = False) -> Request:
+               score_prompt: bool = False, logprobs: bool = False) -> Request:
         """Queue a request; it joins the batch at the next step with a free row. A seed of
         None in `sampling` is drawn now, so an evicted request resumes the same draws.
         `score_prompt`: its prompt's log-probabilities (`Request.scores`) come with its first
-        token."""
+        token; `logprobs`: each generated token's (`Request.token_scores`)."""
         rid = next(self._ids)
         check_request(self.engine.cfg, rid, prompt, max_new_tokens, self.max_len)
         sampling = dataclasses.replace(sampling, seed=sampling.resolved_seed())
         req = Request(rid, list(prompt), max_new_tokens, sampling, keep,
-                      sequence=list(prompt), budget=max_new_tokens, score_prompt=score_prompt)
+                      sequence=list(prompt), budget=max_new_tokens, score_prompt=score_prompt,
+                      logprobs=logprobs)
         req.text = self._text(req)
         self.queue.append(req)
         return req
@@ -175,8 +183,11 @@ class Scheduler:
                    if r is not None and not r.done and r.budget > (i in ahead)]
         dispatched = None
         if running:
-            dispatched = (self.engine.step(),
-                          [(i, self.rows[i], self._turn[i]) for i in running])
+            result = self.engine.step()
+            scored = None
+            if any(self.rows[i].logprobs for i in running):
+                scored = step_programs.score_drawn(result.logits, result.tokens)
+            dispatched = (result, [(i, self.rows[i], self._turn[i]) for i in running], scored)
         self._collect()
         self._flight = dispatched
 
@@ -184,9 +195,10 @@ class Scheduler:
         """Take the tokens of the step in flight: rows still running the same turn emit."""
         if self._flight is None:
             return
-        result, rows = self._flight
+        result, rows, scored = self._flight
         self._flight = None
         tokens = np.asarray(self.engine.read(result))
+        scored = host_scores(scored)
         for i, req, turn in rows:
             if self.rows[i] is not req or req.done or self._turn[i] != turn:
                 continue  # finished, cancelled or prefilled again since the dispatch
@@ -194,7 +206,11 @@ class Scheduler:
             if i in result.failed:
                 self._fail(i, result.failed[i])
             else:
-                self._emit(i, int(tokens[i]))
+                score = None
+                if req.logprobs:
+                    score = TokenScore(logprob=float(scored[0][i]), top=scored[1][i],
+                                       top_ids=scored[2][i])
+                self._emit(i, int(tokens[i]), score)
 
     def _admit(self) -> None:
         """Prefill queued requests into rows, all of them in one engine call (its programs
@@ -214,9 +230,9 @@ class Scheduler:
             admitted.append((row, req))
         if not admitted:
             return
+        whole = {row: req.score_prompt and self.kv_len[row] == 0 for row, req in admitted}
         admissions = [Admission(row, req.sequence[self.kv_len[row]:], self.kv_len[row],
-                                req.sampling, req.id,
-                                scores=req.score_prompt and self.kv_len[row] == 0)
+                                req.sampling, req.id, scores=whole[row] or req.logprobs)
                       for row, req in admitted]
         admitting = {row for row, _ in admitted}
         results = self.engine.prefill(admissions, lambda tokens, failed: self._ride(
@@ -225,14 +241,15 @@ class Scheduler:
             self.kv_len[row] = len(req.sequence)
             if done.error is not None:
                 self._fail(row, done.error)
-            else:
-                req.scores = done.scores or req.scores
-                self._emit(row, done.token)
+                continue
+            if whole[row]:
+                req.scores = done.scores
+            self._emit(row, done.token, done.scores.at(-1) if req.logprobs else None)
 
     def _ride(self, tokens: dict[int, int], failed: dict[int, str], admitting: set[int]
               ) -> list[int]:
         """Take the riders' tokens of a prefill program; the rows that ride the next: every
-        running row not being admitted (`packing.Ride`)."""
+        running row not being admitted, unless it scores its tokens (`packing.Ride`)."""
         for row, error in failed.items():
             self.kv_len[row] += 1
             self._fail(row, error)
@@ -240,7 +257,7 @@ class Scheduler:
             self.kv_len[row] += 1
             self._emit(row, token)
         return [i for i, r in enumerate(self.rows)
-                if r is not None and not r.done and i not in admitting]
+                if r is not None and not r.done and i not in admitting and not r.logprobs]
 
     def _row_of(self, req: Request) -> int | None:
         return next((i for i, r in enumerate(self.rows) if r is req), None)
@@ -259,11 +276,14 @@ class Scheduler:
         self.evictions += 1
         return i
 
-    def _emit(self, row: int, token: int) -> None:
-        """Append a row's token; finish it on a stop id, a stop string or its token limit."""
+    def _emit(self, row: int, token: int, score: TokenScore | None = None) -> None:
+        """Append a row's token (and, with `logprobs`, its score); finish it on a stop id, a
+        stop string or its token limit."""
         req = self.rows[row]
         req.last_active = self.steps
         req.tokens.append(token)
+        if req.logprobs:
+            req.token_scores.append(score)
         req.sequence.append(token)
         req.budget -= 1
         if req.text is not None:

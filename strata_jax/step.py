@@ -421,6 +421,10 @@ decode_staged = _jit(decode_step, donate_argnames=("state", "pool"))
 prefill = _jit(prefill_step, donate_argnames=("state",))
 prefill_staged = _jit(prefill_step, donate_argnames=("state", "pool"))
 
+score_drawn = jax.jit(score, compiler_options=COMPILER_OPTIONS)
+"""`score` of a decode step's logits [B, V] at the tokens it drew [B] (a program of its own,
+dispatched after the step only when a row asks for its tokens' log-probabilities)."""
+
 set_live = jax.jit(lambda state, row, value: state.replace(live=state.live.at[row].set(value)),
                    donate_argnums=0)
 """Row `row` of a DecodeState live or not (its KV stays until overwritten)."""

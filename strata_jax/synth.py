@@ -59,23 +59,24 @@ SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
         family="mixtral", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=32, num_experts=16, top_k=2, expert_intermediate_size=128,
-        rope_theta=1e4, router_bias=True, dtype="bfloat16",
+        rope_theta=1e4, router_bias=True, dtype="bfloat16", max_position=2048,
     ),
     "mixtral-8x7b": ModelConfig(
         family="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
         num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_intermediate_size=14336,
-        rope_theta=1e6, rms_eps=1e-5, dtype="bfloat16",
+        rope_theta=1e6, rms_eps=1e-5, dtype="bfloat16", max_position=32768,
     ),
     "qwen3-30b-a3b": ModelConfig(
         family="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
         num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, expert_intermediate_size=768,
         qk_norm="head", norm_topk_prob=True, rope_theta=1e6, rms_eps=1e-6, dtype="bfloat16",
+        max_position=40960,
     ),
     "seed-125b": ModelConfig(
         family="qwen2_moe", vocab_size=100352, hidden_size=8192, num_layers=48, num_heads=64,
         num_kv_heads=8, head_dim=128, num_experts=64, top_k=4, expert_intermediate_size=1280,
         shared_intermediate_size=18432, shared_gate=True, norm_topk_prob=True, rope_theta=1e6,
-        dtype="bfloat16",
+        dtype="bfloat16", max_position=32768,
     ),
 }  # fmt: skip
 

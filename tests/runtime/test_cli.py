@@ -325,3 +325,23 @@ def test_plan_shows_the_tier1_the_run_holds_and_the_run_warns(tmp_path, capsys, 
     assert f"tier 1 holds {held} experts where the host budget gives 1" in caplog.text
     assert main(["plan", str(ck), "--hbm", "3MB", "--workspace", "200KB"]) == 2
     assert "--workspace SIZE fixes it" in capsys.readouterr().err
+
+
+def test_plan_shows_the_slots_and_tier1_that_overrides_give(tmp_path, capsys):
+    """--resident-experts and --host-experts replace the budget's split in the plan as in the
+    run (the engine's tier sizes are the plan's)."""
+    from strata_jax.synth import synthesize
+
+    ck = tmp_path / "tiny"
+    synthesize("tiny", ck, progress=False)
+    flags = ["--hbm", "64MB", "--workspace", "200KB", "--resident-experts", "5",
+             "--host-experts", "20", "--batch-capacity", "2", "--max-len", "64"]
+    assert main(["plan", str(ck), *flags]) == 0
+    out = capsys.readouterr().out
+    assert "expert pool (5 slots)" in out
+    tiers = {int(line.split()[1]): int(line.split()[-2]) for line in out.splitlines()
+             if line.startswith("  tier ")}
+    assert tiers[0] == 5 and tiers[1] == 20
+    config = engine_config(build_parser().parse_args(["generate", str(ck), *flags]))
+    with Engine.from_checkpoint(ck, config) as engine:
+        assert len(engine.shares[0].residency.host_key) == 20

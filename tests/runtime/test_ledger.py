@@ -11,6 +11,7 @@ from strata_jax.synth import synth_config
 from strata_runtime.ledger import (
     BudgetError,
     ModelBytes,
+    default_max_len,
     default_staging_slots,
     parse_bytes,
     plan_ledger,
@@ -295,3 +296,31 @@ def test_default_staging_is_two_halves_of_a_quarter_gib_at_most():
     qwen_int4 = ModelBytes.from_config(qwen, {"dense": "int8", "experts": "int4-g128"})
     assert default_staging_slots(qwen_int4, 16) == 16 * 8  # a decode step's worth: 128
     assert _plan(bf16, "8GiB", batch_capacity=16).staging_slots == 2
+
+
+def test_default_max_len_is_the_context_within_a_quarter_of_the_budget(tmp_path):
+    """Mixtral-8x7B's KV is 32 layers x K, V x 8 heads x 128 x 2 bytes = 128 KiB a token:
+    16 rows take 2 MiB a position, so a quarter of 8 GiB holds 1,024 positions."""
+    model = ModelBytes.from_config(synth_config("mixtral-8x7b"))
+    assert model.kv_bytes_per_token == 128 * 1024
+    length, why = default_max_len(model, 32768, 16, 8 * 1024**3)
+    assert length == 1024 and "halved to 1024" in why and "32768" in why
+    assert default_max_len(model, 32768, 1, 80 * 1024**3)[0] == 32768  # 4 GiB of KV fits
+    assert default_max_len(model, 32768, 16, 1024)[0] == 256  # never below the floor
+    assert default_max_len(model, None, 1, None)[0] == 4096
+    assert default_max_len(model, 32768, 1, None)[0] == 4096  # no memory size: capped
+    assert default_max_len(model, 1000, 1, None) == (1000, "max_len 1000: the model's "
+                                                      "context, 1000 tokens (--max-len sets it)")
+    from strata_runtime.engine import EngineConfig
+    from strata_runtime.engine_flags import context_max_len
+
+    cfg = synth_config("tiny").replace(max_position=2048)
+    write_checkpoint(cfg, tmp_path / "ck", seed=1)
+    reader = CheckpointReader(tmp_path / "ck")
+    assert reader.config.max_position == 2048
+    kv = ModelBytes.from_reader(reader).kv_bytes_per_token * 4
+    config, _ = context_max_len(EngineConfig(hbm_budget=kv * 2048 * 4, batch_capacity=4), reader)
+    assert config.max_len == 2048
+    config, why = context_max_len(EngineConfig(hbm_budget=kv * 2047 * 4, batch_capacity=4),
+                                  reader)
+    assert config.max_len == 1024 and "halved" in why

@@ -136,7 +136,7 @@ MALFORMED = [
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n=1"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_LEN}, 400, "max_len"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "bogus": 1}, 400, "bogus"),
     ({"model": MODEL, "prompt": [1, 10**6]}, 400, "vocab"),
     ({"model": MODEL, "prompt": []}, 400, "empty"),
@@ -251,6 +251,63 @@ def test_echo_and_logprobs_score_the_prompt_as_the_python_api(client, checkpoint
     assert c.text == tok.decode(prompts[0]) and scored.usage.completion_tokens == 0
     assert c.logprobs.token_logprobs[1:] == out.choices[0].logprobs.token_logprobs[1:-1]
     assert all(len(t) <= 3 for t in c.logprobs.top_logprobs[1:])
+
+
+def _full_forward_logprobs(model, prompt: list[int], new: list[int]) -> list[float]:
+    """Each of `new`'s log-probabilities after `prompt`, float64 from the full forward."""
+    import numpy as np
+
+    logits = strata_jax.logits(model, np.array([prompt + new], np.int32))[0].astype(np.float64)
+    at = np.arange(len(prompt) - 1, len(prompt) - 1 + len(new))
+    rows = logits[at] - logits[at].max(-1, keepdims=True)
+    logp = rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+    return list(logp[np.arange(len(new)), new])
+
+
+def test_generated_tokens_logprobs_completions_and_chat_streamed_or_not(client, http,
+                                                                        checkpoint):
+    """Each generated token's log-probability, on completions (with and without echo) and chat,
+    streamed and not, equals the full forward's in float64; streamed equals whole."""
+    model = strata_jax.load(checkpoint)
+    tok = model.tokenizer
+    prompt = tok.encode("hello world")
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt=prompt, logprobs=2, **kw).choices[0]
+    shape = {"batch_capacity": ROWS, "max_len": MAX_LEN}
+    new = strata_jax.generate(model, [prompt], 6, **shape)[0]
+    lp = whole.logprobs
+    assert len(lp.token_logprobs) == 6 and "".join(lp.tokens) == whole.text
+    assert lp.token_logprobs == pytest.approx(_full_forward_logprobs(model, prompt, new),
+                                              rel=1e-4, abs=1e-4)
+    assert all(len(t) <= 3 and max(t.values()) == v  # greedy: each token is the best
+               for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    chunks = list(client.completions.create(prompt=prompt, logprobs=2, stream=True, **kw))
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    echoed = client.completions.create(prompt=prompt, logprobs=0, echo=True, **kw).choices[0]
+    assert echoed.logprobs.token_logprobs[len(prompt):] == lp.token_logprobs
+    assert echoed.logprobs.token_logprobs[0] is None
+    messages = [{"role": "user", "content": "hi there"}]
+    ids = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    chat = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3,
+                                          **kw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    new = strata_jax.generate(model, [ids], 6, **shape)[0]
+    assert [c.logprob for c in content] == pytest.approx(
+        _full_forward_logprobs(model, ids, new), rel=1e-4, abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == c.logprob
+               and bytes(c.bytes).decode() == c.token for c in content)
+    parts = list(client.chat.completions.create(messages=messages, logprobs=True, stream=True,
+                                                **kw))
+    values = [c.logprob for p in parts if p.choices and p.choices[0].logprobs
+              for c in p.choices[0].logprobs.content]
+    assert values == [c.logprob for c in content]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                "top_logprobs": 2})
+    assert r.status_code == 400 and "logprobs=true" in r.json()["error"]["message"]
 
 
 def test_several_prompts_answer_in_order_as_alone(client):
