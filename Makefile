@@ -36,7 +36,7 @@ $(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/python -m strata_runtime.demo
+	$(BIN)/python -m strata_runtime.cli.demo
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

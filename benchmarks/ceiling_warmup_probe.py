@@ -12,7 +12,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from strata_runtime import bench
+from strata_runtime.lab import bench
 
 
 def main() -> None:

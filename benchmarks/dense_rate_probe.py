@@ -14,11 +14,11 @@ import json
 import jax
 import jax.numpy as jnp
 
-from strata_jax.checkpoint import global_shapes
-from strata_jax.flax_model import layer_specs
-from strata_jax.model import linear, lm_head, with_shared
-from strata_jax.synth import SHAPES
-from strata_runtime import bench
+from strata_jax.formats.checkpoint import global_shapes
+from strata_jax.model.decoder import linear, lm_head, with_shared
+from strata_jax.model.flax_model import layer_specs
+from strata_jax.tools.synth import SHAPES
+from strata_runtime.lab import bench
 
 
 def main() -> None:

@@ -24,11 +24,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from strata_jax import synth
-from strata_jax.checkpoint import CheckpointReader
-from strata_jax.packing import Admission
-from strata_runtime.bench import disk_read_gbps, drop_page_cache
-from strata_runtime.engine import Engine, EngineConfig, link_rate
+from strata_jax.batching.packing import Admission
+from strata_jax.formats.checkpoint import CheckpointReader
+from strata_jax.tools import synth
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.engine.offload import Engine, link_rate
+from strata_runtime.lab.bench import disk_read_gbps, drop_page_cache
 
 
 def expert_bytes(reader: CheckpointReader) -> int:

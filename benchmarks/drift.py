@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax.synth import synthesize
-from strata_runtime.engine import Engine, EngineConfig
+from strata_jax.tools.synth import synthesize
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.engine.offload import Engine
 
 
 def shift_popularity(engine: Engine, seed: int) -> None:

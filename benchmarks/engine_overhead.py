@@ -21,8 +21,9 @@ from pathlib import Path
 
 import jax
 
-from strata_runtime.bench import hardware_fingerprint
-from strata_runtime.engine import Engine, EngineConfig
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.engine.offload import Engine
+from strata_runtime.lab.bench import hardware_fingerprint
 
 
 def _program_ms(engine: Engine, steps: int) -> float:

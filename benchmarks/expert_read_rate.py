@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from strata_jax.checkpoint import CheckpointReader, _sha256
+from strata_jax.formats.checkpoint import CheckpointReader, _sha256
 
 
 def _rate(reader: CheckpointReader, keys: list[tuple[int, int]], threads: int,

@@ -1,4 +1,4 @@
-"""The host expert kernel (`strata_jax.host_experts.swiglu`) against a plain read of the same
+"""The host expert kernel (`strata_jax.ops.host_experts.swiglu`) against a plain read of the same
 bytes, on the same machine in the same run (issue 19).
 
 Tier-1 experts of the chosen shape (random bf16, generated on the device and copied into
@@ -28,8 +28,8 @@ import jax
 import numpy as np
 
 from benchmarks.common import machine
-from strata_jax import host_experts, host_kernel
-from strata_jax.pool import ExpertPool
+from strata_jax.ops import host_experts, host_kernel
+from strata_jax.ops.pool import ExpertPool
 
 SHAPES = {"mixtral-8x7b": (4096, 14336), "tiny": (128, 256)}
 

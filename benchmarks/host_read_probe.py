@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.common import machine
 from benchmarks.host_kernels import SHAPES, pinned_pool, plain_read, timed
-from strata_jax import host_experts, host_kernel
+from strata_jax.ops import host_experts, host_kernel
 
 
 def _copy_into(views: dict[str, np.ndarray], huge: bool) -> dict[str, np.ndarray]:

@@ -26,11 +26,11 @@ from benchmarks.common import (
     median_time,
     read_floor_us,
 )
-from strata_jax import expert_kernels as ek
-from strata_jax import int4_kernel
-from strata_jax.int4_kernel import Int4Tiles
-from strata_jax.moe import Routing, routed_outputs
-from strata_jax.pool import ExpertPool
+from strata_jax.model.moe import Routing, routed_outputs
+from strata_jax.ops import expert_kernels as ek
+from strata_jax.ops import int4_kernel
+from strata_jax.ops.int4_kernel import Int4Tiles
+from strata_jax.ops.pool import ExpertPool
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
 
 
 def bytes_table() -> list[dict]:
-    from strata_jax.synth import SHAPES as CFGS
+    from strata_jax.tools.synth import SHAPES as CFGS
 
     rows = []
     for name, cfg in CFGS.items():

@@ -4,7 +4,8 @@ Prints a markdown table (committed in docs/quantization.md) of the relative reco
 ||W - Ŵ|| / ||W|| and the relative output error ||xW - xŴ|| / ||xW|| on random Gaussian
 activations x, for several weight distributions. Variants, all with bfloat16 scales:
 
-* symmetric        q = clip(round(W/s), -8, 7), s = max|W_g| / 7            (strata_jax.quant)
+* symmetric        q = clip(round(W/s), -8, 7), s = max|W_g| / 7
+(strata_jax.formats.quant)
 * sym. signed /-8  llama.cpp Q4_0 style: s = -W_g[argmax |W_g|] / 8, so the largest magnitude
                    lands on -8 and all 16 levels are used; s may be negative (informational)
 * asymmetric       q = clip(round(W/s) + z, 0, 15), s = (max W_g - min W_g) / 15,
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from strata_jax import quant
+from strata_jax.formats import quant
 
 GROUP = 128
 TOKENS = 512

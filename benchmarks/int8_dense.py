@@ -1,11 +1,11 @@
-"""GPU diagnostic: the int8 dense kernel (`strata_jax/int8_kernel.py`) at decode row counts.
+"""GPU diagnostic: the int8 dense kernel (`strata_jax/ops/int8_kernel.py`) at decode row counts.
 
 For Mixtral-8x7B dense shapes (wqkv 4096x6144, wo 4096x4096, and 4096x14336) and M in 1, 4, 16
 rows, times (a) the XLA formula `model.linear` uses, (x @ w.astype(x.dtype)) * scale, (b)
 `int8_matmul` with `tiles_for`'s tiles, (c) a bf16 `x @ w` of the same shape and (d) a plain
 read of the int8 bytes (a sum of them as int32). Each is the median, over many runs, of one
 jitted program of CHAIN calls, each on the last one's output (a device rate from one dispatch:
-the idea of `strata_runtime.bench._chained`), each call on its own copy of the weights so that
+the idea of `strata_runtime.lab.bench._chained`), each call on its own copy of the weights so that
 none is read from L2. Every call includes the same glue (the next x from a row mean of y).
 Prints us per call and GB/s of the weight bytes each variant reads (int8 + scales, or bf16),
 checks the kernel against the XLA formula (max abs difference over max abs), then sweeps tile
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import machine
-from strata_jax.int8_kernel import Int8Tiles, fits, int8_matmul, tiles_for
+from strata_jax.ops.int8_kernel import Int8Tiles, fits, int8_matmul, tiles_for
 
 CHAIN = 8  # calls per jitted program, each on its own weight copy (8 x 16.8 MB > 2 x L2)
 

@@ -1,7 +1,8 @@
 """How long the ledger's compiles take, one after another against side by side.
 
 The ledger sizes the workspace by compiling a layout's three step programs (decode greedy,
-decode sampled, the largest prefill chunk: runtime/workspace.py); on the GPU machine this was
+decode sampled, the largest prefill chunk: runtime/residency/workspace.py); on the GPU machine this
+was
 most of an engine's start-up. This lowers the programs of one engine configuration and
 compiles them, alternately, one after another and on threads (as `workspace._measure` does),
 `--repeats` times each, with no compilation cache (the in-process caches cleared and the
@@ -22,10 +23,11 @@ from pathlib import Path
 
 import jax
 
-from strata_jax import step
-from strata_jax.checkpoint import CheckpointReader
-from strata_runtime import engine, workspace
-from strata_runtime.engine import EngineConfig
+from strata_jax.formats.checkpoint import CheckpointReader
+from strata_jax.step import programs as step
+from strata_runtime.engine import plan as engine
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.residency import workspace
 
 
 def _lowered(reader: CheckpointReader, config: EngineConfig) -> list[jax.stages.Lowered]:

@@ -1,7 +1,7 @@
 """The peer beside our rows: HF transformers + accelerate on the same shape and HBM budget
 (issue 20's "a peer in the same run").
 
-A transformers model of one of our synthetic shapes (`strata_jax.synth.SHAPES`: the
+A transformers model of one of our synthetic shapes (`strata_jax.tools.synth.SHAPES`: the
 Mixtral-8x7B shape as a Mixtral, the seed-125b one as a Qwen2-MoE) is built on the meta device
 and its weights are written directly as random bf16 tensors on the host (`fill_random`: no
 torch init and no independent draw per value, either of which takes minutes at this size);
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import machine
-from strata_jax.synth import synth_config
+from strata_jax.tools.synth import synth_config
 
 LAYER_CLASS = {"mixtral": "MixtralDecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer"}
 

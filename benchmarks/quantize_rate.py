@@ -19,9 +19,9 @@ import ml_dtypes
 import numpy as np
 
 from benchmarks.common import machine
-from strata_jax import quant
-from strata_jax.quantize import quantize_checkpoint
-from strata_runtime.bench import git_commit
+from strata_jax.formats import quant
+from strata_jax.tools.quantize import quantize_checkpoint
+from strata_runtime.lab.bench import git_commit
 
 
 def matrix_rate(k: int, n: int, reps: int = 3) -> dict[str, float]:

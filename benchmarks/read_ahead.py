@@ -19,9 +19,10 @@ from pathlib import Path
 
 import jax
 
-from strata_jax.synth import synthesize
-from strata_runtime.bench import synthetic_prompts, tokens_digest
-from strata_runtime.engine import Engine, EngineConfig
+from strata_jax.tools.synth import synthesize
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.engine.offload import Engine
+from strata_runtime.lab.bench import synthetic_prompts, tokens_digest
 
 
 def run(ckpt: Path, seed: int, read_ahead: int, hysteresis: float, new: int) -> dict:

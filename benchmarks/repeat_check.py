@@ -2,7 +2,7 @@
 
 The H200 seed ladder's first rungs (bf16 seed-125b shape, 6 layers, 8 GB of tier 1, disk read
 during decode) gave different greedy tokens on each of their three repeats, while the CPU gives
-the same bits (this script, and tests/runtime/test_engine.py). This runs a small seed-shaped
+the same bits (this script, and tests/runtime/engine/test_engine.py). This runs a small seed-shaped
 model (qwen2_moe, top-4, 32 experts, shared expert, skewed routing) through engines that differ
 in one thing each, three repeats of the same prompts per engine, and writes per repeat whether
 the tokens equal those of the engine that holds every expert in HBM, and the first differing
@@ -44,12 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import synth
-from strata_jax.checkpoint import CheckpointReader
-from strata_runtime import engine as engine_module
-from strata_runtime.bench import synthetic_prompts
-from strata_runtime.engine import Engine, EngineConfig
-from strata_runtime.residency import Residency
+from strata_jax.formats.checkpoint import CheckpointReader
+from strata_jax.tools import synth
+from strata_runtime.engine import offload as engine_module
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.engine.offload import Engine
+from strata_runtime.lab.bench import synthetic_prompts
+from strata_runtime.residency.tiers import Residency
 from tests.runtime.contract import run_rows
 
 SHAPE = "seed-mini"

@@ -72,8 +72,8 @@ GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,nohea
 if ((TEST_LIMIT > 0)) && [[ $PARTS == *tests* ]]; then
   {
     echo "# GPU tests at $HEAD on $GPU (-k '$TESTS_K', limit ${TEST_LIMIT}s)"
-    timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE ${TEST_FILES:-tests/test_step.py \
-      tests/test_sampling.py tests/runtime/test_engine.py tests/test_expert_kernels.py tests/test_int4_kernel.py} \
+    timeout -k 10 "$TEST_LIMIT" python3 -m pytest -q -p no:warnings -rfE ${TEST_FILES:-tests/step/test_step.py \
+      tests/step/test_sampling.py tests/runtime/engine/test_engine.py tests/ops/test_expert_kernels.py tests/ops/test_int4_kernel.py} \
       ${TESTS_K:+-k "$TESTS_K"} 2>&1 | grep -v "^[WI]0" | tail -25 | cut -c1-400
     rc=${PIPESTATUS[0]}
     ((rc == 124 || rc == 137)) && echo "   tests timed out after ${TEST_LIMIT}s"

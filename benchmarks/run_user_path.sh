@@ -60,8 +60,8 @@ if [[ $PARTS == *prep* ]]; then
 fi
 if [[ $PARTS == *kernels* ]]; then
   echo "== t=${SECONDS}s: GPU tests"
-  timeout -k 10 200 python3 -m pytest -q -p no:warnings -rfE tests/test_int8_kernel.py \
-    ${GPU_TESTS:-tests/test_step.py} 2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
+  timeout -k 10 200 python3 -m pytest -q -p no:warnings -rfE tests/ops/test_int8_kernel.py \
+    ${GPU_TESTS:-tests/step/test_step.py} 2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
   echo "== t=${SECONDS}s: int8 dense diagnostic"
   timeout -k 10 "${INT8_S:-240}" python3 -m benchmarks.int8_dense --out "$OUT" 2>&1 \
     | grep -v "^[WI]0" | tail -60

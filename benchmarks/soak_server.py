@@ -67,7 +67,7 @@ def free_port() -> int:
 
 
 def make_checkpoint(folder: Path) -> Path:
-    from strata_jax.synth import synthesize
+    from strata_jax.tools.synth import synthesize
 
     path = folder / MODEL
     synthesize("tiny", path, progress=False)  # with its byte-level tokenizer
@@ -403,7 +403,7 @@ def report(result: dict, args, checks) -> str:
         "",
         f"Machine: {cpu_name()}, {os.cpu_count()} cores (shared with other work), CPU only "
         f"(JAX {jax.__version__}); commit {commit(args.commit)}.",
-        f"Server: `python -m strata_runtime.server` on a synthetic `tiny` checkpoint "
+        f"Server: `python -m strata_runtime.cli.serve` on a synthetic `tiny` checkpoint "
         f"(byte-level tokenizer), `--batch-capacity {args.batch_capacity} --max-len "
         f"{args.max_len} --max-queue {args.max_queue}`, warm-up on, an API key.",
         f"Clients: {args.concurrency} concurrent asyncio clients (httpx2), {args.requests} "
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         log = open(Path(tmp) / "server.log", "w+")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "strata_runtime.server", str(ckpt), "--port", str(port),
+            [sys.executable, "-m", "strata_runtime.cli.serve", str(ckpt), "--port", str(port),
              "--batch-capacity", str(args.batch_capacity), "--max-len", str(args.max_len),
              "--max-queue", str(args.max_queue), "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, STRATA_API_KEY=KEY))

@@ -1,4 +1,4 @@
-"""Decode throughput of the one compiled step program (`strata_jax.step.decode`, issue 17).
+"""Decode throughput of the one compiled step program (`strata_jax.step.programs.decode`, issue 17).
 
 What is measured, per row (expert format, batch B, HBM budget, predictor): tok/s of
 `step.decode` / `step.decode_staged` called from a Python loop of N steps after warm-up, the
@@ -56,13 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_kernel_times, hbm_bandwidth, machine, pinned_bandwidth
-from strata_jax import host_experts, host_kernel, int4_kernel, step
-from strata_jax.config import ModelConfig
-from strata_jax.misses import HostWork, MissRates
-from strata_jax.pool import ExpertPool, free
-from strata_jax.quant import GROUP
-from strata_jax.synth import synth_config
-from strata_runtime.ledger import ModelBytes, default_staging_slots
+from strata_jax.formats.config import ModelConfig
+from strata_jax.formats.quant import GROUP
+from strata_jax.model.misses import HostWork, MissRates
+from strata_jax.ops import host_experts, host_kernel, int4_kernel
+from strata_jax.ops.pool import ExpertPool, free
+from strata_jax.step import programs as step
+from strata_jax.tools.synth import synth_config
+from strata_runtime.residency.ledger import ModelBytes, default_staging_slots
 
 GiB = 1 << 30
 START_POSITION = 16  # every row is live with this many cached positions
@@ -327,7 +328,7 @@ class Runner:
     """Seconds of the first call, compilation included (blocked)."""
 
     def __call__(self, state: step.DecodeState) -> tuple[step.DecodeState, step.StepOutput]:
-        fn = step.decode_staged if self.plan.staging else step.decode
+        fn = step.PROGRAMS[self.plan.staging > 0].decode
         t0 = time.perf_counter()
         state, out, pool = fn(self.cfg, self.plan, self.params, self.pool, self.tiers, state)
         if self.plan.staging:
@@ -846,7 +847,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     env, bw = first["machine"], first["bandwidth"]
     pinned = ", ".join(f"{k} {v:.1f}" for k, v in bw["pinned"].items())
     lines = [
-        f"# One-program decode step (`strata_jax.step`), synthetic {first['shape']} shape "
+        f"# One-program decode step (`strata_jax.step.programs`), synthetic {first['shape']} shape "
         f"({env['device']}, JAX {env['jax']}, {env['date']})",
         "",
         f"Measured in the run: HBM read {bw['hbm_read']:.0f} GB/s ({bw['hbm_source']}), pinned "
@@ -955,7 +956,9 @@ def loosen(what: str | None) -> None:
     """Swap the exactness measures of docs/design.md ("Measured") out of every program this
     process compiles afterwards: the layers' optimization barriers become the identity, the
     ordered sums plain reduces. A diagnostic of their cost; the bits are no longer checked."""
-    from strata_jax import int4_kernel, model, moe
+    from strata_jax.model import decoder as model
+    from strata_jax.model import moe
+    from strata_jax.ops import int4_kernel
 
     parts = LOOSEN.get(what, ())
     if "barriers" in parts:

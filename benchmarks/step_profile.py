@@ -19,7 +19,7 @@ from benchmarks.step_decode import (
     random_params,
     resident_page,
 )
-from strata_jax import step
+from strata_jax.step import programs as step
 
 
 def profile(shape: str, fmt: str, batch: int, top: int, unroll: bool) -> dict:

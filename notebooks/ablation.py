@@ -14,7 +14,7 @@
 # synthetic Mixtral-8x7B shape, 8 layers): every row's tok/s beside the bound from the bytes
 # its own records count, and, for the miss remedies (copy over the link, compute on the
 # host, or split each layer between the two), beside the hybrid bound and what the cost model
-# (`strata_runtime.cost_model`, profile `h200-pcie5`) predicts from the same counted experts.
+# (`strata_runtime.lab.cost_model`, profile `h200-pcie5`) predicts from the same counted experts.
 # Nothing here runs on a GPU: it reads `benchmarks/results/`.
 
 # %%
@@ -30,7 +30,7 @@ ROOT = Path(strata_jax.__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives beside the library
 
 from benchmarks.step_decode import bounds  # noqa: E402
-from strata_runtime.cost_model import ModelCost, predict, profile  # noqa: E402
+from strata_runtime.lab.cost_model import ModelCost, predict, profile  # noqa: E402
 
 matplotlib.use("Agg")  # before pyplot: no display in CI
 import matplotlib.pyplot as plt  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import strata_jax
-from strata_jax.synth import measure_top20_share, synthesize
+from strata_jax.tools.synth import measure_top20_share, synthesize
 
 workdir = Path(tempfile.mkdtemp())
 stats = synthesize("tiny", workdir / "tiny", skew=0.8, seed=0, dtype="float32")

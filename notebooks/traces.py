@@ -21,11 +21,11 @@ from pathlib import Path
 
 import matplotlib
 
-from strata_jax.synth import SHAPES
-from strata_runtime.cache_policy import POLICIES
-from strata_runtime.cost_model import PROFILES, model_cost
-from strata_runtime.simulate import compare, pinned_by_heat, predict_replay
-from strata_runtime.trace import load_trace, save_trace, synthetic_trace, trace_stats
+from strata_jax.tools.synth import SHAPES
+from strata_runtime.engine.trace import load_trace, save_trace, synthetic_trace, trace_stats
+from strata_runtime.lab.cost_model import PROFILES, model_cost
+from strata_runtime.lab.simulate import compare, pinned_by_heat, predict_replay
+from strata_runtime.residency.cache_policy import POLICIES
 
 matplotlib.use("Agg")  # before pyplot: no display in CI
 import matplotlib.pyplot as plt  # noqa: E402

@@ -6,55 +6,23 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from strata_jax import model as mdl
-from strata_jax import step
-from strata_jax.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
-from strata_jax.config import ModelConfig
-from strata_jax.flax_model import MoEModel
-from strata_jax.model import fuse_qkv
-from strata_jax.moe import ExpertPool
-from strata_jax.sampling import GREEDY, SamplingParams
-
-
-@dataclass(frozen=True)
-class Model:
-    """A resident model: the dense param tree (`dense_params`), an expert pool holding every
-    expert, its slot table."""
-
-    config: ModelConfig
-    params: dict[str, Any]
-    experts: ExpertPool
-    slot_table: jax.Array
-    tokenizer: Any = None  # the checkpoint's strata_jax.tokenizer.Tokenizer, if it has one
-    mesh: jax.sharding.Mesh | None = None
-    """Experts over this mesh's devices (`expert_parallel.shard`; `slot_table` is then each
-    device's page table, [n, L, E]); None: one device."""
-
-    def programs(self) -> tuple[Any, Any, Any, step.Tiers]:
-        """(decode, prefill, forward, tiers): the step programs this model runs."""
-        if self.mesh is None:
-            return step.decode, step.prefill, step.forward, step.resident_tiers(self.slot_table)
-        from strata_jax import expert_parallel
-
-        ep = expert_parallel.programs(self.mesh)
-        return ep.decode, ep.prefill, ep.forward, expert_parallel.tiers(self.slot_table)
-
-    def init_state(self, batch: int, max_len: int) -> step.DecodeState:
-        """An empty decode state where this model's programs take it."""
-        if self.mesh is None:
-            return step.init_state(self.config, batch, max_len)
-        from strata_jax.expert_parallel import place
-
-        everyone = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return place(step.init_state(self.config, batch, max_len, jax.local_devices()[0]),
-                     everyone)
+from strata_jax.batching.checks import check_request, check_tokens  # noqa: F401 (public)
+from strata_jax.formats.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
+from strata_jax.formats.config import ModelConfig
+from strata_jax.model import decoder as mdl
+from strata_jax.model.decoder import fuse_qkv
+from strata_jax.model.flax_model import MoEModel
+from strata_jax.model.moe import ExpertPool
+from strata_jax.step import loaded
+from strata_jax.step import programs as step
+from strata_jax.step.loaded import Model
+from strata_jax.step.sampling import GREEDY, SamplingParams
 
 
 def from_arrays(
@@ -133,12 +101,10 @@ def load(path: str | os.PathLike, expert_devices: int = 1) -> Model:
             for kind in reader.expert_specs
         }
     if expert_devices != 1:
-        from strata_jax import expert_parallel
-
         dtype = jnp.dtype(cfg.dtype)
         host = {k: v.astype(_held_dtype(v, dtype), copy=False) for k, v in experts.items()}
-        return expert_parallel.from_host(cfg, read_dense_params(reader), host, expert_devices,
-                                         _tokenizer_of(path))
+        return loaded.from_host(cfg, read_dense_params(reader), host, expert_devices,
+                                 _tokenizer_of(path))
     pool = resident_pool(cfg, experts)
     return Model(cfg, read_dense_params(reader), pool, mdl.resident_slot_table(cfg),
                  _tokenizer_of(path))
@@ -146,7 +112,7 @@ def load(path: str | os.PathLike, expert_devices: int = 1) -> Model:
 
 def _tokenizer_of(path: str | os.PathLike):
     """The checkpoint's tokenizer, or None when it has none (ids still work)."""
-    from strata_jax.tokenizer import load_tokenizer
+    from strata_jax.formats.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(path)
@@ -187,33 +153,6 @@ def _forward(model: Model, tokens: Any):
     return forward(model.config, step.StepPlan(), model.params, model.experts, tiers, tokens)
 
 
-def check_tokens(cfg: ModelConfig, tokens: Any, what: str = "tokens") -> None:
-    """Refuse ids that are not integers or lie outside the vocabulary, naming `what` (a
-    request, a flag) and the value."""
-    tokens = np.asarray(tokens)
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"{what}: token ids must be integers, got {tokens.dtype} values "
-                         f"such as {tokens.reshape(-1)[0].item()!r}")
-    bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)]
-    if bad.size:
-        raise ValueError(f"{what}: token id {int(bad[0])} is outside the vocabulary "
-                         f"[0, {cfg.vocab_size})")
-
-
-def check_request(cfg: ModelConfig, index: int, prompt: Any, max_new_tokens: int,
-                  max_len: int) -> None:
-    """The checks every path makes of request `index` before it takes a row."""
-    what = f"request {index}"
-    if len(prompt) == 0:
-        raise ValueError(f"{what}: the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"{what}: max_new_tokens must be >= 1, got {max_new_tokens}")
-    if len(prompt) + max_new_tokens > max_len:
-        raise ValueError(f"{what}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
-                         f"max_len={max_len}")
-    check_tokens(cfg, prompt, what)
-
-
 def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
              max_new_tokens: int, *, sampling: SamplingParams | Sequence[SamplingParams] = GREEDY,
              chat: bool = False, ignore_eos: bool = False, batch_capacity: int = 16,
@@ -250,7 +189,7 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
                              prefill_chunk, prefill_rows, model.tokenizer)
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("give every prompt as text or every prompt as token ids, not both")
-    from strata_jax.tokenizer import encode_prompts
+    from strata_jax.formats.tokenizer import encode_prompts
 
     tok = model.tokenizer
     ids = encode_prompts(tok, prompts, chat=chat)
@@ -271,8 +210,8 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> str:
 def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_capacity: int,
                   max_len: int, prefill_chunk: int | None, prefill_rows: int | None,
                   tokenizer) -> list[list[int]]:
-    from strata_jax.resident import ResidentEngine
-    from strata_jax.scheduler import Scheduler
+    from strata_jax.batching.resident import ResidentEngine
+    from strata_jax.batching.scheduler import Scheduler
 
     settings = per_request(sampling, len(prompts))
     for i, p in enumerate(prompts):
@@ -292,9 +231,9 @@ def score(model: Model, pairs: Sequence[tuple[Any, Any]], *, batch_capacity: int
     checkpoint's tokenizer (each part encoded alone, without special tokens), run as prompts
     through the scheduler like `generate` (same shape knobs). The offload engine's
     `Engine.score` gives the same bits."""
-    from strata_jax.resident import ResidentEngine
-    from strata_jax.scheduler import Scheduler
-    from strata_jax.scoring import loglikelihood
+    from strata_jax.batching.resident import ResidentEngine
+    from strata_jax.batching.scheduler import Scheduler
+    from strata_jax.batching.scoring import loglikelihood
 
     ids = [tuple(_score_ids(model, part) for part in pair) for pair in pairs]
     sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk,

@@ -6,7 +6,7 @@ import os
 
 import jax
 
-from strata_runtime.compile_cache import ENV
+from strata_runtime.engine.compile_cache import ENV
 
 os.environ[ENV] = "off"
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,4 +1,4 @@
-"""Runs in a subprocess of tests/test_expert_parallel.py and tests/runtime/
+"""Runs in a subprocess of tests/step/test_expert_parallel.py and tests/runtime/
 test_engine_devices.py (`launch`): JAX's device count and distributed runtime are fixed when
 it starts, so the settings need a process of their own. One process runs several jobs
 (`JOB -- JOB ...`, each job's JSON in a list) over its 4 devices, starting JAX once:
@@ -64,7 +64,7 @@ def result(proc: subprocess.Popen, timeout: int = 600) -> list[dict]:
 
 
 def _generate(model, sampled: bool):
-    from strata_jax.sampling import SamplingParams
+    from strata_jax.step.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=5) if sampled else None
     kw = {"sampling": sampling} if sampled else {}
@@ -77,7 +77,7 @@ def _cli(ckpt: str, n: int) -> list[int]:
     import contextlib
     import io
 
-    from strata_runtime.cli import main
+    from strata_runtime.cli.main import main
 
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
@@ -90,7 +90,7 @@ def _cli(ckpt: str, n: int) -> list[int]:
 def devices(ckpt: str, counts: list[int]) -> dict:
     import numpy as np
 
-    from strata_jax import expert_parallel
+    from strata_jax.step import loaded
 
     model = strata_jax.load(ckpt)
     tokens = np.array([[3, 5, 6, 7, 8, 9]], np.int32)
@@ -98,7 +98,7 @@ def devices(ckpt: str, counts: list[int]) -> dict:
     ref_logits = strata_jax.api.logits(model, tokens)
     out = {"devices": len(jax.devices())}
     for n in counts:
-        sharded = expert_parallel.shard(model, n)
+        sharded = loaded.shard(model, n)
         out[n] = {"greedy": _generate(sharded, False) == ref[False],
                   "sampled": _generate(sharded, True) == ref[True],
                   "logits": bool(np.array_equal(strata_jax.api.logits(sharded, tokens),
@@ -142,8 +142,9 @@ def _owners_only(engine) -> bool:
 def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
     import numpy as np
 
-    from strata_jax.expert_parallel import owners
-    from strata_runtime.engine import Engine, EngineConfig
+    from strata_jax.step.expert_parallel import owners
+    from strata_runtime.engine.config import EngineConfig
+    from strata_runtime.engine.offload import Engine
     from tests.runtime.contract import run_rows
 
     if case == "bench":
@@ -174,7 +175,7 @@ def _bench(ckpt: str, n: int) -> dict:
     import io
     import tempfile
 
-    from strata_runtime.cli import main
+    from strata_runtime.cli.main import main
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bench.jsonl")
@@ -196,7 +197,8 @@ def engine(ckpt: str, settings: list[str]) -> dict:
     """The offload engine over several devices against the one-device resident engine."""
     import tempfile
 
-    from strata_runtime.engine import Engine, EngineConfig
+    from strata_runtime.engine.config import EngineConfig
+    from strata_runtime.engine.offload import Engine
     from tests.runtime.contract import run_rows
 
     out = {}
@@ -245,8 +247,9 @@ def engine_process(ckpt: str, pid: int, port: str) -> dict:
     devices that leave out a process."""
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
-    from strata_jax.sampling import SamplingParams
-    from strata_runtime.engine import Engine, EngineConfig
+    from strata_jax.step.sampling import SamplingParams
+    from strata_runtime.engine.config import EngineConfig
+    from strata_runtime.engine.offload import Engine
     from tests.runtime.contract import run_rows
 
     config = EngineConfig(**ENGINE_SHAPE, expert_devices=len(jax.devices()), **PROCESS_CASE)
@@ -285,7 +288,7 @@ def _corrupt_copy(ckpt: str, engine, pid: int) -> tuple[str, list[int]]:
 
     from jax.experimental import multihost_utils
 
-    from strata_runtime.heat import ranked
+    from strata_runtime.residency.heat import ranked
 
     last = len(engine.devices) - 1
     theirs = [k for k in ranked(engine.cfg, None) if engine.owner[k] == last][2:]

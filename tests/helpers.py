@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from strata_jax import api
-from strata_jax.checkpoint import (
+from strata_jax.formats.checkpoint import (
     EXPERT_KINDS,
     CheckpointWriter,
     dense_layer_shapes,
     expert_shape,
     global_shapes,
 )
-from strata_jax.config import ModelConfig
+from strata_jax.formats.config import ModelConfig
 
 
 def tiny_config(family: str = "mixtral", **changes) -> ModelConfig:
@@ -75,7 +75,7 @@ def write_quantized_checkpoint(root, seed: int = 4, **changes):
     """A random tiny Mixtral (its dims multiples of 128, `changes` applied) written under
     root/"float" and quantized to int8 dense + int4-rtn g128 experts under root/"q", which
     is returned."""
-    from strata_jax.quantize import quantize_checkpoint
+    from strata_jax.tools.quantize import quantize_checkpoint
 
     cfg = tiny_config("mixtral", **{"hidden_size": 128, "expert_intermediate_size": 128,
                                     "head_dim": 32, **changes})

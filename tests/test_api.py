@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import strata_jax
-from strata_jax.sampling import SamplingParams
-from strata_jax.synth import synthesize
-from strata_jax.tokenizer import load_tokenizer
+from strata_jax.formats.tokenizer import load_tokenizer
+from strata_jax.step.sampling import SamplingParams
+from strata_jax.tools.synth import synthesize
 from tests.helpers import tiny_config, write_checkpoint
 
 SHAPE = {"batch_capacity": 2, "max_len": 64}

@@ -15,9 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import hbm_bandwidth, machine, pinned_bandwidth
-from strata_jax.checkpoint import CheckpointReader
-from strata_runtime.engine import Engine, EngineConfig, plan_for
-from strata_runtime.ledger import ModelBytes
+from strata_jax.formats.checkpoint import CheckpointReader
+from strata_runtime.engine.offload import Engine
+from strata_runtime.engine.config import EngineConfig
+from strata_runtime.engine.plan import plan_for
+from strata_runtime.residency.ledger import ModelBytes
 from strata_runtime.scheduler import Scheduler
 
 # DESIGN.md, same machine and shape (Mixtral-8x7B, 8 layers): tok/s at B=1 / B=16

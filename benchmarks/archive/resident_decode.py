@@ -21,7 +21,7 @@ import numpy as np
 import strata_jax
 from benchmarks.common import hbm_bandwidth, machine
 from strata_jax import api
-from strata_jax import model as mdl
+from strata_jax.model import decoder as mdl
 
 PEERS = {  # measured on the same H200 machine and shape (DESIGN.md)
     1: "HF eager 18.4 tok/s; ik_llama.cpp F16 resident 240.6 tok/s",
@@ -37,7 +37,7 @@ def synth_model(dst: Path, shape: str, layers: int) -> dict[str, float]:
         [
             sys.executable,
             "-m",
-            "strata_runtime.cli",
+            "strata_runtime.cli.main",
             "synth",
             "--shape",
             shape,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Short device call: GPU kernel tests, synth write rates, int4 kernel sweep.
 source "$(dirname "$0")/device_env.sh"
-python3 -m pytest -q tests/test_expert_kernels.py 2>&1 | tail -2 | tee "$OUT/gpu_tests.txt"
+python3 -m pytest -q tests/ops/test_expert_kernels.py 2>&1 | tail -2 | tee "$OUT/gpu_tests.txt"
 python3 -m strata_runtime.cli synth --shape mixtral-8x7b --layers 8 /tmp/disk8 2>&1 | tail -1 \
   | tee "$OUT/synth_disk.txt"
 rm -rf /tmp/disk8

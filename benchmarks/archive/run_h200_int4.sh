@@ -2,12 +2,12 @@
 # The int4 GPU tests (kernel, row chunks, the engine's exactness matrix on the Mosaic path, the
 # dequant knob), then the int4 expert benchmark and its tile sweep. Together they take longer
 # than one 600 s device call (tests ~520 s, benchmark ~200 s): PART=tests or PART=bench runs one
-# of them; TESTS narrows the tests. The tests fit two calls: TESTS=tests/test_expert_kernels.py
+# of them; TESTS narrows the tests. The tests fit two calls: TESTS=tests/ops/test_expert_kernels.py
 # (~240 s), then the other four files (~280 s).
 source "$(dirname "$0")/device_env.sh"
 PART=${PART:-all}
-TESTS=${TESTS:-tests/test_expert_kernels.py tests/test_int4_kernel.py tests/test_moe.py \
-  tests/runtime/test_exactness_matrix.py tests/runtime/test_dequant_knob.py}
+TESTS=${TESTS:-tests/ops/test_expert_kernels.py tests/ops/test_int4_kernel.py tests/model/test_moe.py \
+  tests/runtime/engine/test_exactness_matrix.py tests/runtime/engine/test_dequant_knob.py}
 if [[ $PART != bench ]]; then
   # shellcheck disable=SC2086
   timeout "${TEST_LIMIT:-450}" python3 -m pytest -q -x -p no:warnings $TESTS 2>&1 | tail -15 \

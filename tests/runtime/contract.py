@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 import strata_jax
-from strata_jax.packing import Admission
-from strata_runtime.engine import Engine
+from strata_jax.batching.packing import Admission
+from strata_runtime.engine.offload import Engine
 
 
 def run_rows(engine: Engine, prompts: list[list[int]], new: int):

@@ -1,4 +1,4 @@
-"""`python -m strata_runtime.server` started for a test, on a free local port."""
+"""`python -m strata_runtime.cli.serve` started for a test, on a free local port."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def start_server(ckpt: Path, flags: list[str], log: IO[str], env: dict[str, str]
     (the process, its base URL). The test fails with the log if it does not start."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "strata_runtime.server", str(ckpt), "--port", str(port),
+        [sys.executable, "-m", "strata_runtime.cli.serve", str(ckpt), "--port", str(port),
          "--no-warmup", "--log-level", "warning", *flags],
         stdout=log, stderr=subprocess.STDOUT,
         env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})))

@@ -1,9 +1,11 @@
 """Exploration: where the B=1 decode time goes (scan vs unrolled layers, experts vs dense)."""
 import functools, json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from strata_jax.config import ModelConfig
-from strata_jax.checkpoint import dense_layer_shapes, expert_shape
-from strata_jax import model as mdl, moe, expert_kernels as ek
+from strata_jax.formats.config import ModelConfig
+from strata_jax.formats.checkpoint import dense_layer_shapes, expert_shape
+from strata_jax.model import decoder as mdl
+from strata_jax.model import moe
+from strata_jax.ops import expert_kernels as ek
 
 OUT = os.environ.get("OUT", "/tmp"); res = {}
 cfg = ModelConfig(family="mixtral", vocab_size=32000, hidden_size=4096, num_layers=8, num_heads=32,

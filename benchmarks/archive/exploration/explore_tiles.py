@@ -1,9 +1,11 @@
 """Exploration: decode-step variants for resident Mixtral-8x7B shape (8 layers, bf16) on GPU."""
 import functools, json, os, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from strata_jax.config import ModelConfig
-from strata_jax.checkpoint import dense_layer_shapes, global_shapes, expert_shape
-from strata_jax import api, model as mdl, moe
+from strata_jax.formats.config import ModelConfig
+from strata_jax.formats.checkpoint import dense_layer_shapes, global_shapes, expert_shape
+from strata_jax import api
+from strata_jax.model import decoder as mdl
+from strata_jax.model import moe
 
 OUT = os.environ.get("OUT", "/tmp")
 res = {"variant": sys.argv[1] if len(sys.argv) > 1 else "base", "xla_flags": os.environ.get("XLA_FLAGS", "")}
@@ -47,7 +49,7 @@ dense_bytes = sum(v.nbytes for v in layers.values()) + params["lm_head"].nbytes
 expert_bytes = sum(3 * np.prod(expert_shape(cfg, "w1")) * 2 for _ in [0])
 print("dense GB", dense_bytes / 1e9, "expert MB", expert_bytes / 1e6, flush=True)
 
-from strata_jax import expert_kernels as ek
+from strata_jax.ops import expert_kernels as ek
 def bench(f, *a, reps=20):
     f(*a).block_until_ready()
     ts=[]

@@ -76,7 +76,7 @@ def fused_kernel(d: int = 2048, f: int = 768, entries: int = 64, rows: int = 8):
     import importlib.util
     import os
 
-    from strata_jax.pool import ExpertPool
+    from strata_jax.ops.pool import ExpertPool
 
     path = os.path.join(os.path.dirname(__file__), "int4_fused.py")
     spec = importlib.util.spec_from_file_location("int4_fused", path)

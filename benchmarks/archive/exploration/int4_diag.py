@@ -1,6 +1,6 @@
 """Exploration (session 6): where the int4 gate/up kernel's time goes on the H200.
 
-A stripped copy of `strata_jax/int4_kernel.py`'s gate/up kernel (one CTA per entry and row block)
+A stripped copy of `strata_jax/ops/int4_kernel.py`'s gate/up kernel (one CTA per entry and row block)
 whose step body can skip parts: `stream` (pipeline only), `nowgmma` (dequantize + scale, fold
 into a register sum instead of wgmma), `nodequant` (wgmma on a constant A operand), `noscale`,
 and `full`; `postscale`, `perm`, `perm_magic` (the session-6 designs, see ../README.md); and

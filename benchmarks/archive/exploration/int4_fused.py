@@ -30,9 +30,9 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, os.getcwd())
-from strata_jax.int4_kernel import (  # noqa: E402
+from strata_jax.ops.int4_kernel import (  # noqa: E402
     GROUP, Int4Tiles, _operand, _swizzled, as_int4, multiply_step, sm_count, tiles_for)
-from strata_jax.pool import ExpertPool  # noqa: E402
+from strata_jax.ops.pool import ExpertPool  # noqa: E402
 
 ROWS = 16  # activation rows padded to 16: h's rows are 32 bytes, the smallest wgmma swizzle
 
@@ -207,8 +207,8 @@ def fused_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles |
 def main() -> None:
     from benchmarks.common import hbm_bandwidth
     from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool
-    from strata_jax import expert_kernels as ek
-    from strata_jax import int4_kernel
+    from strata_jax.ops import expert_kernels as ek
+    from strata_jax.ops import int4_kernel
 
     bound = hbm_bandwidth()["read"]
     for name, (d, f, entries, active, rows) in {

@@ -33,9 +33,9 @@ sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from int4_fused import fused_inputs, hand_over_h, report  # noqa: E402
 
-from strata_jax.int4_kernel import (  # noqa: E402
+from strata_jax.ops.int4_kernel import (  # noqa: E402
     GROUP, MEMORY_REGISTERS, Int4Tiles, _swizzled, as_int4, multiply_step, sm_count)
-from strata_jax.pool import ExpertPool  # noqa: E402
+from strata_jax.ops.pool import ExpertPool  # noqa: E402
 
 WGS = 2  # compute warpgroups, 64 rows each
 COMPUTE_REGISTERS = 232  # (512 - 40) / 2, rounded down to 8: what Pallas' own split asks
@@ -253,8 +253,8 @@ def lower() -> None:
 def main() -> None:
     from benchmarks.common import hbm_bandwidth
     from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool
-    from strata_jax import expert_kernels as ek
-    from strata_jax import int4_kernel
+    from strata_jax.ops import expert_kernels as ek
+    from strata_jax.ops import int4_kernel
 
     bound = hbm_bandwidth()["read"]
     for name, (d, f, entries, active, rows, layers) in {

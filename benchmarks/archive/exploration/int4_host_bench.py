@@ -1,7 +1,7 @@
 import sys, time, os
 import numpy as np, ml_dtypes
 sys.path.insert(0, os.environ.get("TREE", "/work/wt"))
-from strata_jax import host_kernel as hk
+from strata_jax.ops import host_kernel as hk
 print(hk.__file__)
 D, F = int(os.environ.get("D", 4096)), int(os.environ.get("F", 14336)); R, B, G = 64, 256, 128
 rng = np.random.default_rng(0)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.getcwd())
 from benchmarks.int4_experts import random_int4_pool  # noqa: E402
-from strata_jax import int4_kernel  # noqa: E402
+from strata_jax.ops import int4_kernel  # noqa: E402
 
 
 def main():

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from benchmarks.common import device_kernel_times as kernel_times
 from benchmarks.common import median_time
 from benchmarks.int4_experts import SHAPES, int4_expert_bytes, random_int4_pool, routing
-from strata_jax import expert_kernels as ek
+from strata_jax.ops import expert_kernels as ek
 
 OUT = os.environ.get("OUT", "/tmp")
 BEST = {

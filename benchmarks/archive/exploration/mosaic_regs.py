@@ -60,8 +60,8 @@ def modules(config: str) -> list[tuple[str, bytes]]:
     core.KNOWN_KERNELS.clear()
     bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)  # noqa: E731
     if kind == "lib":
-        from strata_jax import int4_kernel
-        from strata_jax.pool import ExpertPool
+        from strata_jax.ops import int4_kernel
+        from strata_jax.ops.pool import ExpertPool
 
         rows, stages, groups = map(int, rest[:3])
         knobs = {key: int(value) for key, value in (kv.split("=") for kv in rest[3:])}

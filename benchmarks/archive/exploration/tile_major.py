@@ -20,8 +20,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.getcwd())
 from benchmarks.common import device_kernel_times, hbm_bandwidth  # noqa: E402
 from benchmarks.int4_experts import int4_expert_bytes, random_int4_pool  # noqa: E402
-from strata_jax import int4_kernel  # noqa: E402
-from strata_jax.int4_kernel import Int4Tiles as T  # noqa: E402
+from strata_jax.ops import int4_kernel  # noqa: E402
+from strata_jax.ops.int4_kernel import Int4Tiles as T  # noqa: E402
 
 CASES = {  # name: (D, F, experts per layer, layers, x rows [entries?, rows], tiles tried)
     "mixtral own rows": (4096, 14336, 8, 8, (8, 16), (

@@ -1,0 +1,218 @@
+"""Hardware profiles and a small decode cost model (docs/design.md, "Traces and the simulator").
+
+One decode step of B live rows takes, in seconds,
+
+    t_hbm     = dense_bytes / dense_read + extra_hbm_bytes / hbm
+                + routed * bytes_per_expert / expert_read
+    t_compute = B * flops_per_token / matmul
+    t_copy    = misses * bytes_per_expert / link          link = min(pcie, host_read)
+    t_host    = hosted * bytes_per_expert / host_kernel
+    t_unused  = unused * bytes_per_expert / link
+    t_admit   = admissions * bytes_per_expert / link
+    t_disk    = disk_loads * bytes_per_expert / disk
+    d         = (1 - h) * t_copy              the demand copies
+    p         = h * t_copy + t_unused         the prefetches
+    m         = min(d, p)
+    base      = max(d + m, t_host) + max(max(t_hbm, t_compute), p - m) + overhead
+    step      = base * (1 + rerun) + t_admit + t_disk
+
+and tok/s = B / step. `dense_read` and `expert_read` are the rates at which the model's decode step
+without its experts and its expert kernel read their weights at decode rows (the profile's; a plain
+read's, `hbm`, where it has none). `routed`, `misses`, `hosted`, `unused`, `admissions` and
+`disk_loads` are experts per step (from a replay, `strata_runtime.lab.simulate`, or a run's
+counters);
+`misses` are copied, `hosted` computed on the host cores at the same time (`EngineConfig.miss`);
+`h` is the share of the copied misses prefetched. A layer waits for its demand copies (beside the
+host's share: the longer of the two), then reads and computes. The next layer's prefetches, with
+those no layer used, are issued as soon as this layer's router gives their ids, so they share the
+link with this layer's demand copies (each at half the rate while both run: `m`) and only what is
+left of them overlaps the layer's reads and math (docs/design.md, "The cost model"); admissions are
+copies between steps (the engine's cache fills, after the step: once per step, however many of its
+layers ran again). A step that routes to an expert found only on disk waits for its read (nothing
+overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled layer: `rerun` is the
+share of a step's layers run again, per step. The binding resource is the one busy longest: hbm
+(t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the
+link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two. Not
+modelled: the KV cache read (pass it in `extra_hbm_bytes`) and the gaps between the step's kernels,
+both held by a measured `dense_read` (`strata_runtime.lab.bench.dense_kernel_gbps`), host round
+trips
+(`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split is uneven
+(the step's sums are split, not each layer's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from strata_jax.formats.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """The rates of one machine that the cost model reads."""
+
+    name: str
+    """The name `strata simulate --hardware` takes."""
+    pcie_gbps: float
+    """Pinned host -> device copy rate, GB/s (10^9 bytes/s), expert-sized copies."""
+    host_read_gbps: float
+    """Host DRAM read rate over all cores, GB/s: a copy's source cannot be read faster."""
+    hbm_gbps: float
+    """Device memory read rate, GB/s, as a large reduction achieves it."""
+    hbm_gib: float
+    """Device memory, GiB."""
+    matmul_tflops: float
+    """Dense matmul rate in the weights' dtype (bf16 / fp16), TFLOP/s."""
+    host_cores: int
+    """Host cores."""
+    host_kernel_gbps: float = 0.0
+    """Expert bytes per second the host expert kernel (`strata_jax.ops.host_experts`) reads at
+    decode rows, GB/s; 0: no host compute of misses."""
+    host_row_cost: float = 0.0
+    """Each further row multiplies the host kernel's one-row time by (1 + this)."""
+    expert_read_gbps: float = 0.0
+    """Expert bytes per second the device's expert kernel reads at decode rows, GB/s (a
+    quantized kernel dequantizes as it reads, below the plain read rate); 0: `hbm_gbps`."""
+    dense_read_gbps: float = 0.0
+    """Dense bytes per second the model's decode step reads without its experts, GB/s: its
+    dense matmuls (a matmul of a few rows reads its matrix below the plain read rate), its
+    attention and routing among them; 0: `hbm_gbps`."""
+    disk_gbps: float = 0.0
+    """Expert bytes per second read from tier 2 (the checkpoint on disk) by the engine's fetch
+    threads during a stall, GB/s; 0: no disk reads can be modelled."""
+    source: str = ""
+    """Where the figures come from."""
+    reported: str = ""
+    """What another system reported on this machine, printed beside the predictions."""
+
+    @property
+    def link_gbps(self) -> float:
+        return min(self.pcie_gbps, self.host_read_gbps)
+
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
+    HardwareProfile(
+        name="h200-pcie5", pcie_gbps=49.0, host_read_gbps=94.0, hbm_gbps=4600.0,
+        hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=45.0,
+        host_row_cost=0.05,
+        source="measured on the H200 machine (../shared/DESIGN.md, benchmarks/results): "
+               "pinned copies 50-54 GB/s alone, 48.9 inside the step; host DRAM 94 GB/s; HBM "
+               "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores; the C host expert "
+               "kernel (AMX) 43-50 GB/s at one row while copies run (58-94 alone), each "
+               "further row +0.03-0.07 (results/host_kernels.md, "
+               "results/step_decode_hybrid_2026-12-04.md)"),
+    HardwareProfile(
+        name="rtx3090-pcie3-xeon-v4", pcie_gbps=12.0, host_read_gbps=150.0, hbm_gbps=936.0,
+        hbm_gib=24.0, matmul_tflops=35.0, host_cores=40, host_kernel_gbps=82.0,
+        host_row_cost=0.003,
+        source="the write-up's machine (SEED_SUMMARY.md): PCIe 3.0 x16 ~12 GB/s real, dual "
+               "Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s fp16; 936 GB/s is the "
+               "3090's nominal GDDR6X rate; host kernel assumed 0.55 of the DRAM rate, the "
+               "ratio measured on the H200 host (alone)",
+        reported="the write-up: ~110 tok/s stable, 127 peak, on its 125 B MoE (int8 shared "
+                 "weights, int4 experts, B up to 16; SEED_SUMMARY.md)"),
+    HardwareProfile(
+        name="rtx4090-pcie4", pcie_gbps=25.0, host_read_gbps=60.0, hbm_gbps=1000.0,
+        hbm_gib=24.0, matmul_tflops=82.0, host_cores=16, host_kernel_gbps=33.0,
+        host_row_cost=0.003,
+        source="nominal: PCIe 4.0 x16 ~25 GB/s real, ~1 TB/s GDDR6X, 82 TFLOP/s fp16; host "
+               "assumed a 16-core desktop with dual-channel DDR5 (~60 GB/s), its host kernel "
+               "0.55 of that (the ratio measured on the H200 host)"),
+)}
+
+
+def link_name(pcie_gbps: float, host_read_gbps: float) -> str:
+    """The link's name by its slower side: "pcie", or "host-read" where host DRAM feeds the
+    copies slower than the bus carries them."""
+    return "pcie" if pcie_gbps <= host_read_gbps else "host-read"
+
+
+def profile(name: str) -> HardwareProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware profile {name!r}; shipped: "
+                         f"{', '.join(PROFILES)}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelCost:
+    """What one decode step of a model reads and computes."""
+
+    bytes_per_expert: int
+    """One routed expert as the slots hold it (w1, w3, w2, with scales if quantized)."""
+    dense_bytes: int
+    """Bytes read from HBM once per step whatever the batch: attention, routers, shared
+    experts, norms, the output head (not the embedding table: a step reads B of its rows)."""
+    flops_per_token: float
+    """Matmul FLOPs of one token: 2 x (dense parameters read + top_k x L x expert params)."""
+
+
+def model_cost(cfg: ModelConfig, *, dense_bytes_per_param: float = 2.0,
+               expert_bytes_per_param: float = 2.0) -> ModelCost:
+    """`ModelCost` of a model (bf16 by default; 0.5 + scales for int4 experts, etc.)."""
+    counts = cfg.param_counts()
+    d, f = cfg.hidden_size, cfg.expert_intermediate_size
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * d
+    dense = counts["dense"] - embed
+    active = dense + cfg.top_k * cfg.num_layers * 3 * d * f
+    return ModelCost(bytes_per_expert=int(3 * d * f * expert_bytes_per_param),
+                     dense_bytes=int(dense * dense_bytes_per_param),
+                     flops_per_token=2.0 * active)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """The cost model's answer for one decode step."""
+
+    tok_s: float
+    """Predicted decode tokens per second: B / step_s."""
+    step_s: float
+    """Predicted seconds per decode step."""
+    binding: str
+    """The resource busy longest: "hbm", "compute", "host-compute", "disk", "pcie" or
+    "host-read"."""
+    terms: dict[str, float]
+    """Seconds per step of each term: t_hbm, t_compute, t_copy, t_host, t_unused, t_admit,
+    t_disk."""
+
+
+def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: float,
+            misses: float, admissions: float = 0.0, hidden: float = 0.0,
+            hosted: float = 0.0, disk_loads: float = 0.0, rerun: float = 0.0,
+            unused: float = 0.0,
+            extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0) -> Prediction:
+    """Decode tok/s by the module docstring's formula; `routed`, `misses` (copied), `hosted`
+    (computed on the host), `unused` (prefetches issued that no layer used), `admissions`,
+    `disk_loads` (read from disk in a stall) are experts per step, `hidden` the share of the
+    copied misses prefetched in time, `rerun` the share of a step's layers run again after
+    stalls."""
+    if batch <= 0 or not 0.0 <= hidden <= 1.0 or rerun < 0 or unused < 0:
+        raise ValueError(f"need batch > 0, 0 <= hidden <= 1, rerun >= 0 and unused >= 0, got "
+                         f"{batch}, {hidden}, {rerun}, {unused}")
+    if hosted > 0 and hw.host_kernel_gbps <= 0:
+        raise ValueError(f"profile {hw.name} has no host kernel rate: nothing can be hosted")
+    if disk_loads > 0 and hw.disk_gbps <= 0:
+        raise ValueError(f"profile {hw.name} has no disk rate: disk loads cannot be modelled")
+    bpe, link = model.bytes_per_expert, hw.link_gbps * 1e9
+    experts, dense = hw.expert_read_gbps or hw.hbm_gbps, hw.dense_read_gbps or hw.hbm_gbps
+    terms = {"t_hbm": (model.dense_bytes / (dense * 1e9) + extra_hbm_bytes / (hw.hbm_gbps * 1e9)
+                       + routed * bpe / (experts * 1e9)),
+             "t_compute": batch * model.flops_per_token / (hw.matmul_tflops * 1e12),
+             "t_copy": misses * bpe / link,
+             "t_host": hosted * bpe / (hw.host_kernel_gbps * 1e9) if hosted else 0.0,
+             "t_unused": unused * bpe / link,
+             "t_admit": admissions * bpe / link,
+             "t_disk": disk_loads * bpe / (hw.disk_gbps * 1e9) if disk_loads else 0.0}
+    demand = (1.0 - hidden) * terms["t_copy"]
+    ahead = hidden * terms["t_copy"] + terms["t_unused"]
+    shared = min(demand, ahead)  # both on the link, each at half its rate
+    base = (max(demand + shared, terms["t_host"])
+            + max(terms["t_hbm"], terms["t_compute"], ahead - shared) + overhead_s)
+    busy_link = terms["t_copy"] + terms["t_unused"]
+    step = base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"]
+    busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
+            "host-compute": terms["t_host"], "disk": terms["t_disk"],
+            link_name(hw.pcie_gbps, hw.host_read_gbps): busy_link + terms["t_admit"]}
+    return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
+                      terms=terms)

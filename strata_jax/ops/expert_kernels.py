@@ -1,0 +1,215 @@
+"""Grouped SwiGLU over pool slots: Pallas kernels for decode, an XLA path otherwise.
+
+All compute, for each active slot c, y[c] = (silu(x @ w1[s_c]) * (x @ w3[s_c])) @ w2[s_c],
+reading each slot's weights straight out of the pool (no gathered copy of the experts): a
+Triton kernel for float pools, the Mosaic GPU kernel of `int4_kernel` for packed int4 pools on
+Hopper, and XLA (dequantize + einsum) everywhere else, on the CPU in particular.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from strata_jax.ops import int4_kernel
+from strata_jax.ops.layers import einsum_f32
+from strata_jax.ops.pool import ExpertPool
+
+PALLAS_MAX_ROWS = 32  # decode shapes; larger row counts take the XLA path
+ROW_TILE = 16  # fewest rows a Triton dot takes; above it, experts get their own rows
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Triton tile sizes: reduction block, gate/up output block, down output block, K splits."""
+
+    bk: int = 128
+    bf: int = 64
+    bd: int = 64
+    split_k: int = 4
+    num_warps: int = 4
+    num_stages: int = 4
+    unroll: int = 1  # reduction blocks per loop iteration (more loads in flight per step)
+
+
+def triton_params(tiles):
+    """Triton's launch settings of `tiles` (its num_warps and num_stages), or None where the
+    Triton lowering is not installed."""
+    try:
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    except (ImportError, AttributeError):  # CPU-only installs lack the Triton lowering
+        return None
+
+
+def _block_dot(x, w_ref, slot, k, cols, tiles: Tiles):
+    """x[:, K block k] @ W[slot][K block k, cols] in float32, with the weights in x's dtype (as
+    the XLA path computes them)."""
+    w = w_ref[slot, pl.ds(k * tiles.bk, tiles.bk), cols].astype(x.dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _reduce_blocks(steps: int, first, block, count: int, shape, tiles: Tiles):
+    """The `count` sums of `block(k)` (a tuple) over k in [first, first + steps), with
+    `tiles.unroll` blocks per iteration."""
+    def body(i, accs):
+        for u in range(tiles.unroll):
+            parts = block(first + i * tiles.unroll + u)
+            accs = tuple(a + part for a, part in zip(accs, parts, strict=True))
+        return accs
+
+    zero = jnp.zeros(shape, jnp.float32)
+    return jax.lax.fori_loop(0, steps // tiles.unroll, body, (zero,) * count)
+
+
+def _gate_up_kernel(slots_ref, valid_ref, x_ref, w1, w3, h_ref, *, tiles: Tiles):
+    c, j = pl.program_id(0), pl.program_id(1)
+    slot = slots_ref[c]
+    xi = c if x_ref.shape[0] > 1 else 0  # rows per entry [C, n, D], or shared [1, n, D]
+    n, d = x_ref.shape[1:]
+    cols = pl.ds(j * tiles.bf, tiles.bf)
+
+    def block(k):
+        x = x_ref[xi, :, pl.ds(k * tiles.bk, tiles.bk)]  # loaded once for gate and up
+        return (_block_dot(x, w1, slot, k, cols, tiles), _block_dot(x, w3, slot, k, cols, tiles))
+
+    @pl.when(valid_ref[c] != 0)
+    def _():
+        a1, a3 = _reduce_blocks(d // tiles.bk, 0, block, 2, (n, tiles.bf), tiles)
+        h_ref[...] = (jax.nn.silu(a1) * a3).astype(h_ref.dtype)[None]
+
+    @pl.when(valid_ref[c] == 0)
+    def _():
+        h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
+
+
+def _down_kernel(slots_ref, valid_ref, h_ref, w2, y_ref, *, tiles: Tiles):
+    c, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[c]
+    n, f = h_ref.shape[1], h_ref.shape[2]
+    steps = f // tiles.bk // tiles.split_k
+    cols = pl.ds(j * tiles.bd, tiles.bd)
+
+    def block(k):
+        h = h_ref[c, :, pl.ds(k * tiles.bk, tiles.bk)]
+        return (_block_dot(h, w2, slot, k, cols, tiles),)
+
+    @pl.when(valid_ref[c] != 0)
+    def _():
+        (acc,) = _reduce_blocks(steps, s * steps, block, 1, (n, tiles.bd), tiles)
+        y_ref[...] = acc[None, None]
+
+    @pl.when(valid_ref[c] == 0)
+    def _():
+        y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
+
+
+def check_tiles(d: int, f: int, tiles: Tiles) -> None:
+    if d % tiles.bk or f % tiles.bk or f % tiles.bf or d % tiles.bd:
+        raise ValueError(f"expert dims D={d}, F={f} are not multiples of the tiles {tiles}")
+    if (f // tiles.bk) % tiles.split_k:
+        raise ValueError(f"F={f} / bk={tiles.bk} is not divisible by split_k={tiles.split_k}")
+    if (d // tiles.bk) % tiles.unroll or (f // tiles.bk // tiles.split_k) % tiles.unroll:
+        raise ValueError(f"the reduction blocks of D={d}, F={f} do not split by {tiles}")
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
+                          interpret: bool = False, valid=None):
+    """Float pools: x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums
+    [C, split_k, N, D] float32. x may also be [C, N, D]: each entry's own rows
+    (`moe.chunk_picks`). Entries whose `valid` [C] is false read no weights and give zeros."""
+    if pool.quantized:
+        raise ValueError("the Triton kernel takes float pools; int4 pools use int4_kernel")
+    x3 = x if x.ndim == 3 else x[None]
+    n0, d = x3.shape[1:]
+    f = pool.intermediate_size
+    check_tiles(d, f, tiles)
+    n = -(-n0 // ROW_TILE) * ROW_TILE  # Triton dots need >= 16 rows
+    xp = jnp.zeros((x3.shape[0], n, d), x.dtype).at[:, :n0].set(x3)
+    c = slots.shape[0]
+    valid = jnp.ones((c,), jnp.int32) if valid is None else valid.astype(jnp.int32)
+    params = triton_params(tiles)
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, tiles=tiles),
+        grid=(c, f // tiles.bf),
+        out_shape=jax.ShapeDtypeStruct((c, n, f), x.dtype),
+        out_specs=pl.BlockSpec((1, n, tiles.bf), lambda ci, j: (ci, 0, j)),
+        compiler_params=params,
+        interpret=interpret,
+    )(slots, valid, xp, pool.w1, pool.w3)
+    partial = pl.pallas_call(
+        functools.partial(_down_kernel, tiles=tiles),
+        grid=(c, tiles.split_k, d // tiles.bd),
+        out_shape=jax.ShapeDtypeStruct((c, tiles.split_k, n, d), jnp.float32),
+        out_specs=pl.BlockSpec((1, 1, n, tiles.bd), lambda ci, s, j: (ci, s, 0, j)),
+        compiler_params=params,
+        interpret=interpret,
+    )(slots, valid, h, pool.w2)
+    return partial[:, :, :n0]
+
+
+def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
+    """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N)."""
+    w1, w3, w2 = (pool.dense_weights(kind, slots, x.dtype) for kind in ("w1", "w3", "w2"))
+    rows = "cnd" if x.ndim == 3 else "nd"
+    gate = jnp.einsum(f"{rows},cdf->cnf", x, w1)
+    up = jnp.einsum(f"{rows},cdf->cnf", x, w3)
+    y = einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
+    return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
+
+
+TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/archive/NOTES.md
+MIN_SPLIT_STEPS = 16  # shorter split-K loops spend their time filling the load pipeline
+
+
+def tiles_for(d: int, f: int, base: Tiles | None = None) -> Tiles | None:
+    """`base` with the largest split_k <= base.split_k that divides the down projection's K
+    steps into loops of at least MIN_SPLIT_STEPS (else 1), or None if nothing fits."""
+    base = base or TILES
+    for split in range(base.split_k, 0, -1):
+        if split > 1 and f // base.bk // split < MIN_SPLIT_STEPS:
+            continue
+        tiles = dataclasses.replace(base, split_k=split)
+        try:
+            check_tiles(d, f, tiles)
+        except ValueError:
+            continue
+        return tiles
+    return None
+
+
+def use_pallas(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bfloat16) -> bool:
+    """The one place that picks the expert path: a Pallas kernel on the GPU for decode-sized
+    batches (Mosaic GPU on Hopper with bf16 activations for int4 pools, Triton for float)."""
+    if jax.default_backend() != "gpu" or n > PALLAS_MAX_ROWS:
+        return False
+    if quantized:
+        return (int4_kernel.is_hopper() and jnp.dtype(dtype) == jnp.bfloat16
+                and int4_kernel.tiles_for(d, f) is not None)
+    return tiles_for(d, f) is not None
+
+
+def use_row_chunks(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bfloat16) -> bool:
+    """Whether each expert should multiply only its own rows (chunks of ROW_TILE) rather than
+    all n: on the Pallas path, where rows are padded anyway, once n exceeds ROW_TILE."""
+    return n > ROW_TILE and use_pallas(n, d, f, quantized, dtype)
+
+
+def grouped_swiglu(x, slots, pool: ExpertPool, valid=None, int4_tiles=None):
+    """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
+    output; zeros where `valid` [C] is false), by the path `use_pallas` picks. x is [N, D],
+    or [C, N, D] with each entry's own rows. `int4_tiles`: the Mosaic int4 kernel's tiles
+    (default `int4_kernel.tiles_for`)."""
+    d, f = x.shape[-1], pool.intermediate_size
+    if not use_pallas(x.shape[-2], d, f, pool.quantized, x.dtype):
+        return grouped_swiglu_xla(x, slots, pool, valid)
+    if pool.quantized:
+        return int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, int4_tiles)
+    return grouped_swiglu_pallas(x, slots, pool, tiles=tiles_for(d, f), valid=valid)
