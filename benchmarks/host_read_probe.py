@@ -4,8 +4,8 @@ The same expert bytes read three ways on one machine in one run: in place in tie
 (`pinned_host` buffers, as the engine holds them), copied into plain numpy memory, and copied
 into anonymous memory advised for transparent huge pages; each by the plain read of
 `host_kernels.py` (numpy uint64 sums, one chunk per thread) and by the engine's C kernel at one
-row, on several thread counts. A peer on this machine kind read its experts from ordinary
-memory at ~114 GB/s (../shared/DESIGN.md) where our plain read of tier 1 gave 45-71: if the
+row, on several thread counts. A peer on this machine kind (ik_llama.cpp, experts on the CPU)
+read its experts from ordinary memory at ~114 GB/s where our plain read of tier 1 gave 45-71: if the
 other memories read faster, the remedy is where tier 1 lives, not the kernel.
 
 Run: `python -m benchmarks.host_read_probe --out DIR [--experts 8] [--threads 8,12,16]`;

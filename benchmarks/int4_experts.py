@@ -182,7 +182,7 @@ def run_shape(shape: Shape, bw: float) -> list[dict]:
 
     best, sweep = None, []
     for t in SWEEP[shape.name]:
-        if not int4_kernel.fits(shape.d, shape.f, t):
+        if not int4_kernel.int4_fits(shape.d, shape.f, t):
             continue
         fn = over_layers(engine_path(t), tiled(pool, t, layouts))
         try:

@@ -2,7 +2,7 @@
 
 For Mixtral-8x7B dense shapes (wqkv 4096x6144, wo 4096x4096, and 4096x14336) and M in 1, 4, 16
 rows, times (a) the XLA formula `model.linear` uses, (x @ w.astype(x.dtype)) * scale, (b)
-`int8_matmul` with `tiles_for`'s tiles, (c) a bf16 `x @ w` of the same shape and (d) a plain
+`int8_matmul` with `int8_tiles_for`'s tiles, (c) a bf16 `x @ w` of the same shape and (d) a plain
 read of the int8 bytes (a sum of them as int32). Each is the median, over many runs, of one
 jitted program of CHAIN calls, each on the last one's output (a device rate from one dispatch:
 the idea of `strata_runtime.lab.bench._chained`), each call on its own copy of the weights so that
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import machine
-from strata_jax.ops.int8_kernel import Int8Tiles, fits, int8_matmul, tiles_for
+from strata_jax.ops.int8_kernel import Int8Tiles, int8_fits, int8_matmul, int8_tiles_for
 
 CHAIN = 8  # calls per jitted program, each on its own weight copy (8 x 16.8 MB > 2 x L2)
 
@@ -132,7 +132,7 @@ def _measure_shape(name: str, k: int, n: int, plan: Plan, interpret: bool,
                    rows: list[dict]) -> None:
     ints, bf16s, reads = _weights(jax.random.PRNGKey(k + n), k, n, plan.chain)
     int8_bytes, bf16_bytes = k * n + 2 * n, 2 * k * n
-    tiles = tiles_for(k, n)
+    tiles = int8_tiles_for(k, n)
     base = {"kind": "time", "shape": name, "k": k, "n": n}
     read_us = _chained_us(_read, jnp.zeros((), jnp.int32), reads, plan)
     rows.append({**base, "m": None, "variant": "read int8", "us": read_us,
@@ -157,7 +157,7 @@ def _sweep_tiles(plan: Plan, interpret: bool, rows: list[dict]) -> None:
     ints, _, _ = _weights(jax.random.PRNGKey(1), k, n, plan.chain)
     x0 = jax.random.normal(jax.random.PRNGKey(2), (1, k), jnp.bfloat16)
     want = _xla(x0, *ints[0])
-    for tiles in (t for t in plan.sweep if fits(k, n, t)):
+    for tiles in (t for t in plan.sweep if int8_fits(k, n, t)):
         kernel = _kernel(tiles, interpret)
         row = {"kind": "sweep", "shape": name, "k": k, "n": n, "m": 1, "tiles": str(tiles),
                "programs": n // tiles.bn * tiles.split_k}
@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     info = machine()
     rows: list[dict] = []
     for name, k, n in plan.shapes:
-        print(f"{name} {k}x{n}, tiles {tiles_for(k, n)}", flush=True)
+        print(f"{name} {k}x{n}, tiles {int8_tiles_for(k, n)}", flush=True)
         _measure_shape(name, k, n, plan, interpret, rows)
     print(_table(rows), flush=True)
     print(f"tile sweep, M=1, {plan.sweep_shape[0]} {plan.sweep_shape[1]}x{plan.sweep_shape[2]}:",

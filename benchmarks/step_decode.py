@@ -63,6 +63,7 @@ from strata_jax.ops import host_experts, host_kernel, int4_kernel
 from strata_jax.ops.pool import ExpertPool, free
 from strata_jax.step import programs as step
 from strata_jax.tools.synth import synth_config
+from strata_runtime.lab.cost_model import serial_seconds
 from strata_runtime.residency.ledger import ModelBytes, default_staging_slots
 
 GiB = 1 << 30
@@ -103,7 +104,8 @@ ROWS: dict[str, RowSpec] = {r.name: r for r in (
     RowSpec("bf16-8g", "bf16", 8.0, 0.25, (1, 16)),
 )}
 
-# ../shared/DESIGN.md, same machine kind and shape (synthetic Mixtral-8x7B, 8 layers), tok/s
+# Peers measured on the same machine kind and shape (synthetic Mixtral-8x7B, 8 layers), tok/s:
+# HF transformers eager and accelerate (benchmarks/archive/NOTES.md), ik_llama.cpp F16 / Q4_0
 PEERS: dict[tuple[str, int, bool], str] = {
     ("bf16", 1, True): "HF eager resident 18.4; ik_llama F16 resident 240.6",
     ("bf16", 16, True): "HF eager resident 150",
@@ -167,7 +169,7 @@ def int4_tile(cfg: ModelConfig, layout: str) -> tuple[int, int] | None:
     """The (rows, inputs) tile of tile-major int4 slots: "auto" where the Mosaic kernel runs
     (Hopper, as the engine's weight_layout="auto"), "tiles" always (the XLA path reads them
     too), "rows": None (row-major)."""
-    tiles = int4_kernel.tiles_for(cfg.hidden_size, cfg.expert_intermediate_size)
+    tiles = int4_kernel.int4_tiles_for(cfg.hidden_size, cfg.expert_intermediate_size)
     if layout == "rows" or tiles is None:
         return None
     if layout == "auto" and not (jax.default_backend() == "gpu" and int4_kernel.is_hopper()):
@@ -423,21 +425,27 @@ def dense_read_bytes(params: dict[str, Any], batch: int) -> int:
     return total - embed.nbytes + batch * embed.shape[1] * embed.dtype.itemsize
 
 
+BINDS = {"hbm": "HBM", "pcie": "PCIe"}  # the names this report gives the bound's terms
+
+
 def bounds(row: dict[str, Any]) -> dict[str, Any]:
-    """The row's bound from its counted bytes and the bandwidths of its run."""
+    """The row's bound from its counted bytes and the bandwidths of its run: its HBM and PCIe
+    terms serialize (`cost_model.serial_seconds`; one program, no compute term)."""
     bw, c = row["bandwidth"], row["counts"]
     hbm_bytes = row["dense_bytes"] + row["kv_bytes"] + c["expert_hbm_bytes"]
-    t_hbm = hbm_bytes / (bw["hbm_read"] * 1e9)
-    t_pcie = c["host_bytes"] / (bw["pinned"][row["fmt"]] * 1e9)
+    seconds = {"hbm": hbm_bytes / (bw["hbm_read"] * 1e9),
+               "pcie": c["host_bytes"] / (bw["pinned"][row["fmt"]] * 1e9)}
+    t_hbm, t_pcie = seconds["hbm"], seconds["pcie"]
     b = row["batch"]
-    bound = b / (t_hbm + t_pcie)
+    bound = b / serial_seconds(seconds)
     step_s = b / row["tok_s"]
     host_read = row.get("host", {}).get("plain_read_gbps")
     hybrid = None
     if host_read:  # the misses' bytes over both remedies at once
         misses = c["host_bytes"] + c.get("hosted_bytes", 0.0)
-        hybrid = b / (t_hbm + misses / ((bw["pinned"][row["fmt"]] + host_read) * 1e9))
-    binds = "PCIe" if t_pcie > t_hbm else "HBM"
+        hybrid = b / serial_seconds(
+            {"hbm": t_hbm, "pcie": misses / ((bw["pinned"][row["fmt"]] + host_read) * 1e9)})
+    binds = BINDS[max(seconds, key=seconds.get)]
     gpu = gpu_split(row, t_hbm)
     if gpu and row["tok_s"] / bound < 0.85:  # short of HBM: name the largest loss instead
         binds = gpu["loses"]

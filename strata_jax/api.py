@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.batching import requests
 from strata_jax.batching.checks import check_request, check_tokens  # noqa: F401 (public)
+from strata_jax.batching.resident import ResidentEngine
+from strata_jax.batching.scheduler import Scheduler
+from strata_jax.batching.scoring import loglikelihood
+from strata_jax.batching.text import cut_at_stop
 from strata_jax.formats.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
 from strata_jax.formats.config import ModelConfig
 from strata_jax.model import decoder as mdl
@@ -193,7 +198,7 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
 
     tok = model.tokenizer
     ids = encode_prompts(tok, prompts, chat=chat)
-    settings = per_request(sampling, len(prompts))
+    settings = requests.per_request(sampling, len(prompts))
     if not ignore_eos:
         settings = [dataclasses.replace(s, stop_ids=s.stop_ids | tok.eos_ids) for s in settings]
     out = _generate_ids(model, ids, max_new_tokens, settings, batch_capacity, max_len,
@@ -201,19 +206,11 @@ def generate(model: Model, prompts: Sequence[str] | Sequence[Sequence[int]],
     return [cut_at_stop(tok.decode(o), s.stop) for o, s in zip(out, settings, strict=True)]
 
 
-def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` up to (without) the earliest of the stop strings."""
-    ends = [i for i in (text.find(stop) for stop in stops) if i >= 0]
-    return text[: min(ends)] if ends else text
-
-
 def _generate_ids(model: Model, prompts, max_new_tokens: int, sampling, batch_capacity: int,
                   max_len: int, prefill_chunk: int | None, prefill_rows: int | None,
                   tokenizer) -> list[list[int]]:
-    from strata_jax.batching.resident import ResidentEngine
-    from strata_jax.batching.scheduler import Scheduler
 
-    settings = per_request(sampling, len(prompts))
+    settings = requests.per_request(sampling, len(prompts))
     for i, p in enumerate(prompts):
         check_request(model.config, i, p, max_new_tokens, max_len)
     sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk,
@@ -231,9 +228,6 @@ def score(model: Model, pairs: Sequence[tuple[Any, Any]], *, batch_capacity: int
     checkpoint's tokenizer (each part encoded alone, without special tokens), run as prompts
     through the scheduler like `generate` (same shape knobs). The offload engine's
     `Engine.score` gives the same bits."""
-    from strata_jax.batching.resident import ResidentEngine
-    from strata_jax.batching.scheduler import Scheduler
-    from strata_jax.batching.scoring import loglikelihood
 
     ids = [tuple(_score_ids(model, part) for part in pair) for pair in pairs]
     sched = Scheduler(ResidentEngine(model, batch_capacity, max_len, prefill_chunk,
@@ -247,14 +241,3 @@ def _score_ids(model: Model, part: Any) -> list[int]:
     if model.tokenizer is None:
         raise ValueError("the checkpoint has no tokenizer; pass ids")
     return model.tokenizer.encode(part, add_special_tokens=False)
-
-
-def per_request(sampling: SamplingParams | Sequence[SamplingParams],
-                count: int) -> list[SamplingParams]:
-    """One SamplingParams per request, each with its seed fixed (None draws one now)."""
-    if isinstance(sampling, SamplingParams):
-        sampling = [sampling] * count
-    sampling = list(sampling)
-    if len(sampling) != count:
-        raise ValueError(f"{len(sampling)} SamplingParams for {count} prompts")
-    return [dataclasses.replace(s, seed=s.resolved_seed()) for s in sampling]

@@ -12,7 +12,7 @@ from strata_jax.formats.checkpoint import CheckpointReader
 from strata_jax.formats.config import ModelConfig
 from strata_jax.model.misses import MODES as MISS_MODES
 from strata_jax.model.misses import MissRates
-from strata_jax.ops.int4_kernel import Int4Tiles, fits
+from strata_jax.ops.int4_kernel import Int4Tiles, int4_fits
 from strata_jax.step import programs as step
 from strata_runtime.residency.cache_policy import (
     check_admit,
@@ -179,9 +179,9 @@ def check_expert_devices(config: EngineConfig) -> None:
 
 def check_int4_tiles(tiles: Int4Tiles | None, cfg: ModelConfig) -> None:
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
-    if tiles is not None and not fits(d, f, tiles):
+    if tiles is not None and not int4_fits(d, f, tiles):
         raise ValueError(f"EngineConfig.int4_tiles={tiles} does not tile the experts "
-                         f"(hidden {d}, intermediate {f}): see int4_kernel.fits")
+                         f"(hidden {d}, intermediate {f}): see int4_kernel.int4_fits")
 
 
 def context_max_len(config: EngineConfig, reader: CheckpointReader) -> tuple[EngineConfig, str]:

@@ -17,18 +17,14 @@ record, so the processes never diverge.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import functools
 import logging
 import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -36,12 +32,19 @@ from jax.sharding import PartitionSpec as P
 
 from strata_jax import api
 from strata_jax.batching import packing
-from strata_jax.batching.checks import check_tokens
+from strata_jax.batching.checks import check_admissions
 from strata_jax.batching.contract import StepResult
 from strata_jax.batching.packing import Admission
-from strata_jax.formats.checkpoint import CheckpointError, CheckpointReader
+from strata_jax.batching.requests import (  # noqa: F401 (RequestFailed: the engine raises it)
+    RequestFailed,
+    RequestResult,
+    generate_all,
+    run_requests,
+)
+from strata_jax.batching.scheduler import Scheduler
+from strata_jax.batching.scoring import loglikelihood
+from strata_jax.formats.checkpoint import CheckpointReader
 from strata_jax.formats.config import ModelConfig
-from strata_jax.formats.quant import dequantize_int4_jnp
 from strata_jax.model.misses import MissRates
 from strata_jax.ops.pool import free
 from strata_jax.step import expert_parallel
@@ -55,41 +58,34 @@ from strata_runtime.engine.config import (  # noqa: F401 (EngineConfig: the engi
     check_expert_devices,
     check_int4_tiles,
 )
+from strata_runtime.engine.disk import (
+    ExpertLoader,
+    agreed_errors,
+    host_device,
+    plan_loads,
+    rows_routed,
+    start_reads,
+)
 from strata_runtime.engine.plan import (
     host_dequantizes,
     plan_for,
     slot_bytes,
     slot_tile,
-    tier1_floor,
 )
-from strata_runtime.engine.stats import PHASES, DeviceCounts, EngineStats
+from strata_runtime.engine.processes import process_sum, summed_moves
+from strata_runtime.engine.shares import Share, placement, start_shares  # noqa: F401
+from strata_runtime.engine.stats import DeviceCounts, EngineStats
 from strata_runtime.engine.trace import TraceReplay, TraceWriter, load_trace
 from strata_runtime.residency.cache_policy import (
-    ExpertCache,
     HeatEstimate,
-    rebalance,
 )
-from strata_runtime.residency.heat import load_heat, ranked, save_heat
+from strata_runtime.residency.heat import load_heat, save_heat
 from strata_runtime.residency.host_misses import HostMisses
-from strata_runtime.residency.ledger import (
-    default_staging_slots,
-    even_share,
-)
 from strata_runtime.residency.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
-from strata_runtime.residency.read_ahead import ReadAhead
-from strata_runtime.residency.tiers import Key, Residencies, Residency, as_held, local_devices
+from strata_runtime.residency.tiers import Key, Residencies, local_devices
 from strata_runtime.residency.timeline import Timeline
 
 log = logging.getLogger("strata.engine")
-
-def placement(cfg: ModelConfig, pinned: int, host: int, heat: np.ndarray | None = None,
-              mine: np.ndarray | None = None) -> tuple[list[Key], list[Key]]:
-    """The `pinned` hottest experts, and the `host` experts of tier 1 (the others first, then
-    the pinned ones, which rebalancing may demote); of those `mine` (bool [L, E]) marks, if
-    given."""
-    order = [k for k in ranked(cfg, heat) if mine is None or mine[k]]
-    return order[:pinned], (order[pinned:] + order[:pinned])[:host]
-
 
 def _without_rows(args: tuple, rows: dict[int, str], capacity: int) -> tuple:
     """A prefill program's arguments with `rows` made padding (past the batch, no tokens)
@@ -98,21 +94,6 @@ def _without_rows(args: tuple, rows: dict[int, str], capacity: int) -> tuple:
     riders = args[5] & ~np.isin(np.arange(capacity), list(rows))
     return (np.where(cut, capacity, args[0]).astype(np.int32), args[1], args[2],
             np.where(cut, 0, args[3]).astype(np.int32), args[4], riders, args[6])
-
-
-@dataclass
-class Share:
-    """What one device of the expert axis holds and decides for the experts it owns: its
-    residency (its slots, staging and share of tier 1, in its own slot numbers), its pinned
-    set and its cache slots' policy."""
-
-    device: int
-    """Its index on the expert axis (`Engine.owner`'s value for its experts)."""
-    residency: Residency
-    pinned: set[Key]
-    cache: ExpertCache
-    ahead: ReadAhead
-    """Its disk experts read ahead into its tier 1."""
 
 
 @contextlib.contextmanager
@@ -132,23 +113,24 @@ class Engine:
         cfg = reader.config
         check_int4_tiles(config.int4_tiles, cfg)
         check_expert_devices(config)
-        self.cfg, self.config, self.reader = cfg, config, reader
+        self.cfg, self.config, self._reader = cfg, config, reader
         self.capacity, self.max_len = config.batch_capacity, config.max_len
         self.devices = _expert_devices(config.expert_devices, cfg)
-        self.mesh = None if len(self.devices) == 1 else expert_parallel.mesh_of(self.devices)
-        local = self.devices if self.mesh is None else local_devices(self.mesh)
-        self.local = [self.devices.index(d) for d in local]  # axis indices this process drives
-        self.processes = len({d.process_index for d in self.devices})
-        self.device = local[0]
-        self._everyone = self.device if self.mesh is None else NamedSharding(self.mesh, P())
+        self._mesh = None if len(self.devices) == 1 else expert_parallel.mesh_of(self.devices)
+        local = self.devices if self._mesh is None else local_devices(self._mesh)
+        self._local = [self.devices.index(d) for d in local]  # axis indices this process drives
+        self._processes = len({d.process_index for d in self.devices})
+        self._device = local[0]
+        self._everyone = self._device if self._mesh is None else NamedSharding(self._mesh, P())
         heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
         self.owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(self.devices),
                                             heat)
-        self.tile = slot_tile(reader, config)
-        self.numa = plan_binding(gpu_pci_bus_id(self.device))
+        self._tile = slot_tile(reader, config)
+        self._load = ExpertLoader(reader, host_dequantizes(config, reader), self._tile)
+        self._numa = plan_binding(gpu_pci_bus_id(self._device))
         self._threads = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="strata-io",
                                            initializer=bind_current_thread,
-                                           initargs=(self.numa,))
+                                           initargs=(self._numa,))
         self.startup: dict[str, float] = {}  # seconds of each start-up phase
         with _phase(self.startup, "ledger"):  # compiles the step programs to size the workspace
             self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
@@ -156,41 +138,49 @@ class Engine:
                               config.prefill_chunk or step.default_prefill_chunk(self.max_len))
         self.prefill_rows = config.prefill_rows or self.capacity
         with _phase(self.startup, "pools"):  # tiers 0 and 1 read from disk
-            self.shares = self._shares(heat)  # this process's devices' only
-        self.residency = Residencies([s.residency for s in self.shares], self.mesh,
-                                     None if self.mesh is None else self.owner)
+            start = start_shares(
+                cfg=cfg, config=config, reader=reader, ledger=self.ledger, owner=self.owner,
+                devices=self.devices, local=self._local, heat=heat, load=self._load,
+                try_load=self._load.attempt,
+                read=start_reads(self._numa, config.fetch_threads), numa=self._numa,
+                rows=max(self.capacity, self.prefill_chunk))
+            self.shares = start.shares  # this process's devices' only
+            self.resident, self.staging = start.resident, start.staging
+            self._disk_possible = start.disk_possible
+        self.residency = Residencies([s.residency for s in self.shares], self._mesh,
+                                     None if self._mesh is None else self.owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         with _phase(self.startup, "dense"):
-            if self.mesh is None:
+            if self._mesh is None:
                 self.params = api.read_dense_params(reader)
             else:  # read on the host: each device receives its copy, the first no second one
-                with jax.default_device(_cpu()):
+                with jax.default_device(host_device()):
                     self.params = expert_parallel.place(api.read_dense_params(reader),
                                                         self._everyone)
         with _phase(self.startup, "links"):
             links = self._links()
         self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
-            self.device, self.shares[0].residency.host, None if config.miss_rates is None
+            self._device, self.shares[0].residency.host, None if config.miss_rates is None
             else MissRates.parse(config.miss_rates), config.host_threads)
         self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
                                   resume=self._disk_possible,
                                   miss="fetch" if self.host_misses is None else config.miss,
                                   replay=config.replay_trace is not None)
-        self.replay = None if config.replay_trace is None else TraceReplay(
+        self._replay = None if config.replay_trace is None else TraceReplay(
             load_trace(config.replay_trace), num_layers=cfg.num_layers,
             num_experts=cfg.num_experts, top_k=cfg.top_k, source=config.replay_trace)
-        self.closed = False  # close() has freed the engine's memory
+        self._closed = False  # close() has freed the engine's memory
         self._starts: dict[int, step.Resume] = {}  # per token count
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
         self._live = [False] * self.capacity  # the host's copy of state.live
-        programs = programs_for(self.mesh, staged=self.staging > 0)
+        programs = programs_for(self._mesh, staged=self.staging > 0)
         self._decode, self._prefill = programs.decode, programs.prefill
         self.state = self._replicated(step.init_state(cfg, self.capacity, self.max_len,
-                                                      self.device))
-        self.timeline = Timeline(config.timeline, process=jax.process_index())
-        if self.host_misses is not None and self.timeline.enabled:
+                                                      self._device))
+        self._timeline = Timeline(config.timeline, process=jax.process_index())
+        if self.host_misses is not None and self._timeline.enabled:
             self.host_misses.trace_round_trips()
         # the host's moves in it are this process's devices' (stats() sums the processes')
         self.counters = EngineStats(
@@ -212,92 +202,6 @@ class Engine:
 
     # --- set-up --------------------------------------------------------------------------------
 
-    def _shares(self, heat: np.ndarray | None) -> list[Share]:
-        """Each device's residency, pinned set and cache: its hottest experts (by `heat`, else
-        spread over the layers) pinned, the next in its cache slots as they are routed, the
-        rest in its share of tier 1 as far as it goes; only this process's devices' (every
-        process plans them all alike, so the global pools' shapes agree). Sets `resident`,
-        `staging` and whether a step can stall on disk."""
-        cfg, config = self.cfg, self.config
-        mine = [self.owner == d for d in range(len(self.devices))]
-        owned = [int(m.sum()) for m in mine]
-        slots, host, staging = self._tier_sizes(max(owned))
-        self.resident = all(slots >= n for n in owned)
-        cache = 0 if self.resident or config.policy == "static" else int(
-            config.cache_fraction * slots)
-        placed = [placement(cfg, slots - cache, host, heat, m) for m in mine]
-        self.staging = 0 if self.resident else staging
-        self._disk_possible = not self.resident and any(host < n for n in owned)
-        host_slots = max(self._host_slots(len(pinned), cache, host, m)
-                         for (pinned, _), m in zip(placed, mine, strict=True))
-        shares = []
-        for d in self.local:
-            pinned, host_keys = placed[d]
-            residency = Residency(cfg.num_layers, cfg.num_experts, self.devices[d], self._load,
-                                  pinned, slots, self.staging,
-                                  None if self.resident else host_keys, host_slots,
-                                  read=self._read)
-            self._refuse_broken(residency.broken)
-            ahead = ReadAhead(config.read_ahead if self._disk_possible else 0,
-                              config.hysteresis, self._try_load,
-                              functools.partial(bind_current_thread, self.numa))
-            shares.append(Share(d, residency, set(pinned) - residency.broken.keys(),
-                                ExpertCache(config.policy, cache, config.cache_admit), ahead))
-        return shares
-
-    def _refuse_broken(self, broken: dict[Key, str]) -> None:
-        """A resident engine has no miss path to fail the requests that route to an expert
-        whose chunk could not be read (an offloaded one treats it as a miss on disk, which
-        fails those requests alone): it refuses to start, naming the experts."""
-        if broken and self.staging == 0:
-            (layer, expert), error = next(iter(broken.items()))
-            raise CheckpointError(
-                f"{self.reader.path}: {len(broken)} expert(s) could not be read, e.g. expert "
-                f"{expert} of layer {layer}: {error}. Every expert has a device slot in this "
-                "engine, so their requests cannot fail alone: repair the checkpoint, or give "
-                "a budget (hbm_budget, resident_experts) that leaves experts on the host tiers")
-
-    def _tier_sizes(self, most: int) -> tuple[int, int, int]:
-        """Each device's (tier-0 slots, tier-1 experts, staging) when a device owns at most
-        `most` experts: from the ledger, unless overridden."""
-        cfg, config = self.cfg, self.config
-        n = len(self.devices)
-        slots, host = most, most
-        staging = config.staging_slots or default_staging_slots(
-            slot_bytes(self.reader, config), config.batch_capacity, n)
-        if self.ledger is not None:
-            slots, staging = self.ledger.pool_slots, self.ledger.staging_slots or staging
-            host = self.ledger.host_share  # tier 1 holds experts as the slots do
-        if config.resident_experts is not None:
-            slots = config.resident_experts
-        if config.host_experts is not None:
-            host = even_share(config.host_experts, cfg.num_layers * cfg.num_experts, n, most)
-        per_layer = int(max((self.owner == d).sum(axis=1).max() for d in range(n)))
-        return min(slots, most), min(host, most), min(staging, per_layer)
-
-    def _host_slots(self, pinned: int, cache: int, host: int, mine: np.ndarray) -> int:
-        """A device's tier-1 slots: `host`, but at least `tier1_floor` (the extra slots start
-        empty); warns when that is more than the budget gave."""
-        floor = tier1_floor(self.cfg.top_k, owned=int(mine.sum()),
-                            owned_per_layer=int(mine.sum(axis=1).max()), pinned=pinned,
-                            cache=cache, rows=max(self.capacity, self.prefill_chunk),
-                            rebalance=bool(self.config.rebalance_every))
-        if floor > host:
-            log.warning("tier 1 holds %d experts where the host budget gives %d: a step that "
-                        "stalls on disk resumes at a layer once its experts are all in tier 1 "
-                        "(`strata plan` names the knobs)", floor, host)
-        return max(host, floor)
-
-    def _read(self, fn, keys: list[Key]) -> list:
-        """The start-up pools' reads. Each chunk's sha256 binds a core (a core hashes at about
-        a third of the rate it reads from the page cache), so they take the NUMA node's cores
-        (up to 16), not the `fetch_threads` that serve stalls between steps."""
-        cores = len(self.numa.cpus) if self.numa.binds else os.cpu_count() or 1
-        with ThreadPoolExecutor(max(self.config.fetch_threads, min(16, cores)),
-                                thread_name_prefix="strata-start",
-                                initializer=bind_current_thread, initargs=(self.numa,)) as pool:
-            return list(pool.map(fn, keys))
-
     def _share(self, key: Key) -> Share | None:
         """The share of the device that owns `key`; None if another process drives it."""
         owner = int(self.owner[key])
@@ -309,23 +213,15 @@ class Engine:
         if self.resident:
             return [None] * len(self.devices)
         rates = np.zeros(len(self.devices))
-        for d in self.local:
+        for d in self._local:
             rates[d] = link_rate(self.devices[d])
-        return [float(r) for r in _process_sum(rates, self.processes)]
+        return [float(r) for r in process_sum(rates, self._processes)]
 
     def _replicated(self, tree):
         """`tree` (the same host values on every process) on every device of the engine."""
-        if self.mesh is None:
-            return jax.device_put(tree, self.device)
+        if self._mesh is None:
+            return jax.device_put(tree, self._device)
         return expert_parallel.place(tree, self._everyone)
-
-    def _load(self, key: Key) -> dict[str, np.ndarray]:
-        """One expert from disk (verified) as the pools hold it."""
-        arrays = {n: self.reader.read_expert(*key, n) for n in self.reader.expert_specs}
-        if host_dequantizes(self.config, self.reader):
-            arrays = {n: np.asarray(_dequantize_on_cpu(arrays[n], arrays[f"{n}_scale"]))
-                      for n in ("w1", "w3", "w2")}
-        return as_held(arrays, self.tile)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, config: EngineConfig) -> Engine:
@@ -335,7 +231,7 @@ class Engine:
         """Finish the last step's accounting, stop the engine's threads and free its device and
         pinned-host memory now (a process that builds another engine gets it back at once).
         The engine cannot step afterwards; its stats stay readable. Closing twice is fine."""
-        if self.closed:
+        if self._closed:
             return
         self._observe_pending()
         if self.trace is not None:
@@ -345,13 +241,13 @@ class Engine:
         for share in self.shares:
             share.ahead.close()
         self._threads.shutdown(wait=True)
-        self.closed = True
+        self._closed = True
         self.residency.release()
         free(self.params, self.state, self._starts)
         self._starts.clear()
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise RuntimeError("the engine is closed: build a new one to generate again")
 
     def __enter__(self) -> Engine:
@@ -372,7 +268,7 @@ class Engine:
         admission's `packing.Prefilled`: its next token (and scores), or why it failed (an
         expert it needs could not be read: the row is then free)."""
         self._check_open()
-        self._check_admissions(admissions)
+        check_admissions(self.cfg, admissions, self.capacity, self.max_len)
         self._observe_pending()
         t0 = time.perf_counter()
         for a in admissions:
@@ -403,18 +299,6 @@ class Engine:
         self.counters.prefill_tokens += sum(len(a.tokens) for a in admissions)
         return results
 
-    def _check_admissions(self, admissions: Sequence[Admission]) -> None:
-        rows = [a.row for a in admissions]
-        if len(set(rows)) != len(rows):
-            raise ValueError(f"rows {rows}: one admission per row")
-        for a in admissions:
-            if not 0 <= a.row < self.capacity:
-                raise ValueError(f"row {a.row} is outside [0, {self.capacity})")
-            if not len(a.tokens) or a.start + len(a.tokens) > self.max_len:
-                raise ValueError(f"row {a.row}: {len(a.tokens)} tokens from position {a.start} "
-                                 f"do not fit max_len={self.max_len}")
-            check_tokens(self.cfg, list(a.tokens), f"row {a.row}")
-
     def step(self) -> StepResult:
         """Dispatch the decode of one token for every live row; `read` gives the tokens."""
         self._check_open()
@@ -443,7 +327,7 @@ class Engine:
     def _agreed(self, values: tuple) -> tuple:
         """A row's sampler values, the first process's on all (each process's scheduler draws
         its own seed where the request fixes none; the program takes them as replicated)."""
-        if self.processes == 1:
+        if self._processes == 1:
             return values
         return tuple(np.asarray(v) for v in multihost_utils.broadcast_one_to_all(values))
 
@@ -463,13 +347,13 @@ class Engine:
         phase = "prefill" if name.startswith("prefill") else "decode"
         resume = self._from_start(args) if plan.resume else None
         forced = None
-        if self.replay is not None:  # one trace step per step, re-runs included
+        if self._replay is not None:  # one trace step per step, re-runs included
             kind, rows = (("prefill", args[1].size + self.capacity) if args
                           else ("decode", self.capacity))
-            forced = self._replicated(self.replay.picks(kind, rows))
+            forced = self._replicated(self._replay.picks(kind, rows))
         done = None  # the record of the layers before the resume layer
         while True:
-            with self.timeline.span(name, "compute"):
+            with self._timeline.span(name, "compute"):
                 self.state, out, pool = program(self.cfg, plan, self.params,
                                                 self.residency.pool, self._tiers(),
                                                 self.state, *args, resume=resume,
@@ -525,38 +409,17 @@ class Engine:
 
     def _from_disk(self, keys: list[Key], record, args, phase: str,
                    ahead: list[Key] = ()) -> dict[int, str]:
-        """Load `keys` (one layer's, the record's: the same on every process) into their
-        owners' tier-1 shares, each by the process that drives the owner (the coldest host
-        experts of each outside the layer's routed ones make room); rows routed to an expert
-        whose chunk fails verification, on whichever process, fail and leave the batch. The
-        later layers' disk experts `ahead` (routed on an input that lacked the stalled
-        layer's experts, so most of them are the re-run's too) load in the same stall where
-        tier 1 has room outside the step's routed experts, so a step stalls once where it
-        would stall at layer after layer (docs/design.md, "Disk stalls"); one that fails to
-        read is left for the stall that needs it. The loads and the stall count in `phase`."""
+        """Load a stalled layer's `keys` (and the later layers' disk experts `ahead` where
+        tier 1 has room: `disk.plan_loads`) into their owners' tier-1 shares, each by the
+        process that drives the owner; rows routed to an expert whose chunk fails
+        verification, on whichever process, fail and leave the batch (docs/design.md, "Disk
+        stalls"). The loads and the stall count in `phase`."""
         t0 = time.perf_counter()
-        counts = np.asarray(record.counts)
-        layer = keys[0][0]
-        routed = {(layer, int(e)) for e in np.nonzero(counts[layer] > 0)[0]}
-        step_routed = {(int(lr), int(e)) for lr, e in np.argwhere(counts > 0)}
-        mine = [k for k in keys if self._share(k) is not None]
-        victims: dict[Key, Key | None] = {}  # each load's victim (None: a free slot)
-        extra: list[Key] = []
-        for share in self.shares:
-            need = [k for k in mine if self._share(k) is share]
-            want = [k for k in dict.fromkeys(ahead) if self._share(k) is share]
-            free = sum(k is None for k in share.residency.host_key)
-            spare = self._host_victims(share, len(need), routed)
-            rest = [v for v in self._host_victims(share, len(share.residency.host_key) + free,
-                                                  step_routed) if v not in spare]
-            room = iter([None] * free + spare + rest)
-            victims.update((k, next(room)) for k in need)
-            for key in want[: max(0, free - len(need)) + len(rest)]:
-                victims[key] = next(room)
-                extra.append(key)
+        mine, extra, victims = plan_loads(self.shares, self._share, keys, ahead,
+                                          np.asarray(record.counts), self.heat.heat)
         errors: dict[Key, str] = {}
         loads = mine + extra
-        for key, arrays in zip(loads, self._threads.map(self._try_load, loads), strict=True):
+        for key, arrays in zip(loads, self._threads.map(self._load.attempt, loads), strict=True):
             if isinstance(arrays, str):
                 if key in mine:
                     errors[key] = arrays
@@ -565,52 +428,14 @@ class Engine:
             share.residency.admit_host(key, arrays, victims[key])
             self.counters.moved(phase, "disk_loads", share.device)
         failed: dict[int, str] = {}
-        for key, error in self._agreed_errors(keys, errors).items():
-            rows = self._rows_routed(record, key, args)
+        for key, error in agreed_errors(keys, errors, self._processes).items():
+            rows = rows_routed(record, key, args, self.capacity, self._live)
             for r in rows:
                 failed[r] = error
                 self.free(r)
             self.counters.failed_requests += len(rows)
         self.counters.phase(phase).disk_stall_s += time.perf_counter() - t0
         return failed
-
-    def _agreed_errors(self, keys: list[Key], errors: dict[Key, str]) -> dict[Key, str]:
-        """The experts of `keys` that could not be read on any process (each reads only its
-        own: the others learn of a failure by an all-gather, so all fail the same rows)."""
-        if self.processes == 1:
-            return errors
-        bad = _process_sum(np.array([k in errors for k in keys], np.int32), self.processes)
-        return {k: errors.get(k, f"expert {k[1]} of layer {k[0]}: its owner's process could "
-                                 "not read it")
-                for k, b in zip(keys, bad, strict=True) if b}
-
-    def _try_load(self, key: Key):
-        try:
-            return self._load(key)
-        except Exception as err:  # noqa: BLE001  (CheckpointError, IO errors)
-            return f"expert {key[1]} of layer {key[0]}: {err}"
-
-    def _rows_routed(self, record, key: Key, args) -> list[int]:
-        """Live rows whose tokens routed to `key` in the step of `record`."""
-        layer, expert = key
-        picked = (np.asarray(record.experts[layer]) == expert).any(axis=-1)
-        if args:  # a prefill program: token i is row args[0][i // T]'s, real below its count,
-            rows, tokens, _, counts, _, riders = args[:6]  # then one token per rider
-            real = np.arange(tokens.shape[1])[None] < counts[:, None]
-            main = picked[: tokens.size].reshape(tokens.shape)
-            hit = (main & real).any(axis=1) & (rows < self.capacity)
-            return [int(r) for r in rows[hit]] + [
-                int(r) for r in np.nonzero(picked[tokens.size:] & riders)[0]]
-        return [int(r) for r in np.nonzero(picked & np.array(self._live))[0]]
-
-    def _host_victims(self, share: Share, count: int, keep: set[Key]) -> list[Key]:
-        """Experts of `share`'s tier 1 to overwrite, coldest first, none with a device slot."""
-        residency = share.residency
-        held = [k for k in residency.host_key if k is not None]
-        free = sum(k is None for k in residency.host_key)
-        candidates = [k for k in held if k not in keep and residency.slot_of(k) is None]
-        candidates.sort(key=lambda k: self.heat.heat[k])
-        return candidates[: max(0, count - free)]
 
     # --- between steps -------------------------------------------------------------------------
 
@@ -636,32 +461,12 @@ class Engine:
         counts = np.asarray(record.counts)
         for layer in range(self.cfg.num_layers):
             self.heat.observe(layer, counts[layer])
-        if not any(s.cache.capacity for s in self.shares):
-            return
-        used = np.argwhere(counts > 0)
+        routed = [(int(layer), int(e)) for layer, e in np.argwhere(counts > 0)]
         heat = self.heat.current()
-        for layer, e in map(tuple, used):
-            key = (int(layer), int(e))
-            share = self._share(key)
-            if share is None or share.cache.capacity == 0:  # another process's to admit
-                continue
-            if key in share.cache:
-                share.cache.touch(key)
-            elif share.residency.slot_of(key) is None and share.residency.on_host(key):
-                self._cache_insert(share, key, heat, phase)
-
-    def _cache_insert(self, share: Share, key: Key, heat: np.ndarray, phase: str) -> None:
-        residency, cache = share.residency, share.cache
-        admitted, victim = cache.offer(key, heat)
-        if not admitted:
-            return
-        if victim is None:  # the cache is not full: a device slot holds nothing (slots =
-            # pinned + cache capacity; a pinned expert whose chunk is broken leaves one free)
-            slot = residency.slot_key.index(None)
-        else:
-            slot = residency.slot_of(victim)
-        residency.promote(key, slot)
-        self.counters.moved(phase, "admissions", share.device)
+        for share in self.shares:  # each device admits its own experts
+            taken = share.admit([k for k in routed if self.owner[k] == share.device], heat)
+            for _ in range(taken):
+                self.counters.moved(phase, "admissions", share.device)
 
     def _end_step(self) -> None:
         self.heat.end_step()
@@ -673,24 +478,9 @@ class Engine:
         every = self.config.rebalance_every
         if not every or self.counters.decode_steps % every or not self.counters.decode_steps:
             return
-        for share in self.shares:
-            self._rebalance(share)
-
-    def _rebalance(self, share: Share) -> None:
-        """Swap hotter experts of `share`'s device into its pinned slots."""
-        residency, cache = share.residency, share.cache
-        heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)  # its own only
-        for out, new in rebalance(heat, share.pinned, self.config.hysteresis):
-            if not residency.on_host(new):
-                continue  # only on disk: it comes up through the host tier first
-            slot = residency.slot_of(out)
-            if new in cache:
-                cache.remove(new)
-                residency.demote(residency.slot_of(new))
-            residency.promote(new, slot)
-            share.pinned.discard(out)
-            share.pinned.add(new)
-            self.counters.swaps += 1
+        for share in self.shares:  # each device by the heat of its own experts
+            heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)
+            self.counters.swaps += share.rebalance(heat, self.config.hysteresis)
 
     # --- results -------------------------------------------------------------------------------
 
@@ -701,15 +491,15 @@ class Engine:
         parts = self.residency.parts
         tiers = [sum(int((r.page >= 0).sum()) for r in parts),
                  sum(int((r.host_page >= 0).sum()) for r in parts if r.host is not None)]
-        counters, tiers = _summed_moves(self.counters, tiers, self.processes)
+        counters, tiers = summed_moves(self.counters, tiers, self._processes)
         return {"tier0_experts": tiers[0], "tier1_experts": tiers[1],
                 "staging_slots": self.staging, "expert_devices": len(self.devices),
-                "processes": self.processes,
+                "processes": self._processes,
                 **counters.summary(),
                 **({} if self.host_misses is None
                    else self.host_misses.summary(self.counters.bytes_per_expert)),
-                **({} if self.replay is None else {"replay_wraps": self.replay.wraps}),
-                "numa": self.numa.reason}
+                **({} if self._replay is None else {"replay_wraps": self._replay.wraps}),
+                "numa": self._numa.reason}
 
     def reset_stats(self) -> None:
         """Zero the counters (e.g. after warm-up); placement, cache and heat are kept."""
@@ -717,74 +507,35 @@ class Engine:
         self.counters = self.counters.fresh()
         if self.host_misses is not None:
             self.host_misses.reset()
-        self.timeline.clear()
+        self._timeline.clear()
 
     def save_heat(self, path: str | os.PathLike) -> None:
-        save_heat(path, self.heat.counts, source=str(self.reader.path))
+        save_heat(path, self.heat.counts, source=str(self._reader.path))
 
     def export_timeline(self, path: str | os.PathLike) -> None:
-        if not self.timeline.enabled:
+        if not self._timeline.enabled:
             raise ValueError("the timeline is off; construct with EngineConfig(timeline=True)")
         if self.host_misses is not None:
-            self.host_misses.add_spans(self.timeline)
-        self.timeline.export(path)
+            self.host_misses.add_spans(self._timeline)
+        self._timeline.export(path)
 
     def generate_results(self, prompts: list[list[int]], max_new_tokens: int,
                          sampling: SamplingParams | list[SamplingParams] = GREEDY,
-                         tokenizer=None):
-        """One RequestResult per prompt (any number: continuous batching over the rows);
-        `sampling` for every prompt, or one per prompt; `tokenizer` matches their stop
-        strings (`Scheduler`). A request the scheduler refuses (an empty prompt, ids outside
-        the vocabulary, more tokens than max_len) gets its error and the others run."""
-        from strata_jax.batching.scheduler import Scheduler
-
-        sched = Scheduler(self, tokenizer)
-        settings = api.per_request(sampling, len(prompts))
-        reqs: list = []
-        for p, s in zip(prompts, settings, strict=True):
-            try:
-                reqs.append(sched.submit(p, max_new_tokens, s))
-            except ValueError as e:
-                reqs.append(RequestResult([], str(e)))  # names the request
-        sched.run()
-        return [r if isinstance(r, RequestResult) else
-                RequestResult(r.tokens if r.error is None else [], r.error) for r in reqs]
-
-    def score(self, pairs) -> list:
-        """`strata_jax.score` of (context ids, continuation ids) pairs on this engine: the
-        same bits as the resident API's with the same shape."""
-        from strata_jax.batching.scheduler import Scheduler
-        from strata_jax.batching.scoring import loglikelihood
-
-        return loglikelihood(Scheduler(self), pairs)
+                         tokenizer=None) -> list[RequestResult]:
+        """`requests.run_requests` on this engine: one RequestResult per prompt."""
+        return run_requests(self, prompts, max_new_tokens, sampling, tokenizer)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  sampling: SamplingParams | list[SamplingParams] = GREEDY,
                  tokenizer=None) -> list[list[int]]:
         """The new tokens of each prompt (`strata_jax.generate`'s, bit for bit); raises
         RequestFailed if any request failed."""
-        results = self.generate_results(prompts, max_new_tokens, sampling, tokenizer)
-        failed = {i: r.error for i, r in enumerate(results) if r.error}
-        if failed:
-            raise RequestFailed(failed, results)
-        return [r.tokens for r in results]
+        return generate_all(self, prompts, max_new_tokens, sampling, tokenizer)
 
-
-@dataclass(frozen=True)
-class RequestResult:
-    """A request's new tokens, or why it failed (the other requests are unaffected)."""
-
-    tokens: list[int]
-    error: str | None = None
-
-
-class RequestFailed(RuntimeError):
-    """Some requests failed; `results` holds every request's outcome."""
-
-    def __init__(self, failed: dict[int, str], results: list[RequestResult]) -> None:
-        lines = "; ".join(f"request {i}: {msg}" for i, msg in sorted(failed.items()))
-        super().__init__(f"{len(failed)} of {len(results)} requests failed: {lines}")
-        self.results = results
+    def score(self, pairs) -> list:
+        """`strata_jax.score` of (context ids, continuation ids) pairs on this engine: the
+        same bits as the resident API's with the same shape."""
+        return loglikelihood(Scheduler(self), pairs)
 
 
 def _expert_devices(count: int, cfg: ModelConfig) -> list[jax.Device]:
@@ -805,33 +556,6 @@ def _expert_devices(count: int, cfg: ModelConfig) -> list[jax.Device]:
     return present[:count]
 
 
-MOVES = ("admissions", "disk_loads")  # the host's moves, counted by the owner's process
-
-
-def _process_sum(local: np.ndarray, processes: int) -> np.ndarray:
-    """`local` summed over the processes (each contributes its own devices' entries)."""
-    if processes == 1:
-        return local
-    return np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
-
-
-def _summed_moves(counters: EngineStats, tiers: list[int], processes: int
-                  ) -> tuple[EngineStats, list[int]]:
-    """`counters` and the tier counts `tiers` with the host's moves (cache admissions, disk
-    loads, rebalancing swaps, reads ahead: each process counts those of its own devices) and
-    the tiers' experts summed over the processes; the record's counts are already every
-    device's."""
-    if processes == 1:
-        return counters, tiers
-    out = copy.deepcopy(counters)
-    cells = [(out.phase(p), m) for p in PHASES for m in MOVES]
-    cells += [(out, "swaps"), (out, "read_ahead")]
-    cells += [(d, m) for d in out.devices for m in MOVES]
-    local = [getattr(o, m) for o, m in cells] + tiers
-    total = [int(v) for v in _process_sum(np.array(local, np.int32), processes)]
-    for (o, m), v in zip(cells, total, strict=False):
-        setattr(o, m, v)
-    return out, total[len(cells):]
 
 
 def link_rate(device: jax.Device, nbytes: int = 64 << 20, pieces: int = 8) -> float:
@@ -852,18 +576,3 @@ def _spliced(done, record, layer: int):
     """The record of a step resumed at `layer`: the layers before it from `done` (the run
     that stalled there), the others from `record`."""
     return jax.tree.map(lambda a, b: np.concatenate([a[:layer], b[layer:]]), done, record)
-
-
-@functools.cache
-def _cpu() -> jax.Device:
-    """This process's host device (looked up on first use: importing the engine must not
-    start the backend before `jax.distributed.initialize`)."""
-    return jax.local_devices(backend="cpu")[0]
-
-
-def _dequantize_on_cpu(packed: np.ndarray, scales: np.ndarray) -> jax.Array:
-    with jax.default_device(_cpu()):
-        return _dequant_jit(packed, scales)
-
-
-_dequant_jit = jax.jit(lambda p, s: dequantize_int4_jnp(p, s, jnp.bfloat16))

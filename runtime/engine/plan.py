@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from strata_jax.formats.checkpoint import CheckpointReader, expert_arrays
-from strata_jax.ops.int4_kernel import is_hopper, tiles_for, weight_tile
+from strata_jax.ops.int4_kernel import int4_tiles_for, is_hopper, weight_tile
 from strata_jax.step import programs as step
 from strata_runtime.engine.config import EngineConfig, check_expert_devices
 from strata_runtime.residency.ledger import (
@@ -30,7 +30,7 @@ def slot_tile(reader: CheckpointReader, config: EngineConfig) -> tuple[int, int]
     if config.weight_layout == "rows" or (config.weight_layout == "auto" and not is_hopper()):
         return None
     cfg = reader.config
-    tiles = config.int4_tiles or tiles_for(cfg.hidden_size, cfg.expert_intermediate_size)
+    tiles = config.int4_tiles or int4_tiles_for(cfg.hidden_size, cfg.expert_intermediate_size)
     if packed and tiles is not None:
         return weight_tile(tiles)
     if config.weight_layout == "tiles":

@@ -11,9 +11,14 @@ and compute) get the process index in their name (`own_path`).
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from strata_runtime.engine.stats import PHASES, EngineStats
 
 FLAGS = ("coordinator", "num_processes", "process_id")
 
@@ -77,3 +82,32 @@ def own_path(path: str) -> str:
         return path
     p = Path(path)
     return str(p.with_name(f"{p.stem}.p{jax.process_index()}{p.suffix}"))
+
+
+MOVES = ("admissions", "disk_loads")  # the host's moves, counted by the owner's process
+
+
+def process_sum(local: np.ndarray, processes: int) -> np.ndarray:
+    """`local` summed over the processes (each contributes its own devices' entries)."""
+    if processes == 1:
+        return local
+    return np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
+
+
+def summed_moves(counters: EngineStats, tiers: list[int], processes: int
+                  ) -> tuple[EngineStats, list[int]]:
+    """`counters` and the tier counts `tiers` with the host's moves (cache admissions, disk
+    loads, rebalancing swaps, reads ahead: each process counts those of its own devices) and
+    the tiers' experts summed over the processes; the record's counts are already every
+    device's."""
+    if processes == 1:
+        return counters, tiers
+    out = copy.deepcopy(counters)
+    cells = [(out.phase(p), m) for p in PHASES for m in MOVES]
+    cells += [(out, "swaps"), (out, "read_ahead")]
+    cells += [(d, m) for d in out.devices for m in MOVES]
+    local = [getattr(o, m) for o, m in cells] + tiers
+    total = [int(v) for v in process_sum(np.array(local, np.int32), processes)]
+    for (o, m), v in zip(cells, total, strict=False):
+        setattr(o, m, v)
+    return out, total[len(cells):]

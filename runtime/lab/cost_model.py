@@ -34,17 +34,26 @@ share of a step's layers run again, per step. The binding resource is the one bu
 (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the
 link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two. Not
 modelled: the KV cache read (pass it in `extra_hbm_bytes`) and the gaps between the step's kernels,
-both held by a measured `dense_read` (`strata_runtime.lab.bench.dense_kernel_gbps`), host round
-trips
-(`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split is uneven
-(the step's sums are split, not each layer's).
+both held by a measured `dense_read` (`strata_runtime.lab.kernel_rates.dense_kernel_gbps`), host
+round trips (`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split
+is uneven (the step's sums are split, not each layer's).
+
+This module owns every tok/s ceiling, bound and prediction the lab reports: the formula above
+(`predict`), fed by a replay (`strata_runtime.lab.simulate.predict_replay`) or by a run's decode
+steps (`run_prediction`); the bound of a run's counted bytes and FLOPs over measured ceilings
+(`bound`: time >= max(t_hbm, t_compute) + max(t_link, t_host) + t_disk, `serial_seconds`), which
+`benchmarks/step_decode.py` also takes its bounds from; the profile of measured ceilings
+(`measured_profile`); and a row's time split by term (`time_split`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from strata_jax.formats.config import ModelConfig
+from strata_runtime.lab.counting import Counts, Sizes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,7 +96,7 @@ class HardwareProfile:
 
     @property
     def link_gbps(self) -> float:
-        return min(self.pcie_gbps, self.host_read_gbps)
+        return effective_link_gbps(self.pcie_gbps, self.host_read_gbps)
 
 
 PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
@@ -119,6 +128,12 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
                "assumed a 16-core desktop with dual-channel DDR5 (~60 GB/s), its host kernel "
                "0.55 of that (the ratio measured on the H200 host)"),
 )}
+
+
+def effective_link_gbps(pcie_gbps: float, host_read_gbps: float) -> float:
+    """The host -> device copy rate: a copy's source cannot be read faster than host DRAM
+    gives it."""
+    return min(pcie_gbps, host_read_gbps)
 
 
 def link_name(pcie_gbps: float, host_read_gbps: float) -> str:
@@ -216,3 +231,180 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
             link_name(hw.pcie_gbps, hw.host_read_gbps): busy_link + terms["t_admit"]}
     return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
                       terms=terms)
+
+
+# --- a measured run: its profile, its bound, its prediction ----------------------------------
+
+
+def measured_profile(ceilings: Mapping[str, Any], host_cores: int) -> HardwareProfile:
+    """The profile of a run's measured ceilings (`strata_runtime.lab.ceilings`)."""
+    return HardwareProfile(
+        name="measured", pcie_gbps=ceilings["pinned_h2d_gbps"],
+        host_read_gbps=ceilings["host_read_gbps"], hbm_gbps=ceilings["hbm_read_gbps"],
+        hbm_gib=ceilings["hbm_gib"], matmul_tflops=ceilings["matmul_tflops"],
+        host_cores=host_cores,
+        source="measured at the start of this run "
+               "(strata_runtime.lab.ceilings.measure_ceilings)")
+
+
+def bound_link_gbps(ceilings: Mapping[str, Any], step_link: Mapping[str, Any] | None) -> float:
+    """The pinned copy rate a run's bound divides by: the faster of the ceiling's and the
+    decode steps' own (`kernel_rates.step_link`; None: not measured)."""
+    return max(ceilings["pinned_h2d_gbps"] or 0.0, (step_link or {}).get("gbps") or 0.0)
+
+
+OVERLAPPED = ("hbm", "compute")
+"""The bound's terms that overlap each other: the device's reads and its matmuls."""
+
+
+def serial_seconds(seconds: Mapping[str, float], beside: float = 0.0) -> float:
+    """A bound's time from its terms (seconds by name): the longer of the overlapped ones
+    ("hbm", "compute"), plus every other term (copies, disk loads and host compute serialize
+    with the step that waits for them), less `beside` (seconds of two of those that run side
+    by side)."""
+    return max(seconds.get("hbm", 0.0), seconds.get("compute", 0.0)) + sum(
+        t for k, t in seconds.items() if k not in OVERLAPPED) - beside
+
+
+def _bound_seconds(c: Counts, sizes: Sizes, ceilings: Mapping[str, Any],
+                   disk_gbps: float | None, pcie: float) -> tuple[dict[str, float], float]:
+    """The bound's terms and the seconds of its host compute beside the link's copies."""
+    host_read = ceilings["host_read_gbps"]
+    name = link_name(pcie, host_read)
+    seconds = {"hbm": sizes.hbm_bytes(c) / (ceilings["hbm_read_gbps"] * 1e9),
+               "compute": sizes.flops(c) / (ceilings["matmul_tflops"] * 1e12),
+               name: sizes.busiest_link_bytes(c) / (effective_link_gbps(pcie, host_read) * 1e9)}
+    t = c.total
+    disk = sizes.disk_bytes(t)
+    if disk and disk_gbps:
+        seconds["disk"] = disk / (disk_gbps * 1e9)
+    beside = 0.0  # the host's misses run beside the link's copies
+    if t.hosted:
+        seconds["host-compute"] = sizes.hosted_bytes(t) / (host_read * 1e9)
+        beside = min(seconds["host-compute"], seconds[name])
+    return seconds, beside
+
+
+def bound(c: Counts, sizes: Sizes, ceilings: Mapping[str, Any], disk_gbps: float | None,
+          link_gbps: float | None = None) -> dict[str, Any]:
+    """A run's bound from its counted bytes and FLOPs and the measured ceilings
+    (`serial_seconds`; `strata_runtime.lab.bench` module docstring); a disk term only where
+    disk loads happened and a disk rate was measured. Over several devices the links copy
+    side by side: the link term is the busiest device's. `link_gbps`: the fastest pinned copy
+    rate measured (default: the ceiling's)."""
+    pcie = link_gbps or ceilings["pinned_h2d_gbps"]
+    seconds, beside = _bound_seconds(c, sizes, ceilings, disk_gbps, pcie)
+    serial = serial_seconds(seconds, beside)
+    roof = max(seconds.values())
+    disk = sizes.disk_bytes(c.total)
+    return {"seconds": seconds, "bound_s": serial,
+            "bound_tok_s": c.new_tokens / serial if serial > 0 else None,
+            "roofline_tok_s": c.new_tokens / roof if roof > 0 else None,
+            "ratio": serial / c.wall_s if c.wall_s > 0 and serial > 0 else None,
+            "binds": max(seconds, key=seconds.get),
+            "disk_unbounded": bool(disk and not disk_gbps)}
+
+
+def _with_disk_rate(c: Counts, sizes: Sizes, hw: HardwareProfile) -> HardwareProfile:
+    """`hw`, given the rate the decode steps' disk loads achieved where it has none (every
+    call's, if the decode stalls took no measurable time)."""
+    d = c.decode
+    if not d.disk_loads or hw.disk_gbps > 0:
+        return hw
+    loads = d if d.disk_stall_s > 0 else c.total
+    if loads.disk_stall_s <= 0:
+        return hw
+    return dataclasses.replace(hw, disk_gbps=sizes.disk_bytes(loads) / loads.disk_stall_s / 1e9)
+
+
+def _decode_inputs(c: Counts, sizes: Sizes, hw: HardwareProfile,
+                   layers: int) -> dict[str, float]:
+    """`predict`'s per-step inputs from the decode steps' counters (`run_prediction`)."""
+    d = c.decode
+    disk = d.disk_loads if hw.disk_gbps > 0 else 0
+    need = d.fetched + d.prefetched
+    steps = d.calls
+    return {"batch": c.decode_tokens / c.decode_steps, "routed": d.routed / steps,
+            "misses": need / steps, "hosted": d.hosted / steps,
+            "admissions": d.admissions / steps, "disk_loads": disk / steps,
+            "unused": max(d.issued - d.prefetched, 0) / steps,
+            "rerun": d.resumed_layers / (layers * steps) if disk else 0.0,
+            "hidden": d.prefetched / need if need else 0.0,
+            # a measured dense rate has the attention's cache reads in it already
+            "extra_hbm_bytes": 0.0 if hw.dense_read_gbps else float(sizes.kv_bytes)}
+
+
+def run_prediction(c: Counts, sizes: Sizes, hw: HardwareProfile,
+                   layers: int) -> dict[str, Any] | None:
+    """The cost model's decode tok/s from a run's decode steps (None: no decode step).
+    Inputs, from the decode steps' counters alone (`Counts.decode`; prefill chunks route and
+    stall on disk far more, and the decode tok/s it is compared with leaves them out): batch =
+    live rows per timed decode step; routed, misses (demand copies + prefetched experts: every
+    routed expert without a tier-0 slot), hosted, admissions, disk loads per decode step;
+    hidden = the misses' share the prefetch served; rerun = the share of a step's `layers` run
+    again after disk stalls; extra_hbm_bytes = the KV cache (none with a measured dense rate,
+    `kernel_rates.dense_kernel_gbps`, whose program reads the cache). Unless the profile has a
+    disk rate, disk loads count at the rate the decode steps' own loads achieved (their bytes /
+    their stall seconds; every call's, if the decode stalls took no measurable time): how much
+    of the checkpoint the page cache holds and how many loads a stall overlaps decide it,
+    which no ceiling measured apart knows; unused = the prefetches issued that no layer
+    used (they hold the link)."""
+    if not c.decode_steps or not c.decode.calls:
+        return None
+    hw = _with_disk_rate(c, sizes, hw)
+    inputs = _decode_inputs(c, sizes, hw, layers)
+    model = ModelCost(bytes_per_expert=sizes.bytes_per_expert, dense_bytes=sizes.dense_bytes,
+                      flops_per_token=sizes.flops_per_token)
+    p = predict(hw, model, **inputs)
+    return {"profile": hw.name, "tok_s": p.tok_s, "binding": p.binding, "step_ms": 1e3 * p.step_s,
+            "terms_ms": {k: 1e3 * v for k, v in p.terms.items()},
+            "inputs": {**inputs, "bytes_per_expert": sizes.bytes_per_expert,
+                       "dense_bytes": sizes.dense_bytes,
+                       "flops_per_token": sizes.flops_per_token,
+                       "disk_gbps": hw.disk_gbps if inputs["disk_loads"] else None,
+                       "expert_read_gbps": hw.expert_read_gbps or None,
+                       "dense_read_gbps": hw.dense_read_gbps or None,
+                       "link_gbps": hw.link_gbps},
+            "compare_with": "decode_tok_s"}
+
+
+def pooled(p: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A prediction from the repeats' summed counts, to be read against the decode tok/s of
+    the same sums (every repeat's decode tokens / their decode seconds), not the median."""
+    return None if p is None else {**p, "compare_with": "decode_tok_s_pooled"}
+
+
+def prediction_error(row: Mapping[str, Any]) -> float | None:
+    """predicted / measured - 1 for a row (a repeat's or a summary), by its `compare_with`."""
+    p = row.get("predicted")
+    measured = None if p is None else row.get(p["compare_with"])
+    if isinstance(measured, dict):
+        measured = measured.get("median")
+    return None if not measured else p["tok_s"] / measured - 1
+
+
+def time_split(row: Mapping[str, Any]) -> dict[str, float]:
+    """A bench summary row's engine ms per program call, split in the order the stats can
+    vouch for them: disk stalls (measured), then estimates each capped by what is left:
+    host->device copies (counted bytes / the link), the routed experts' reads (their counted
+    bytes / the expert kernel's rate: an int4 kernel's dequant is in it), the rest of the
+    step's reads (dense bytes and KV cache / the rate of the step without experts, or the
+    device read), and the rest (measured minus all those: routing, sampling, host round trips,
+    gaps)."""
+    per, sizes, ceil = row["per_step"], row["sizes"], row["ceilings"]
+    link = effective_link_gbps(ceil["pinned_h2d_gbps"], ceil["host_read_gbps"])
+    dense_gb = (sizes["dense_bytes"] + sizes["kv_bytes"]) / 1e9
+    left = per["ms_engine"]
+    split = {"disk": min(per["ms_disk_stall"], left)}
+    left -= split["disk"]
+    estimates = {
+        "copies": 1e3 * per["h2d_GB"] / link,
+        "experts": 1e3 * max(per["hbm_GB"] - dense_gb, 0.0)
+        / (row.get("expert_read_gbps") or ceil["hbm_read_gbps"]),
+        "dense": 1e3 * min(per["hbm_GB"], dense_gb)
+        / (row.get("dense_read_gbps") or ceil["hbm_read_gbps"])}
+    for name, ms in estimates.items():
+        split[name] = min(ms, left)
+        left -= split[name]
+    split["rest"] = left
+    return split

@@ -3,16 +3,17 @@ prefetcher (docs/design.md, "Traces and the simulator").
 
 The access sequence: per step (in order), per layer (in order), the distinct experts the
 step's live rows routed to, experts ascending; a key is (layer, expert). Pinned experts are
-always hits and never leave. The other hits come from `cache` slots run by
-`strata_runtime.residency.cache_policy.ExpertCache`, the engine's own class, fed as `Engine._admit`
-feeds it: for each routed key, `touch` if cached, else (not pinned) `offer` it under the
-admission rule (`cache_admit`), with the routing heat of the steps so far, the current one
-included (`HeatEstimate`, decay 0.9, fed the step's routing counts as the engine feeds it).
+always hits and never leave. The other hits come from `cache` slots run by the engine's own
+admission logic (`cache_policy.admit` over an `ExpertCache`): for each routed key, `touch` if
+cached, else (not pinned) `offer` it under the admission rule (`cache_admit`), with the routing
+heat of the steps so far, the current one included (`HeatEstimate`, decay 0.9, fed the step's
+routing counts as the engine feeds it).
 
 When the cache learns of a step (`admission`):
 - "engine": as the engine does: a decode step's record is admitted after the next step was
   dispatched, so step t runs with the admissions of steps <= t - 2 (a one-step lag); a
-  prefill step first admits the pending decode record, then its own right away.
+  prefill step first admits the pending decode record, then its own right away; the last
+  step's record is admitted at the end (the engine observes it when its stats are read).
 - "demand": the textbook model: a miss is admitted at its access (Belady's model).
 
 Belady (MIN with bypass): offline, the same pinned set and cache slots; on a miss with the
@@ -34,7 +35,13 @@ from strata_jax.formats.config import ModelConfig
 from strata_jax.model.misses import MissRates, split
 from strata_runtime.engine.trace import RoutingTrace
 from strata_runtime.lab.cost_model import HardwareProfile, ModelCost, Prediction, predict
-from strata_runtime.residency.cache_policy import POLICIES, ExpertCache, HeatEstimate, check_policy
+from strata_runtime.residency.cache_policy import (
+    POLICIES,
+    ExpertCache,
+    HeatEstimate,
+    admit,
+    check_policy,
+)
 from strata_runtime.residency.heat import ranked
 
 Key = tuple[int, int]
@@ -81,7 +88,7 @@ class CacheResult:
 
 def pinned_by_heat(trace: RoutingTrace, count: int,
                    heat: np.ndarray | None = None) -> list[Key]:
-    """The `count` hottest (layer, expert), ranked as `engine.placement` ranks them; `heat`
+    """The `count` hottest (layer, expert), ranked as `shares.placement` ranks them; `heat`
     [L, E] defaults to the trace's own routing counts (the engine started with `--heat` from a
     recording of the same run)."""
     shape = _Shape(num_layers=trace.num_layers, num_experts=trace.num_experts)
@@ -96,7 +103,7 @@ class _Shape:
 
 
 def step_keys(trace: RoutingTrace) -> list[list[Key]]:
-    """Per step, the distinct (layer, expert) routed, in `Engine._admit`'s order."""
+    """Per step, the distinct (layer, expert) routed, in the order the engine admits them."""
     e = trace.num_experts
     return [[(k // e, k % e) for k in trace.step_keys(s).tolist()]
             for s in range(trace.num_steps)]
@@ -144,6 +151,8 @@ def simulate(trace: RoutingTrace, policy: str, *, pinned: Sequence[Key], cache: 
             else:
                 replay.admit(pending)
                 pending = step
+    if admission == "engine":  # the engine observes its last step when its stats are read
+        replay.admit(pending)
     accesses = sum(len(step) for step in keys)
     extra = replay.admissions if admission == "engine" else 0
     return CacheResult(name=policy, admission=admission, accesses=accesses,
@@ -153,7 +162,7 @@ def simulate(trace: RoutingTrace, policy: str, *, pinned: Sequence[Key], cache: 
 
 
 class _Replay:
-    """The pinned set and an ExpertCache, driven as `Engine._admit` drives them."""
+    """The pinned set and an ExpertCache, admitted by `cache_policy.admit` as the engine admits."""
 
     def __init__(self, cache: ExpertCache, pinned: set[Key], heat: HeatEstimate) -> None:
         self.cache, self.pinned, self.heat = cache, pinned, heat
@@ -168,13 +177,8 @@ class _Replay:
         return hit
 
     def admit(self, keys: list[Key]) -> None:
-        if self.cache.capacity == 0:
-            return
-        for key in keys:
-            if key in self.cache:
-                self.cache.touch(key)
-            elif key not in self.pinned:
-                self.admissions += self.cache.offer(key, self.heat.current())[0]
+        taken = admit(self.cache, keys, self.heat.current(), lambda k: k not in self.pinned)
+        self.admissions += len(taken.admitted)
 
 
 def belady(trace: RoutingTrace, *, pinned: Sequence[Key], cache: int, staging: int,

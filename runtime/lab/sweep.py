@@ -52,16 +52,10 @@ from typing import Any
 
 from strata_jax.ops.int4_kernel import Int4Tiles
 from strata_runtime.engine.config import EngineConfig
-from strata_runtime.lab.bench import (
-    BenchSettings,
-    config_doc,
-    hardware_fingerprint,
-    interval_text,
-    measure_ceilings,
-    prediction_error,
-    run_bench,
-)
-from strata_runtime.lab.cost_model import link_name
+from strata_runtime.lab.bench import BenchSettings, config_doc, interval_text, run_bench
+from strata_runtime.lab.ceilings import measure_ceilings
+from strata_runtime.lab.cost_model import bound_link_gbps, link_name, prediction_error, time_split
+from strata_runtime.lab.fingerprint import hardware_fingerprint
 from strata_runtime.residency.ledger import parse_bytes
 
 KNOBS = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -484,11 +478,11 @@ def _prefill_text(row: dict[str, Any]) -> str:
 
 def _routed_text(row: dict[str, Any]) -> str:
     """The decode steps' effective routed-expert bandwidth over the link and host DRAM reads
-    (`bench.routed_gbps`), as the write-up's peers report it."""
+    (`counting.routed_gbps`), as the write-up's peers report it."""
     gbps, c = row.get("routed_gbps"), row["ceilings"]
     if gbps is None:
         return "-"
-    link = max(c["pinned_h2d_gbps"] or 0.0, (row.get("step_link") or {}).get("gbps") or 0.0)
+    link = bound_link_gbps(c, row.get("step_link"))
     return (f"{gbps:.3g} ({gbps / link:.2f}x, {gbps / c['host_read_gbps']:.2f}x)"
             if link and c["host_read_gbps"] else f"{gbps:.3g}")
 
@@ -553,32 +547,6 @@ def render_table(rows: list[dict[str, Any]], title: str = "sweep") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _time_split(r: dict[str, Any]) -> dict[str, float]:
-    """A rung's engine ms per program call, split in the order the stats can vouch for them:
-    disk stalls (measured), then estimates each capped by what is left: host->device copies
-    (counted bytes / the link), the routed experts' reads (their counted bytes / the expert
-    kernel's rate: an int4 kernel's dequant is in it), the rest of the step's reads (dense
-    bytes and KV cache / the rate of the step without experts, or the device read), and the
-    rest (measured minus all those: routing, sampling, host round trips, gaps)."""
-    per, sizes, ceil = r["per_step"], r["sizes"], r["ceilings"]
-    link = min(ceil["pinned_h2d_gbps"], ceil["host_read_gbps"])
-    dense_gb = (sizes["dense_bytes"] + sizes["kv_bytes"]) / 1e9
-    left = per["ms_engine"]
-    split = {"disk": min(per["ms_disk_stall"], left)}
-    left -= split["disk"]
-    estimates = {
-        "copies": 1e3 * per["h2d_GB"] / link,
-        "experts": 1e3 * max(per["hbm_GB"] - dense_gb, 0.0)
-        / (r.get("expert_read_gbps") or ceil["hbm_read_gbps"]),
-        "dense": 1e3 * min(per["hbm_GB"], dense_gb)
-        / (r.get("dense_read_gbps") or ceil["hbm_read_gbps"])}
-    for name, ms in estimates.items():
-        split[name] = min(ms, left)
-        left -= split[name]
-    split["rest"] = left
-    return split
-
-
 PARTS = (  # (key, colour, legend) of the time split, bottom to top
     ("dense", "tab:green", "dense weights and KV cache (estimate: bytes / the rate of the "
                            "step without experts, else the device read)"),
@@ -593,8 +561,8 @@ PARTS = (  # (key, colour, legend) of the time split, bottom to top
 
 def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> bool:
     """tok/s per rung (median, interval, bound) and each rung's engine time per program call
-    as shares of it (`_time_split`), its ms written above the bar: rungs far apart in speed
-    stay readable side by side. False: no matplotlib."""
+    as shares of it (`cost_model.time_split`), its ms written above the bar: rungs far apart in
+    speed stay readable side by side. False: no matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -620,7 +588,7 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str = "sweep") -> 
     left.set_title("throughput per rung")
     left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
 
-    splits = [_time_split(r) for r in ok]
+    splits = [time_split(r) for r in ok]
     totals = np.array([max(r["per_step"]["ms_engine"], 1e-12) for r in ok])
     link = (link_name(ok[0]["ceilings"]["pinned_h2d_gbps"], ok[0]["ceilings"]["host_read_gbps"])
             if ok else "pcie")

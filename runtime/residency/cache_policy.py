@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -84,6 +86,41 @@ class ExpertCache:
             return min(self._order, key=self._uses.__getitem__)
         older = itertools.islice(self._order, max(1, len(self._order) // 2))
         return min(older, key=self._uses.__getitem__)
+
+
+@dataclass(frozen=True)
+class Admissions:
+    """One step's cache decisions (`admit`): what the engine applies to its slots and the
+    simulator counts."""
+
+    touched: tuple[Key, ...]
+    """Cached experts routed again (their recency and use count refreshed)."""
+    admitted: tuple[tuple[Key, Key | None], ...]
+    """Experts taken into a cache slot, each with the cached one it replaces (None: a free
+    slot)."""
+
+
+def admit(cache: ExpertCache, routed: Iterable[Key], heat: np.ndarray,
+          eligible: Callable[[Key], bool]) -> Admissions:
+    """The cache policy over one step's routed experts, in order: a cached one is touched,
+    an `eligible` other one (copied on demand: no device slot of its own; or evicted earlier
+    in the same step, its slot going to the expert that evicted it) is offered under the
+    admission rule with the routing `heat` [L, E]. The cache's bookkeeping advances; the
+    returned value is the step's decisions: the one admission logic of the engine and of the
+    simulator's replay (docs/design.md, "One generation loop")."""
+    if cache.capacity == 0:
+        return Admissions(touched=(), admitted=())
+    touched, admitted, evicted = [], [], set()
+    for key in routed:
+        if key in cache:
+            cache.touch(key)
+            touched.append(key)
+        elif key in evicted or eligible(key):  # evicted by this step: its slot is taken
+            taken, victim = cache.offer(key, heat)
+            if taken:
+                admitted.append((key, victim))
+                evicted.add(victim)
+    return Admissions(touched=tuple(touched), admitted=tuple(admitted))
 
 
 class HeatEstimate:

@@ -26,10 +26,10 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 import strata_jax
-from strata_jax.api import cut_at_stop
 from strata_jax.batching.resident import ResidentEngine
 from strata_jax.batching.scheduler import Scheduler
 from strata_jax.batching.scoring import loglikelihood
+from strata_jax.batching.text import cut_at_stop
 from strata_jax.formats.checkpoint import CheckpointReader
 from strata_jax.formats.tokenizer import load_tokenizer
 from strata_jax.step.sampling import SamplingParams

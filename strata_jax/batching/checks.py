@@ -3,10 +3,12 @@ resident API, the server, the command line)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from strata_jax.batching.packing import Admission
 from strata_jax.formats.config import ModelConfig
 
 
@@ -35,3 +37,19 @@ def check_request(cfg: ModelConfig, index: int, prompt: Any, max_new_tokens: int
         raise ValueError(f"{what}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed "
                          f"max_len={max_len}")
     check_tokens(cfg, prompt, what)
+
+
+def check_admissions(cfg: ModelConfig, admissions: Sequence[Admission], capacity: int,
+                     max_len: int) -> None:
+    """An engine's check of one `prefill` call: one admission per row, every row in the
+    batch, every admission's tokens fitting max_len from its start and in the vocabulary."""
+    rows = [a.row for a in admissions]
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"rows {rows}: one admission per row")
+    for a in admissions:
+        if not 0 <= a.row < capacity:
+            raise ValueError(f"row {a.row} is outside [0, {capacity})")
+        if not len(a.tokens) or a.start + len(a.tokens) > max_len:
+            raise ValueError(f"row {a.row}: {len(a.tokens)} tokens from position {a.start} "
+                             f"do not fit max_len={max_len}")
+        check_tokens(cfg, list(a.tokens), f"row {a.row}")

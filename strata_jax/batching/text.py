@@ -8,7 +8,9 @@ change; the concatenation of its deltas is the decode of the whole sequence.
 
 Stop strings are matched on that text, across token boundaries: text that could be the start
 of a stop string is held back until it is known not to be one. On a match the text is cut
-before the stop string and the stream is finished.
+before the stop string and the stream is finished. This module is the one owner of stop
+strings on text: `cut_at_stop` makes the same cut on a text decoded at once (a finished
+generation's), for callers that do not stream.
 """
 
 from __future__ import annotations
@@ -20,6 +22,29 @@ REPLACEMENT = "\ufffd"
 CONTEXT_IDS = 4
 """Ids before the first generated one that its text is decoded with (a SentencePiece word
 keeps its leading space)."""
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where in `text` the earliest of the stop strings starts, or None if none is in it."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """`text` up to (without) the earliest of the stop strings."""
+    cut = first_stop(text, stops)
+    return text if cut is None else text[:cut]
+
+
+def stop_prefix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of a stop string."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
 
 
 class Decoder(Protocol):
@@ -80,26 +105,12 @@ class TextStream:
     def _release(self, new: str, final: bool = False) -> str:
         """Add `new` to the held text; emit all of it but a possible stop-string start."""
         pending = self._held + new
-        cut = self._first_stop(pending)
+        cut = first_stop(pending, self.stop)
         if cut is not None:
             self.finished = True
             out, self._held = pending[:cut], ""
         else:
-            keep = 0 if final else self._stop_prefix(pending)
+            keep = 0 if final else stop_prefix(pending, self.stop)
             out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
-
-    def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
-
-    def _stop_prefix(self, text: str) -> int:
-        """Length of the longest end of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest

@@ -103,7 +103,7 @@ def routed_outputs(
     and merged exactly (each pick is filled by exactly one pass): every expert's output comes
     from the same compiled code whatever else shares its pass. `row_chunks` (default: what
     `expert_kernels.use_row_chunks` says) has each expert multiply only the rows routed to it;
-    `int4_tiles` (default `int4_kernel.tiles_for`) tiles the Mosaic int4 kernel, where it runs.
+    `int4_tiles` (default `int4_kernel.int4_tiles_for`) tiles the Mosaic int4 kernel, where it runs.
     """
     n, d = x.shape
     if row_chunks is None:

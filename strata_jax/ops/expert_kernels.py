@@ -25,8 +25,15 @@ ROW_TILE = 16  # fewest rows a Triton dot takes; above it, experts get their own
 
 
 @dataclass(frozen=True)
-class Tiles:
-    """Triton tile sizes: reduction block, gate/up output block, down output block, K splits."""
+class FloatTiles:
+    """Tiles of the Triton grouped-SwiGLU kernel for float pools (`grouped_swiglu_pallas`):
+    reduction block, gate/up output block, down output block, K splits, launch settings.
+
+    Not `int4_kernel.Int4Tiles` (the Mosaic GPU kernel for int4 pools: CTA rows, TMA stages,
+    scale groups, persistence, warp specialization) nor `int8_kernel.Int8Tiles` (the Triton
+    int8 dense matmul: one output block, no gate/up/down pair): each kernel takes its own
+    parameters under its own divisibility rules, so each owns its tiles type and picker
+    (`float_tiles_for`, `int4_tiles_for`, `int8_tiles_for`)."""
 
     bk: int = 128
     bf: int = 64
@@ -48,14 +55,14 @@ def triton_params(tiles):
         return None
 
 
-def _block_dot(x, w_ref, slot, k, cols, tiles: Tiles):
+def _block_dot(x, w_ref, slot, k, cols, tiles: FloatTiles):
     """x[:, K block k] @ W[slot][K block k, cols] in float32, with the weights in x's dtype (as
     the XLA path computes them)."""
     w = w_ref[slot, pl.ds(k * tiles.bk, tiles.bk), cols].astype(x.dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def _reduce_blocks(steps: int, first, block, count: int, shape, tiles: Tiles):
+def _reduce_blocks(steps: int, first, block, count: int, shape, tiles: FloatTiles):
     """The `count` sums of `block(k)` (a tuple) over k in [first, first + steps), with
     `tiles.unroll` blocks per iteration."""
     def body(i, accs):
@@ -68,7 +75,7 @@ def _reduce_blocks(steps: int, first, block, count: int, shape, tiles: Tiles):
     return jax.lax.fori_loop(0, steps // tiles.unroll, body, (zero,) * count)
 
 
-def _gate_up_kernel(slots_ref, valid_ref, x_ref, w1, w3, h_ref, *, tiles: Tiles):
+def _gate_up_kernel(slots_ref, valid_ref, x_ref, w1, w3, h_ref, *, tiles: FloatTiles):
     c, j = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[c]
     xi = c if x_ref.shape[0] > 1 else 0  # rows per entry [C, n, D], or shared [1, n, D]
@@ -89,7 +96,7 @@ def _gate_up_kernel(slots_ref, valid_ref, x_ref, w1, w3, h_ref, *, tiles: Tiles)
         h_ref[...] = jnp.zeros(h_ref.shape, h_ref.dtype)
 
 
-def _down_kernel(slots_ref, valid_ref, h_ref, w2, y_ref, *, tiles: Tiles):
+def _down_kernel(slots_ref, valid_ref, h_ref, w2, y_ref, *, tiles: FloatTiles):
     c, s, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[c]
     n, f = h_ref.shape[1], h_ref.shape[2]
@@ -110,7 +117,8 @@ def _down_kernel(slots_ref, valid_ref, h_ref, w2, y_ref, *, tiles: Tiles):
         y_ref[...] = jnp.zeros(y_ref.shape, y_ref.dtype)
 
 
-def check_tiles(d: int, f: int, tiles: Tiles) -> None:
+def check_float_tiles(d: int, f: int, tiles: FloatTiles) -> None:
+    """Raise ValueError unless `tiles` divide expert dims D, F for `grouped_swiglu_pallas`."""
     if d % tiles.bk or f % tiles.bk or f % tiles.bf or d % tiles.bd:
         raise ValueError(f"expert dims D={d}, F={f} are not multiples of the tiles {tiles}")
     if (f // tiles.bk) % tiles.split_k:
@@ -120,7 +128,7 @@ def check_tiles(d: int, f: int, tiles: Tiles) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
+def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: FloatTiles = FloatTiles(),
                           interpret: bool = False, valid=None):
     """Float pools: x [N, D] (N <= PALLAS_MAX_ROWS), slots [C] -> partial sums
     [C, split_k, N, D] float32. x may also be [C, N, D]: each entry's own rows
@@ -130,7 +138,7 @@ def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: Tiles = Tiles(),
     x3 = x if x.ndim == 3 else x[None]
     n0, d = x3.shape[1:]
     f = pool.intermediate_size
-    check_tiles(d, f, tiles)
+    check_float_tiles(d, f, tiles)
     n = -(-n0 // ROW_TILE) * ROW_TILE  # Triton dots need >= 16 rows
     xp = jnp.zeros((x3.shape[0], n, d), x.dtype).at[:, :n0].set(x3)
     c = slots.shape[0]
@@ -165,20 +173,21 @@ def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
     return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
 
 
-TILES = Tiles()  # tuned on the H200 for Mixtral-8x7B experts: benchmarks/archive/NOTES.md
+FLOAT_TILES = FloatTiles()
+"""Tuned on the H200 for Mixtral-8x7B experts: benchmarks/archive/NOTES.md."""
 MIN_SPLIT_STEPS = 16  # shorter split-K loops spend their time filling the load pipeline
 
 
-def tiles_for(d: int, f: int, base: Tiles | None = None) -> Tiles | None:
+def float_tiles_for(d: int, f: int, base: FloatTiles | None = None) -> FloatTiles | None:
     """`base` with the largest split_k <= base.split_k that divides the down projection's K
     steps into loops of at least MIN_SPLIT_STEPS (else 1), or None if nothing fits."""
-    base = base or TILES
+    base = base or FLOAT_TILES
     for split in range(base.split_k, 0, -1):
         if split > 1 and f // base.bk // split < MIN_SPLIT_STEPS:
             continue
         tiles = dataclasses.replace(base, split_k=split)
         try:
-            check_tiles(d, f, tiles)
+            check_float_tiles(d, f, tiles)
         except ValueError:
             continue
         return tiles
@@ -192,8 +201,8 @@ def use_pallas(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bfloat
         return False
     if quantized:
         return (int4_kernel.is_hopper() and jnp.dtype(dtype) == jnp.bfloat16
-                and int4_kernel.tiles_for(d, f) is not None)
-    return tiles_for(d, f) is not None
+                and int4_kernel.int4_tiles_for(d, f) is not None)
+    return float_tiles_for(d, f) is not None
 
 
 def use_row_chunks(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bfloat16) -> bool:
@@ -206,10 +215,10 @@ def grouped_swiglu(x, slots, pool: ExpertPool, valid=None, int4_tiles=None):
     """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
     output; zeros where `valid` [C] is false), by the path `use_pallas` picks. x is [N, D],
     or [C, N, D] with each entry's own rows. `int4_tiles`: the Mosaic int4 kernel's tiles
-    (default `int4_kernel.tiles_for`)."""
+    (default `int4_kernel.int4_tiles_for`)."""
     d, f = x.shape[-1], pool.intermediate_size
     if not use_pallas(x.shape[-2], d, f, pool.quantized, x.dtype):
         return grouped_swiglu_xla(x, slots, pool, valid)
     if pool.quantized:
         return int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, int4_tiles)
-    return grouped_swiglu_pallas(x, slots, pool, tiles=tiles_for(d, f), valid=valid)
+    return grouped_swiglu_pallas(x, slots, pool, tiles=float_tiles_for(d, f), valid=valid)

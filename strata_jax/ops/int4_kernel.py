@@ -31,7 +31,11 @@ ROW_MULTIPLE = 8  # wgmma N (the activation rows) comes in multiples of 8
 
 @dataclass(frozen=True)
 class Int4Tiles:
-    """Output features per CTA tile (a multiple of 64, one wgmma M), TMA steps in flight, scale
+    """Tiles of the Mosaic GPU grouped-SwiGLU kernel for int4 pools (`grouped_swiglu_int4`;
+    a type of its own beside `expert_kernels.FloatTiles` and `int8_kernel.Int8Tiles`, which
+    tile Triton kernels by other parameters).
+
+    Output features per CTA tile (a multiple of 64, one wgmma M), TMA steps in flight, scale
     groups (128 inputs each) per pipeline step, persistent CTAs per SM (0: one CTA per tile),
     and the parts the gate/up and the down projections' reductions are split into (summed in
     float32 after; a split gate/up leaves SiLU(gate) * up to XLA). Splits make more, shorter
@@ -124,7 +128,7 @@ def _kernel_ok(tiles: Int4Tiles, splits: int) -> bool:
     return tiles.fold_lag in (0, 1) and tiles.compute_wgs >= 1 and ws_ok and sk_ok
 
 
-def fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
+def int4_fits(d: int, f: int, tiles: Int4Tiles = INT4_TILES) -> bool:
     """Whether expert dims D, F tile: both are reduction dims (whole steps, D's in `up_splits`
     and F's in the down kernel's `down_splits` equal parts) and output dims."""
     down = down_tiles(tiles)
@@ -142,7 +146,7 @@ def _shaped(tiles: Int4Tiles, groups: int, split: bool) -> Int4Tiles:
                                down_splits=tiles.down_splits if split else 1)
 
 
-def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None:
+def int4_tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None:
     """`base` (default: `TUNED_TILES` for the shape, else `INT4_TILES`), or `base` with one
     group per step and/or unsplit projections where those do not divide D or F, or None."""
     base = base or TUNED_TILES.get((d, f), INT4_TILES)
@@ -150,7 +154,7 @@ def tiles_for(d: int, f: int, base: Int4Tiles | None = None) -> Int4Tiles | None
         tiles = _shaped(base, groups, split)
         if base.down:
             tiles = dataclasses.replace(tiles, down=_shaped(base.down, groups, split))
-        if fits(d, f, tiles):
+        if int4_fits(d, f, tiles):
             return tiles
     return None
 
@@ -560,10 +564,10 @@ def _operand(x: jax.Array, f16: bool, valid: jax.Array) -> tuple[jax.Array, jax.
 def grouped_swiglu_int4(x, slots, pool: ExpertPool, valid=None, tiles: Int4Tiles | None = None):
     """Partial sums [C, 1, N, D] float32 for the active slots of an int4 pool (the contract of
     `expert_kernels.grouped_swiglu`); x bf16 [N, D] or [C, N, D] (each entry's own rows).
-    `tiles` default: `tiles_for` the pool's expert dims. A tile-major pool must be tiled by
+    `tiles` default: `int4_tiles_for` the pool's expert dims. A tile-major pool must be tiled by
     these tiles' `weight_tile`."""
-    tiles = tiles or tiles_for(x.shape[-1], pool.intermediate_size)
-    if tiles is None or not fits(x.shape[-1], pool.intermediate_size, tiles):
+    tiles = tiles or int4_tiles_for(x.shape[-1], pool.intermediate_size)
+    if tiles is None or not int4_fits(x.shape[-1], pool.intermediate_size, tiles):
         raise ValueError(f"int4 experts D={x.shape[-1]}, F={pool.intermediate_size} do not "
                          f"tile by {tiles or INT4_TILES}")
     if pool.tiled and pool.tile != weight_tile(tiles):

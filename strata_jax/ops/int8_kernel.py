@@ -40,7 +40,10 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 @dataclass(frozen=True, kw_only=True)
 class Int8Tiles:
-    """Triton tile sizes and launch settings of `int8_matmul`."""
+    """Triton tile sizes and launch settings of `int8_matmul`, the dense int8 matmul: one
+    [bk, bn] block per step of one output block, unlike `expert_kernels.FloatTiles` (the
+    grouped SwiGLU's gate/up and down blocks over pool slots) and `int4_kernel.Int4Tiles`
+    (the Mosaic int4 expert kernel's), hence a type of its own."""
 
     bk: int = 256
     """Rows of w (reduction steps' length) per loop step; a power of two >= 16."""
@@ -54,7 +57,7 @@ class Int8Tiles:
     """Software pipeline depth of the K loop (loads in flight)."""
 
 
-INT8_TILES = Int8Tiles()  # bk, bn and the launch settings `tiles_for` starts from
+INT8_TILES = Int8Tiles()  # bk, bn and the launch settings `int8_tiles_for` starts from
 
 
 def _is_block(size: int) -> bool:
@@ -74,7 +77,7 @@ def _misfit(k: int, n: int, tiles: Int8Tiles) -> str | None:
     return None
 
 
-def fits(k: int, n: int, tiles: Int8Tiles) -> bool:
+def int8_fits(k: int, n: int, tiles: Int8Tiles) -> bool:
     """Whether `tiles` divide w [K, N]: whole bn blocks of N, and whole bk steps of K in
     `split_k` equal ranges."""
     return _misfit(k, n, tiles) is None
@@ -91,7 +94,7 @@ def _split_for(blocks: int, steps: int) -> int:
     return next((s for s in divisors if blocks * s >= TARGET_PROGRAMS), divisors[-1])
 
 
-def tiles_for(k: int, n: int, base: Int8Tiles | None = None) -> Int8Tiles | None:
+def int8_tiles_for(k: int, n: int, base: Int8Tiles | None = None) -> Int8Tiles | None:
     """`base` (default INT8_TILES) with split_k picked by `_split_for`, and with bn, then bk,
     halved where w [K, N] does not divide into them; None if no block of 16 or more does."""
     base = base or INT8_TILES
@@ -110,7 +113,7 @@ def use_int8_kernel(m: int, k: int, n: int) -> bool:
     (read when a program is traced) keeps XLA's path everywhere, for A/B measurements."""
     if os.environ.get("STRATA_INT8_KERNEL", "1") == "0":
         return False
-    return jax.default_backend() == "gpu" and 0 < m <= MAX_ROWS and tiles_for(k, n) is not None
+    return jax.default_backend() == "gpu" and 0 < m <= MAX_ROWS and int8_tiles_for(k, n) is not None
 
 
 def _kernel(x_ref, w_ref, o_ref, *, tiles: Int8Tiles, steps: int):
@@ -145,8 +148,8 @@ def int8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
                 tiles: Int8Tiles | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] (bf16 or f32, M <= MAX_ROWS) @ w int8 [K, N], times scale [N]: [M, N] in x's
     dtype, rounded as `(x @ w.astype(x.dtype)) * scale.astype(x.dtype)` rounds. `tiles`:
-    default `tiles_for(K, N)`."""
-    tiles = tiles or tiles_for(*w.shape) or INT8_TILES
+    default `int8_tiles_for(K, N)`."""
+    tiles = tiles or int8_tiles_for(*w.shape) or INT8_TILES
     _check_operands(x, w, scale, tiles)
     (m, k), n = x.shape, w.shape[1]
     rows = -(-m // ROW_TILE) * ROW_TILE

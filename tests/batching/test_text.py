@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from strata_jax.batching.text import TextStream
+from strata_jax.batching.text import TextStream, cut_at_stop, first_stop, stop_prefix
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,18 @@ def test_stop_string_cuts_the_text_before_it(byte_level, text, stop):
     deltas.append(stream.finish())
     cut = text.find(stop)
     assert "".join(deltas) == stream.text == (text if cut < 0 else text[:cut])
+    assert stream.text == cut_at_stop(text, (stop,))  # the streamed cut is the one-shot cut
     assert stream.finished
+
+
+def test_the_earliest_stop_string_cuts_text_decoded_at_once():
+    stops = ("three", "o t", "two")
+    assert first_stop("one two three", stops) == 4
+    assert cut_at_stop("one two three", stops) == "one "
+    assert first_stop("one", stops) is None and cut_at_stop("one", stops) == "one"
+    assert cut_at_stop("abc", ()) == "abc"
+    assert stop_prefix("one tw", stops) == 2 and stop_prefix("one", ("STOP",)) == 0
+    assert stop_prefix("STOP", ("STOP",)) == 0  # proper prefixes only: a whole one cuts
 
 
 def test_text_that_may_start_a_stop_string_is_held_back(byte_level):

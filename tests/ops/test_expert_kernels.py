@@ -31,7 +31,8 @@ def _inputs(seed, n, slots=7, d=256, f=256):
     return x, w1, w3, w2
 
 
-@pytest.mark.parametrize("tiles", [ek.Tiles(bd=32, split_k=1), ek.Tiles(bd=64, split_k=2)])
+@pytest.mark.parametrize("tiles", [ek.FloatTiles(bd=32, split_k=1),
+                                   ek.FloatTiles(bd=64, split_k=2)])
 @pytest.mark.parametrize("n", [1, 5, 16])
 def test_pallas_kernel_matches_float64(tiles, n):
     x, w1, w3, w2 = _inputs(n, n)
@@ -50,7 +51,7 @@ def test_rows_per_entry_match_float64(quantized):
     slots = np.array([4, 0, 4], np.int32)
     outs = [ek.grouped_swiglu_xla(x, slots, pool).sum(1)]
     if not quantized:  # the Triton kernel takes float pools
-        outs.append(ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
+        outs.append(ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.FloatTiles(bd=64, split_k=2),
                                              interpret=True).sum(1))
     for c, s in enumerate(slots):
         ref = _reference(x[c], [s], d1, d3, d2)[0]
@@ -64,7 +65,7 @@ def test_pallas_kernel_casts_bf16_weights_to_float32_activations_like_xla():
     x, w1, w3, w2 = _inputs(3, 4)
     pool = ExpertPool(*(jnp.asarray(w, jnp.bfloat16) for w in (w1, w3, w2)))
     slots = np.array([1, 5], np.int32)
-    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=1),
+    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.FloatTiles(bd=64, split_k=1),
                                  interpret=True).sum(1)
     ref = _reference(x, slots, *(np.asarray(w.astype(jnp.float32)) for w in pool[:3]))
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 1e-5
@@ -166,7 +167,7 @@ def test_int4_mosaic_kernel_lowers_for_cuda(tiles, tile_major):
 @pytest.mark.parametrize(("d", "f"), [(512, 1024), (256, 384)])
 @pytest.mark.parametrize("tiles", MOSAIC_TILES)
 def test_int4_mosaic_kernel_on_gpu_matches_float64(d, f, tiles):
-    if not int4_kernel.fits(d, f, tiles):
+    if not int4_kernel.int4_fits(d, f, tiles):
         pytest.skip(f"{tiles} does not tile D={d}, F={f}")
     pool, (d1, d3, d2) = _int4_pool(3, d=d, f=f)
     rng = np.random.default_rng(7)
@@ -227,7 +228,7 @@ def test_invalid_entries_give_zeros_and_leave_the_others_alone(quantized):
     ref = _reference(x, slots, d1, d3, d2)
     outs = [ek.grouped_swiglu_xla(x, slots, pool, valid)]
     if not quantized:  # the Triton kernel takes float pools
-        outs.append(ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.Tiles(bd=64, split_k=2),
+        outs.append(ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.FloatTiles(bd=64, split_k=2),
                                              interpret=True, valid=valid))
     for y in outs:
         y = np.asarray(y.sum(1))
@@ -244,42 +245,43 @@ def test_triton_kernel_rejects_int4_pools():
 
 def test_int4_kernel_fits_whole_steps_and_row_tiles():
     one = int4_kernel.Int4Tiles(64, 4, 1)
-    assert int4_kernel.fits(4096, 14336, one) and int4_kernel.fits(2048, 768, one)
-    assert not int4_kernel.fits(4096, 14336 + 64, one) and not int4_kernel.fits(64, 128, one)
-    assert int4_kernel.tiles_for(4096, 14336) == int4_kernel.TUNED_TILES[4096, 14336]
-    assert int4_kernel.tiles_for(512, 1024) == int4_kernel.INT4_TILES
+    assert int4_kernel.int4_fits(4096, 14336, one) and int4_kernel.int4_fits(2048, 768, one)
+    assert not int4_kernel.int4_fits(4096, 14336 + 64, one)
+    assert not int4_kernel.int4_fits(64, 128, one)
+    assert int4_kernel.int4_tiles_for(4096, 14336) == int4_kernel.TUNED_TILES[4096, 14336]
+    assert int4_kernel.int4_tiles_for(512, 1024) == int4_kernel.INT4_TILES
     split = int4_kernel.Int4Tiles(64, 2, 2, up_splits=2, down_splits=2)
-    assert int4_kernel.tiles_for(2048, 768, split).down_splits == 1  # 3 steps of 256 inputs
-    assert int4_kernel.tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
-    assert int4_kernel.tiles_for(64, 128) is None
-    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(fold_lag=2))
+    assert int4_kernel.int4_tiles_for(2048, 768, split).down_splits == 1  # 3 steps of 256 inputs
+    assert int4_kernel.int4_tiles_for(128, 384).groups == 1  # 384 is not a multiple of 2 groups
+    assert int4_kernel.int4_tiles_for(64, 128) is None
+    assert not int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(fold_lag=2))
     # warp-specialized CTAs: tiles of 64 rows per compute warpgroup, one tile per CTA
     two = int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=2)
-    assert int4_kernel.fits(4096, 14336, two) and int4_kernel.fits(2048, 768, two)
+    assert int4_kernel.int4_fits(4096, 14336, two) and int4_kernel.int4_fits(2048, 768, two)
     three = int4_kernel.Int4Tiles(64, 2, 1, compute_wgs=3)
-    assert int4_kernel.fits(384, 768, three)
-    assert not int4_kernel.fits(256, 768, three)  # 256 is not a multiple of 3 x 64 rows
+    assert int4_kernel.int4_fits(384, 768, three)
+    assert not int4_kernel.int4_fits(256, 768, three)  # 256 is not a multiple of 3 x 64 rows
     # 4 compute warpgroups ask for more registers than the CTA is launched with (a hang)
-    assert not int4_kernel.fits(4096, 14336, int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4))
+    assert not int4_kernel.int4_fits(4096, 14336, int4_kernel.Int4Tiles(64, 2, 2, compute_wgs=4))
     assert [w for w in range(2, 8) if int4_kernel.ws_registers_fit(w)] == [2, 3, 5, 6, 7]
-    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
-    assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
-    assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
+    assert not int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(128, 2, 2, compute_wgs=2))
+    assert int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 1, compute_wgs=2))
+    assert not int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, 2, compute_wgs=2))
     # stream-K needs persistent CTAs and an unsplit reduction, per kernel
     sk = int4_kernel.Int4Tiles(64, 2, 2, ctas_per_sm=1, stream_k=True)
-    assert int4_kernel.fits(512, 1024, sk)
-    assert not int4_kernel.fits(512, 1024, dataclasses.replace(sk, ctas_per_sm=0))
-    assert not int4_kernel.fits(512, 1024, dataclasses.replace(sk, up_splits=2))
-    assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, up_splits=2, down=sk))
+    assert int4_kernel.int4_fits(512, 1024, sk)
+    assert not int4_kernel.int4_fits(512, 1024, dataclasses.replace(sk, ctas_per_sm=0))
+    assert not int4_kernel.int4_fits(512, 1024, dataclasses.replace(sk, up_splits=2))
+    assert int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, up_splits=2, down=sk))
     # the down kernel's own tiles: depth, persistence, stream-K, split; not the tile shape
-    assert int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2,
-                                                             down=int4_kernel.Int4Tiles(64, 4, 2)))
+    assert int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(
+        64, 2, 2, down=int4_kernel.Int4Tiles(64, 4, 2)))
     for other in (int4_kernel.Int4Tiles(128, 2, 2), int4_kernel.Int4Tiles(64, 2, 1),
                   int4_kernel.Int4Tiles(64, 2, 2, f16=False)):
-        assert not int4_kernel.fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, down=other))
+        assert not int4_kernel.int4_fits(512, 1024, int4_kernel.Int4Tiles(64, 2, 2, down=other))
     split_down = int4_kernel.Int4Tiles(64, 2, 2, down=int4_kernel.Int4Tiles(64, 2, 2,
                                                                             down_splits=2))
-    assert int4_kernel.tiles_for(2048, 768, split_down).down.down_splits == 1
+    assert int4_kernel.int4_tiles_for(2048, 768, split_down).down.down_splits == 1
 
 
 def test_deep_pipelines_shrink_to_fit_shared_memory():
@@ -324,9 +326,9 @@ def test_tile_major_pool_computes_the_same_on_the_xla_path():
 
 def test_tiles_that_do_not_divide_are_rejected():
     with pytest.raises(ValueError, match="not multiples"):
-        ek.check_tiles(200, 256, ek.Tiles())
+        ek.check_float_tiles(200, 256, ek.FloatTiles())
     with pytest.raises(ValueError, match="do not split"):
-        ek.check_tiles(384, 256, ek.Tiles(split_k=1, unroll=2))
+        ek.check_float_tiles(384, 256, ek.FloatTiles(split_k=1, unroll=2))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Pallas Triton lowering needs a GPU")
@@ -334,7 +336,7 @@ def test_pallas_kernel_on_gpu_matches_float64():
     x, w1, w3, w2 = _inputs(21, 8, d=512, f=1024)
     slots = np.array([1, 4, 6], np.int32)
     pool = ExpertPool(w1, w3, w2)
-    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.tiles_for(512, 1024)).sum(1)
+    y = ek.grouped_swiglu_pallas(x, slots, pool, tiles=ek.float_tiles_for(512, 1024)).sum(1)
     ref = _reference(x, slots, w1, w3, w2)
     # float32 inputs run the dots on tensor cores in tf32
     assert np.abs(np.asarray(y) - ref).max() / np.abs(ref).max() < 3e-3
@@ -360,9 +362,9 @@ def test_active_experts_lists_distinct_ids_first():
     assert np.asarray(valid).tolist() == [True, True, False, False]
 
 
-def test_tiles_for_shrinks_split_k_to_fit():
+def test_float_tiles_for_shrinks_split_k_to_fit():
     # 48 K blocks: 4 splits would leave loops of 12 < MIN_SPLIT_STEPS; 3 splits give 16
-    assert ek.tiles_for(2048, 6144, ek.Tiles(split_k=4)).split_k == 3
-    assert ek.tiles_for(2048, 768, ek.Tiles(split_k=4)).split_k == 1
-    assert ek.tiles_for(4096, 14336, ek.Tiles(split_k=4)).split_k == 4
-    assert ek.tiles_for(100, 768) is None
+    assert ek.float_tiles_for(2048, 6144, ek.FloatTiles(split_k=4)).split_k == 3
+    assert ek.float_tiles_for(2048, 768, ek.FloatTiles(split_k=4)).split_k == 1
+    assert ek.float_tiles_for(4096, 14336, ek.FloatTiles(split_k=4)).split_k == 4
+    assert ek.float_tiles_for(100, 768) is None

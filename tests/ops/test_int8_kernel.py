@@ -57,7 +57,7 @@ def test_kernel_matches_float64(m, dtype):
 
 @pytest.mark.parametrize("k, n, tiles", [(128, 320, Int8Tiles(bk=32, bn=32, split_k=4)),
                                          (512, 96, Int8Tiles(bk=128, bn=32, split_k=1)),
-                                         (256, 192, None)])  # None: tiles_for's
+                                         (256, 192, None)])  # None: int8_tiles_for's
 def test_other_shapes_and_tiles_match_float64(k, n, tiles):
     x, w, scale = _inputs(k + n, 3, k, n)
     got = i8.int8_matmul(x, w, scale, tiles=tiles, interpret=INTERPRET)
@@ -96,25 +96,25 @@ def test_int8_linear_dispatch(lead):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_fits():
-    assert i8.fits(256, 192, SMALL)
-    assert not i8.fits(256, 200, SMALL)  # N not whole bn blocks
-    assert not i8.fits(256, 192, dataclasses.replace(SMALL, split_k=8))  # 4 steps in 8 parts
-    assert not i8.fits(192, 192, SMALL)  # 3 steps in 2 parts
-    assert not i8.fits(240, 192, dataclasses.replace(SMALL, bk=48, split_k=1))  # not 2**i
-    assert not i8.fits(256, 192, dataclasses.replace(SMALL, bn=8))  # below a Triton dot
+def test_int8_fits():
+    assert i8.int8_fits(256, 192, SMALL)
+    assert not i8.int8_fits(256, 200, SMALL)  # N not whole bn blocks
+    assert not i8.int8_fits(256, 192, dataclasses.replace(SMALL, split_k=8))  # 4 steps in 8 parts
+    assert not i8.int8_fits(192, 192, SMALL)  # 3 steps in 2 parts
+    assert not i8.int8_fits(240, 192, dataclasses.replace(SMALL, bk=48, split_k=1))  # not 2**i
+    assert not i8.int8_fits(256, 192, dataclasses.replace(SMALL, bn=8))  # below a Triton dot
 
 
-def test_tiles_for():
+def test_int8_tiles_for():
     # Mixtral-8x7B: at least TARGET_PROGRAMS programs, the fewest splits that get there
-    assert i8.tiles_for(4096, 6144) == Int8Tiles(bk=256, bn=64, split_k=4)
-    assert i8.tiles_for(4096, 4096) == Int8Tiles(bk=256, bn=64, split_k=8)
-    assert i8.tiles_for(4096, 14336) == Int8Tiles(bk=256, bn=64, split_k=2)
-    assert i8.tiles_for(4096, 4096 + 32).bn == 32  # smaller blocks where N does not divide
-    assert i8.tiles_for(4000, 4096).bk == 32
-    assert i8.tiles_for(4096, 100) is None and i8.tiles_for(1000, 4096) is None
+    assert i8.int8_tiles_for(4096, 6144) == Int8Tiles(bk=256, bn=64, split_k=4)
+    assert i8.int8_tiles_for(4096, 4096) == Int8Tiles(bk=256, bn=64, split_k=8)
+    assert i8.int8_tiles_for(4096, 14336) == Int8Tiles(bk=256, bn=64, split_k=2)
+    assert i8.int8_tiles_for(4096, 4096 + 32).bn == 32  # smaller blocks where N does not divide
+    assert i8.int8_tiles_for(4000, 4096).bk == 32
+    assert i8.int8_tiles_for(4096, 100) is None and i8.int8_tiles_for(1000, 4096) is None
     for k, n in [(4096, 6144), (4096, 4128), (4000, 4096), (256, 192), (128, 48)]:
-        assert i8.fits(k, n, i8.tiles_for(k, n))
+        assert i8.int8_fits(k, n, i8.int8_tiles_for(k, n))
 
 
 def test_kernel_rejects_what_it_cannot_run():

@@ -10,8 +10,9 @@ from strata_jax.batching import packing
 from strata_runtime.engine.config import EngineConfig
 from strata_runtime.engine.offload import Engine
 from strata_runtime.engine.stats import PhaseCounts, render
-from strata_runtime.lab.bench import _counts, engine_sizes, prediction
-from strata_runtime.lab.cost_model import HardwareProfile
+from strata_runtime.lab.cost_model import HardwareProfile, run_prediction
+from strata_runtime.lab.counting import Counts
+from strata_runtime.lab.facts import EngineFacts
 from tests.helpers import tiny_config, write_checkpoint
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
@@ -33,8 +34,9 @@ def run(tmp_path_factory):
     with Engine.from_checkpoint(path, config) as engine:
         out = engine.generate(PROMPTS, NEW)
         stats = engine.stats()  # observes the last step's record
-        counts = _counts(engine, 1.0, sum(len(t) for t in out))
-        predicted = prediction(counts, engine_sizes(engine), HW, engine.cfg.num_layers)
+        facts = EngineFacts.of(engine)
+        counts = Counts.of(facts.counters(), 1.0, sum(len(t) for t in out))
+        predicted = run_prediction(counts, facts.sizes, HW, facts.cfg.num_layers)
         per_layer = {k: int(v.sum()) for k, v in engine.counters.per_layer.items()}
         decode_tokens = engine.counters.decode_tokens
     return stats, counts, predicted, per_layer, decode_tokens

@@ -3,7 +3,6 @@ for the same seed, a median inside its interval, the bound's arithmetic."""
 
 import dataclasses
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -14,22 +13,17 @@ from strata_jax import api
 from strata_jax.ops.pool import ExpertPool
 from strata_runtime.cli.main import main
 from strata_runtime.engine.stats import DeviceCounts, PhaseCounts
-from strata_runtime.lab import bench as bench_module
-from strata_runtime.lab.bench import (
-    Counts,
-    Sizes,
+from strata_runtime.lab import ceilings, kernel_rates
+from strata_runtime.lab.bench import median_interval, synthetic_prompts
+from strata_runtime.lab.cost_model import (
+    HardwareProfile,
     bound,
-    dense_kernel_gbps,
-    device_figures,
-    expert_kernel_gbps,
-    hardware_fingerprint,
-    median_interval,
-    prediction,
     prediction_error,
-    step_link,
-    synthetic_prompts,
+    run_prediction,
 )
-from strata_runtime.lab.cost_model import HardwareProfile
+from strata_runtime.lab.counting import Counts, Sizes, device_figures
+from strata_runtime.lab.fingerprint import hardware_fingerprint
+from strata_runtime.lab.kernel_rates import dense_kernel_gbps, expert_kernel_gbps, step_link
 from tests.helpers import random_arrays, tiny_config, write_checkpoint
 
 FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes",
@@ -165,10 +159,10 @@ def test_expert_kernel_rate_counts_the_slots_it_reads_chained_in_one_program(mon
                                                              (slots, f, d))]
     pool = ExpertPool(*(jnp.asarray(w, jnp.float32) for w in weights))
     assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) > 0  # really timed
-    timed = []
-    monkeypatch.setattr(bench_module, "_best",
+    timed = []  # `chained_seconds` times the chain by `ceilings.best_seconds`
+    monkeypatch.setattr(ceilings, "best_seconds",
                         lambda fn, reps, warm_s=0.0: timed.append(fn()) or 1.0)
-    per_slot, chain = 3 * d * f * 4, bench_module.CHAIN
+    per_slot, chain = 3 * d * f * 4, ceilings.CHAIN
     assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=4) == chain * 4 * per_slot / 1e9
     assert expert_kernel_gbps(pool, d, "float32", rows=2, experts=99) == chain * 6 * per_slot / 1e9
     x = np.random.default_rng(0).standard_normal((2, d))  # the rows the function draws
@@ -183,13 +177,13 @@ def test_dense_rate_runs_the_models_decode_without_its_experts(monkeypatch):
     """The dense rate's program is the model's own step without its experts: its logits and
     routing equal the resident model's forward of the same one-token rows where every expert
     gives zeros (random dense weights, zero expert weights), and its bytes are the dense
-    params but the embedding table, as `engine_sizes` counts them."""
+    params but the embedding table, as `counting.Sizes` counts them."""
     cfg = tiny_config("qwen2_moe")
     g, layers, experts = random_arrays(cfg)
     params = api.from_arrays(cfg, g, layers, experts).params
     assert dense_kernel_gbps(cfg, params, rows=3, cache_len=8, unroll=False) > 0  # timed
     timed = []
-    monkeypatch.setattr(bench_module, "_best",
+    monkeypatch.setattr(kernel_rates, "best_seconds",
                         lambda fn, reps, warm_s=0.0: timed.append(fn()) or 1.0)
     dense = sum(a.nbytes for a in jax.tree.leaves(params)) - params["params"]["embed"].nbytes
     assert dense_kernel_gbps(cfg, params, rows=3, cache_len=8, unroll=True) == dense / 1e9
@@ -207,19 +201,15 @@ def test_the_step_link_copies_as_many_experts_as_a_layer_did_by_the_steps_copy()
     host = ExpertPool(*(jax.device_put(rng.standard_normal((6, 8, 16)).astype(np.float32),
                                        pinned) for _ in range(3)))
     decode = PhaseCounts(calls=2, fetched=17, prefetched=7)  # 24 copies, 2 steps, 3 layers
-    share = types.SimpleNamespace(residency=types.SimpleNamespace(host=host))
-    engine = types.SimpleNamespace(resident=False, devices=[cpu], shares=[share],
-                                   counters=types.SimpleNamespace(decode=decode))
-    link = step_link(engine, layers=3)
+    link = step_link(host, decode, layers=3, devices=1)
     assert link["copies"] == 4 and link["copy_bytes"] == 3 * 8 * 16 * 4 and link["gbps"] > 0
-    engine.devices = [cpu, cpu]  # two links copy side by side: half each
-    assert step_link(engine, layers=3)["copies"] == 2
-    engine.counters.decode = PhaseCounts(calls=2, fetched=90)  # more than the pool holds
-    assert step_link(engine, layers=3)["copies"] == 6
-    engine.counters.decode = PhaseCounts(calls=2)
-    assert step_link(engine, layers=3) is None  # nothing copied: no link to measure
-    engine.counters.decode, engine.resident = decode, True
-    assert step_link(engine, layers=3) is None
+    # two links copy side by side: half each
+    assert step_link(host, decode, layers=3, devices=2)["copies"] == 2
+    more = PhaseCounts(calls=2, fetched=90)  # more than the pool holds
+    assert step_link(host, more, layers=3, devices=1)["copies"] == 6
+    # nothing copied: no link to measure
+    assert step_link(host, PhaseCounts(calls=2), layers=3, devices=1) is None
+    assert step_link(None, decode, layers=3, devices=1) is None  # resident: no tier 1
 
 
 def test_the_bound_by_hand():
@@ -297,7 +287,7 @@ def test_the_prediction_reads_the_decode_steps_by_hand():
     hw = HardwareProfile(name="hand", pcie_gbps=10.0, host_read_gbps=20.0, hbm_gbps=100.0,
                          hbm_gib=1.0, matmul_tflops=1.0, host_cores=2)
     layers = 3
-    got = prediction(c, sizes, hw, layers)["inputs"]
+    got = run_prediction(c, sizes, hw, layers)["inputs"]
     assert got["batch"] == pytest.approx(3.0)
     assert got["routed"] == pytest.approx(4.0)  # all calls: 64 / 12
     assert got["misses"] == pytest.approx(3.0)  # (24 + 6) / 10
@@ -310,18 +300,19 @@ def test_the_prediction_reads_the_decode_steps_by_hand():
     assert got["disk_gbps"] == pytest.approx(4e6 / 0.02 / 1e9)  # 0.2; all calls: 0.0235
     # decode loads without measurable stall time: the rate of every call's loads
     still = dataclasses.replace(c, decode=dataclasses.replace(decode, disk_stall_s=0.0))
-    assert prediction(still, sizes, hw, layers)["inputs"]["disk_gbps"] == pytest.approx(
+    assert run_prediction(still, sizes, hw, layers)["inputs"]["disk_gbps"] == pytest.approx(
         24e6 / 1.0 / 1e9)  # 24 loads in the prefill's 1.0 s
     # only the prefill chunks read the disk: no disk term in a decode step
     calm = dataclasses.replace(c, decode=dataclasses.replace(
         decode, disk_loads=0, disk_stall_s=0.0, resumed_layers=0))
-    inputs = prediction(calm, sizes, hw, layers)["inputs"]
+    inputs = run_prediction(calm, sizes, hw, layers)["inputs"]
     assert inputs["disk_loads"] == 0 and inputs["rerun"] == 0 and inputs["disk_gbps"] is None
     assert (c + c).decode == PhaseCounts(**{k: 2 * v for k, v in
                                             dataclasses.asdict(decode).items()})
     doc = json.loads(json.dumps(c.doc()))
     assert (doc["decode"]["routed"], doc["routed"], doc["prefill_chunks"]) == (40, 64, 2)
-    assert prediction(dataclasses.replace(c, decode=PhaseCounts()), sizes, hw, layers) is None
+    assert run_prediction(dataclasses.replace(c, decode=PhaseCounts()), sizes, hw,
+                          layers) is None
 
 
 def test_fingerprint_reads_numa_nodes_and_git():

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from strata_runtime.cli.main import main
-from strata_runtime.lab.bench import prediction_error
-from strata_runtime.lab.sweep import SweepError, _progress, _provenance, _time_split, load_sweep
+from strata_runtime.lab.cost_model import prediction_error, time_split
+from strata_runtime.lab.sweep import SweepError, _progress, _provenance, load_sweep
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "sweeps" / "tiny_ladder.toml"
@@ -212,13 +212,13 @@ def test_the_time_split_estimates_each_part_from_its_own_rate_and_caps_them():
     experts (HBM bytes beyond the dense and KV bytes) at the expert kernel's rate, the dense
     and KV bytes at the rate of the step without experts; the rest is what the measured time
     leaves, and no estimate outgrows the measured time."""
-    split = _time_split(_split_row(ms_engine=100.0, disk_ms=30.0))
+    split = time_split(_split_row(ms_engine=100.0, disk_ms=30.0))
     assert split["disk"] == 30.0
     assert split["copies"] == pytest.approx(1e3 * 2.0 / 40.0)  # 50 ms
     assert split["experts"] == pytest.approx(1e3 * 2.0 / 1000.0)  # 2 ms
     assert split["dense"] == pytest.approx(1e3 * 3.0 / 1500.0)  # 2 ms
     assert split["rest"] == pytest.approx(100.0 - 30 - 50 - 2 - 2)
-    short = _time_split(_split_row(ms_engine=60.0, disk_ms=30.0))  # copies alone would be 50
+    short = time_split(_split_row(ms_engine=60.0, disk_ms=30.0))  # copies alone would be 50
     assert (short["copies"], short["experts"], short["dense"], short["rest"]) == (30.0, 0, 0, 0)
     old = {**_split_row(100.0, 0.0), "dense_read_gbps": None}  # a row from before the rate
-    assert _time_split(old)["dense"] == pytest.approx(1e3 * 3.0 / 2000.0)
+    assert time_split(old)["dense"] == pytest.approx(1e3 * 3.0 / 2000.0)

@@ -86,3 +86,29 @@ def test_rebalance_swaps_only_past_hysteresis():
     swaps = rebalance(heat, {(0, 0), (0, 3)}, hysteresis=0.1)
     assert swaps == [((0, 3), (0, 1))]  # (0, 2) is not 10 % hotter than (0, 0)
     assert rebalance(heat, {(0, 1), (0, 2)}, hysteresis=0.1) == []
+
+
+def test_the_simulator_replays_the_engines_admissions(tmp_path, policy="lfru"):
+    """One admission logic (`cache_policy.admit`): an offloaded run's routing trace replayed
+    by the simulator, with the engine's pinned set and cache slots, admits as many experts as
+    the engine did."""
+    from strata_runtime.engine.config import EngineConfig
+    from strata_runtime.engine.offload import Engine
+    from strata_runtime.engine.trace import load_trace
+    from strata_runtime.lab.simulate import simulate
+    from tests.helpers import tiny_config, write_checkpoint
+
+    write_checkpoint(tiny_config("qwen3_moe", num_experts=8), tmp_path / "ck", seed=4)
+    config = EngineConfig(hbm_budget=None, resident_experts=6, policy=policy,
+                          cache_fraction=0.5, cache_admit="always", batch_capacity=2,
+                          max_len=64, record_trace=str(tmp_path / "t.npz"))
+    with Engine.from_checkpoint(tmp_path / "ck", config) as engine:
+        share = engine.shares[0]
+        pinned = sorted(share.pinned)
+        engine.generate([[5, 9, 2, 7], [1, 3], [8, 8, 4, 1, 6]], 12)
+        admitted = engine.stats()["by_phase"]
+    took = sum(phase["totals"]["admissions"] for phase in admitted.values())
+    assert took > 0
+    replay = simulate(load_trace(tmp_path / "t.npz"), policy, pinned=pinned,
+                      cache=share.cache.capacity, staging=1, cache_admit="always")
+    assert replay.admissions == took

@@ -17,7 +17,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import strata_jax  # noqa: E402
 import strata_runtime.serving.lm_eval  # noqa: E402, F401  (registers "strata")
-from strata_jax.api import cut_at_stop  # noqa: E402
+from strata_jax.batching.text import cut_at_stop  # noqa: E402
 from strata_jax.step.sampling import SamplingParams  # noqa: E402
 from strata_jax.tools.synth import synthesize  # noqa: E402
 from strata_runtime.serving.lm_eval import StrataLM  # noqa: E402
