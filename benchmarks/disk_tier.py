@@ -28,8 +28,9 @@ from strata_jax.batching.packing import Admission
 from strata_jax.formats.checkpoint import CheckpointReader
 from strata_jax.tools import synth
 from strata_runtime.engine.config import EngineConfig
-from strata_runtime.engine.offload import Engine, link_rate
+from strata_runtime.engine.offload import Engine
 from strata_runtime.lab.bench import disk_read_gbps, drop_page_cache
+from strata_runtime.residency.link import link_rate
 
 
 def expert_bytes(reader: CheckpointReader) -> int:

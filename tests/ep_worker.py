@@ -130,7 +130,7 @@ COUNTED = ("hits", "fetched", "issued", "admissions", "disk_loads")  # per devic
 def _owners_only(engine) -> bool:
     """Every device's page tables and slots hold only experts it owns."""
     for share in engine.shares:
-        r, mine = share.residency, engine.owner == share.device
+        r, mine = share.residency, engine.layout.owner == share.device
         held = [k for k in r.slot_key + r.host_key if k is not None]
         if (r.page[~mine] >= 0).any() or (r.host_page[~mine] >= 0).any():
             return False
@@ -160,7 +160,7 @@ def _engine_case(ckpt: str, n: int, case: str, reference) -> dict:
     return {"tokens": bool(np.array_equal(tokens, reference[0])),
             "logits": bool(np.array_equal(logits, reference[1])),
             "owners": own, "devices": len(devices),
-            "by_heat": not np.array_equal(engine.owner, owners(cfg.num_layers,
+            "by_heat": not np.array_equal(engine.layout.owner, owners(cfg.num_layers,
                                                                cfg.num_experts, n)),
             "sums": all(sum(d[k] for d in devices) == getattr(engine.counters, k)
                         for k in COUNTED)
@@ -205,7 +205,7 @@ def engine(ckpt: str, settings: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         heat = os.path.join(tmp, "heat.json")
         with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
-            assert one.resident
+            assert one.layout.resident
             tokens, logits = run_rows(one, ENGINE_PROMPTS, ENGINE_NEW)
             one.save_heat(heat)
         for setting in settings:
@@ -290,8 +290,8 @@ def _corrupt_copy(ckpt: str, engine, pid: int) -> tuple[str, list[int]]:
 
     from strata_runtime.residency.heat import ranked
 
-    last = len(engine.devices) - 1
-    theirs = [k for k in ranked(engine.cfg, None) if engine.owner[k] == last][2:]
+    last = len(engine.layout.devices) - 1
+    theirs = [k for k in ranked(engine.cfg, None) if engine.layout.owner[k] == last][2:]
     layer, expert = min((k for k in theirs if engine.heat.counts[k] > 0),
                         key=lambda k: engine.heat.counts[k])
     bad = f"{ckpt}-bad"

@@ -85,7 +85,7 @@ def offloaded(path: Path, prompts: list[list[int]], resident_outs: list[list[int
     engine = Engine.from_checkpoint(path, config)
     print(f"offload engine, HBM budget {budget / 1e6:.2f} MB for a "
           f"{mb.total / 1e6:.2f} MB model:")
-    print("\n".join("  " + line for line in engine.ledger.render().splitlines()))
+    print("\n".join("  " + line for line in engine.layout.ledger.render().splitlines()))
     engine.generate(prompts, NEW_TOKENS)  # compiles the step
     engine.reset_stats()
     t0 = time.perf_counter()

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from strata_jax import api
 from strata_jax.formats.checkpoint import CheckpointReader
 from strata_jax.formats.quant import dequantize_int4_jnp
+from strata_jax.step import expert_parallel
 from strata_runtime.engine.processes import process_sum
 from strata_runtime.engine.shares import Share
 from strata_runtime.residency.numa import NumaPlan, bind_current_thread
@@ -146,3 +149,13 @@ def _dequantize_on_cpu(packed: np.ndarray, scales: np.ndarray) -> jax.Array:
 
 
 _dequant_jit = jax.jit(lambda p, s: dequantize_int4_jnp(p, s, jnp.bfloat16))
+
+
+def read_dense(reader: CheckpointReader, everyone: NamedSharding | None) -> dict:
+    """The checkpoint's dense params on the default device, or (`everyone`: a replicated
+    sharding over a mesh) read on the host and placed on every device, so that the first
+    device receives no second copy."""
+    if everyone is None:
+        return api.read_dense_params(reader)
+    with jax.default_device(host_device()):
+        return expert_parallel.place(api.read_dense_params(reader), everyone)

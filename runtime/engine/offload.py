@@ -30,7 +30,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from strata_jax import api
 from strata_jax.batching import packing
 from strata_jax.batching.checks import check_admissions
 from strata_jax.batching.contract import StepResult
@@ -61,8 +60,8 @@ from strata_runtime.engine.config import (  # noqa: F401 (EngineConfig: the engi
 from strata_runtime.engine.disk import (
     ExpertLoader,
     agreed_errors,
-    host_device,
     plan_loads,
+    read_dense,
     rows_routed,
     start_reads,
 )
@@ -73,14 +72,20 @@ from strata_runtime.engine.plan import (
     slot_tile,
 )
 from strata_runtime.engine.processes import process_sum, summed_moves
-from strata_runtime.engine.shares import Share, placement, start_shares  # noqa: F401
+from strata_runtime.engine.shares import (  # noqa: F401 (placement: the engine's)
+    ExpertLayout,
+    Share,
+    placement,
+    start_shares,
+)
 from strata_runtime.engine.stats import DeviceCounts, EngineStats
-from strata_runtime.engine.trace import TraceReplay, TraceWriter, load_trace
+from strata_runtime.engine.trace import TraceReplay, TraceWriter
 from strata_runtime.residency.cache_policy import (
     HeatEstimate,
 )
 from strata_runtime.residency.heat import load_heat, save_heat
 from strata_runtime.residency.host_misses import HostMisses
+from strata_runtime.residency.link import link_rate
 from strata_runtime.residency.numa import bind_current_thread, gpu_pci_bus_id, plan_binding
 from strata_runtime.residency.tiers import Key, Residencies, local_devices
 from strata_runtime.residency.timeline import Timeline
@@ -115,16 +120,15 @@ class Engine:
         check_expert_devices(config)
         self.cfg, self.config, self._reader = cfg, config, reader
         self.capacity, self.max_len = config.batch_capacity, config.max_len
-        self.devices = _expert_devices(config.expert_devices, cfg)
-        self._mesh = None if len(self.devices) == 1 else expert_parallel.mesh_of(self.devices)
-        local = self.devices if self._mesh is None else local_devices(self._mesh)
-        self._local = [self.devices.index(d) for d in local]  # axis indices this process drives
-        self._processes = len({d.process_index for d in self.devices})
+        devices = _expert_devices(config.expert_devices, cfg)
+        self._mesh = None if len(devices) == 1 else expert_parallel.mesh_of(devices)
+        local = devices if self._mesh is None else local_devices(self._mesh)
+        self._local = [devices.index(d) for d in local]  # axis indices this process drives
+        self._processes = len({d.process_index for d in devices})
         self._device = local[0]
         self._everyone = self._device if self._mesh is None else NamedSharding(self._mesh, P())
         heat = None if config.heat_file is None else load_heat(config.heat_file, cfg)
-        self.owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(self.devices),
-                                            heat)
+        owner = expert_parallel.owners(cfg.num_layers, cfg.num_experts, len(devices), heat)
         self._tile = slot_tile(reader, config)
         self._load = ExpertLoader(reader, host_dequantizes(config, reader), self._tile)
         self._numa = plan_binding(gpu_pci_bus_id(self._device))
@@ -133,49 +137,44 @@ class Engine:
                                            initargs=(self._numa,))
         self.startup: dict[str, float] = {}  # seconds of each start-up phase
         with _phase(self.startup, "ledger"):  # compiles the step programs to size the workspace
-            self.ledger = plan_for(reader, config) if config.hbm_budget is not None else None
-        self.prefill_chunk = (self.ledger.prefill_chunk if self.ledger is not None else
+            ledger = plan_for(reader, config) if config.hbm_budget is not None else None
+        self.prefill_chunk = (ledger.prefill_chunk if ledger is not None else
                               config.prefill_chunk or step.default_prefill_chunk(self.max_len))
         self.prefill_rows = config.prefill_rows or self.capacity
         with _phase(self.startup, "pools"):  # tiers 0 and 1 read from disk
             start = start_shares(
-                cfg=cfg, config=config, reader=reader, ledger=self.ledger, owner=self.owner,
-                devices=self.devices, local=self._local, heat=heat, load=self._load,
+                cfg=cfg, config=config, reader=reader, ledger=ledger, owner=owner,
+                devices=devices, local=self._local, heat=heat, load=self._load,
                 try_load=self._load.attempt,
                 read=start_reads(self._numa, config.fetch_threads), numa=self._numa,
                 rows=max(self.capacity, self.prefill_chunk))
             self.shares = start.shares  # this process's devices' only
-            self.resident, self.staging = start.resident, start.staging
             self._disk_possible = start.disk_possible
+        self.layout = ExpertLayout(devices=devices, owner=owner, ledger=ledger,
+                                   resident=start.resident, staging=start.staging)
         self.residency = Residencies([s.residency for s in self.shares], self._mesh,
-                                     None if self._mesh is None else self.owner)
+                                     None if self._mesh is None else owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)
         with _phase(self.startup, "dense"):
-            if self._mesh is None:
-                self.params = api.read_dense_params(reader)
-            else:  # read on the host: each device receives its copy, the first no second one
-                with jax.default_device(host_device()):
-                    self.params = expert_parallel.place(api.read_dense_params(reader),
-                                                        self._everyone)
+            self.params = read_dense(reader, None if self._mesh is None else self._everyone)
         with _phase(self.startup, "links"):
             links = self._links()
-        self.host_misses = None if self.resident or config.miss == "fetch" else HostMisses(
+        self.host_misses = None if self.layout.resident or config.miss == "fetch" else HostMisses(
             self._device, self.shares[0].residency.host, None if config.miss_rates is None
             else MissRates.parse(config.miss_rates), config.host_threads)
-        self.plan = step.StepPlan(staging=self.staging, predictor=config.predictor,
+        self.plan = step.StepPlan(staging=self.layout.staging, predictor=config.predictor,
                                   row_chunks=config.row_chunks, int4_tiles=config.int4_tiles,
                                   resume=self._disk_possible,
                                   miss="fetch" if self.host_misses is None else config.miss,
                                   replay=config.replay_trace is not None)
-        self._replay = None if config.replay_trace is None else TraceReplay(
-            load_trace(config.replay_trace), num_layers=cfg.num_layers,
-            num_experts=cfg.num_experts, top_k=cfg.top_k, source=config.replay_trace)
+        self._replay = None if config.replay_trace is None else TraceReplay.of(
+            config.replay_trace, cfg)
         self._closed = False  # close() has freed the engine's memory
         self._starts: dict[int, step.Resume] = {}  # per token count
         self._sampled_plan = dataclasses.replace(self.plan, sample=True)
         self._greedy = [True] * self.capacity  # per row: may decode with the plain argmax
         self._live = [False] * self.capacity  # the host's copy of state.live
-        programs = programs_for(self._mesh, staged=self.staging > 0)
+        programs = programs_for(self._mesh, staged=self.layout.staging > 0)
         self._decode, self._prefill = programs.decode, programs.prefill
         self.state = self._replicated(step.init_state(cfg, self.capacity, self.max_len,
                                                       self._device))
@@ -185,7 +184,7 @@ class Engine:
         # the host's moves in it are this process's devices' (stats() sums the processes')
         self.counters = EngineStats(
             slot_bytes(reader, config).bytes_per_expert, link_gbps=links[0],
-            devices=[DeviceCounts(str(d), link) for d, link in zip(self.devices, links,
+            devices=[DeviceCounts(str(d), link) for d, link in zip(self.layout.devices, links,
                                                                    strict=True)])
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
         self._pending_time = (0.0, False, 0)  # its dispatch time, timed?, live rows
@@ -193,28 +192,25 @@ class Engine:
         self._request: list[int | None] = [None] * self.capacity  # each row's request id
         self._pending_rows: tuple[np.ndarray, list[int | None]] | None = None  # at dispatch
         # the routing is the same on every process: the first one writes it
-        self.trace = None if config.record_trace is None or jax.process_index() else TraceWriter(
-            config.record_trace, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
-            top_k=cfg.top_k, extra={"model_config": dataclasses.asdict(cfg),
-                                    "bytes_per_expert": self.counters.bytes_per_expert,
-                                    "checkpoint": str(reader.path)})
+        self._trace = None if config.record_trace is None or jax.process_index() else \
+            TraceWriter.of(config.record_trace, cfg, self.counters.bytes_per_expert, reader.path)
         self._compiled: set[step.StepPlan] = set()  # decode plans called once (compile timed apart)
 
     # --- set-up --------------------------------------------------------------------------------
 
     def _share(self, key: Key) -> Share | None:
         """The share of the device that owns `key`; None if another process drives it."""
-        owner = int(self.owner[key])
+        owner = int(self.layout.owner[key])
         return next((s for s in self.shares if s.device == owner), None)
 
     def _links(self) -> list[float | None]:
         """Each device's link rate (None when resident: nothing crosses it), measured by the
         process that drives it and shared with the others (the stats agree)."""
-        if self.resident:
-            return [None] * len(self.devices)
-        rates = np.zeros(len(self.devices))
+        if self.layout.resident:
+            return [None] * len(self.layout.devices)
+        rates = np.zeros(len(self.layout.devices))
         for d in self._local:
-            rates[d] = link_rate(self.devices[d])
+            rates[d] = link_rate(self.layout.devices[d])
         return [float(r) for r in process_sum(rates, self._processes)]
 
     def _replicated(self, tree):
@@ -234,8 +230,8 @@ class Engine:
         if self._closed:
             return
         self._observe_pending()
-        if self.trace is not None:
-            self.trace.close()
+        if self._trace is not None:
+            self._trace.close()
         if self.host_misses is not None:
             self.host_misses.close()
         for share in self.shares:
@@ -282,12 +278,9 @@ class Engine:
             out, failed = self._run("prefill{}x{}".format(*tokens.shape), self._prefill,
                                     self.plan, args, sync=True)
             self.counters.ridden_tokens += int(riders.sum())
-            if self.trace is not None:
-                real = (np.arange(tokens.shape[1])[None] < counts[:, None]).reshape(-1)
-                requests = [self._request[r] if r < self.capacity else None
-                            for r in np.repeat(rows, tokens.shape[1])] + self._request
-                self.trace.add(out.record.experts, np.concatenate([real, riders]), requests,
-                               prefill=True)
+            if self._trace is not None:
+                self._trace.add_program(out.record.experts, rows, counts, tokens.shape[1],
+                                        riders, self._request)
             return (np.asarray(out.tokens), np.asarray(out.riders), failed,
                     packing.host_scores(out.scores))
 
@@ -450,8 +443,8 @@ class Engine:
         else:  # the first call of a plan compiles it
             self.counters.compile_s += done - t0
         self._last_done = done
-        if self.trace is not None:
-            self.trace.add(record.experts, *self._pending_rows)
+        if self._trace is not None:
+            self._trace.add(record.experts, *self._pending_rows)
         self.counters.observe(record, "decode")
         self._admit(record, "decode")
 
@@ -464,7 +457,7 @@ class Engine:
         routed = [(int(layer), int(e)) for layer, e in np.argwhere(counts > 0)]
         heat = self.heat.current()
         for share in self.shares:  # each device admits its own experts
-            taken = share.admit([k for k in routed if self.owner[k] == share.device], heat)
+            taken = share.admit([k for k in routed if self.layout.owner[k] == share.device], heat)
             for _ in range(taken):
                 self.counters.moved(phase, "admissions", share.device)
 
@@ -473,13 +466,13 @@ class Engine:
         # with a disk tier the step was read (`_run`'s sync): nothing reads tier 1 now
         if self._disk_possible and self.config.read_ahead:
             for share in self.shares:
-                heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)
+                heat = np.where(self.layout.owner == share.device, self.heat.heat, -np.inf)
                 self.counters.read_ahead += share.ahead.between_steps(share.residency, heat)
         every = self.config.rebalance_every
         if not every or self.counters.decode_steps % every or not self.counters.decode_steps:
             return
         for share in self.shares:  # each device by the heat of its own experts
-            heat = np.where(self.owner == share.device, self.heat.heat, -np.inf)
+            heat = np.where(self.layout.owner == share.device, self.heat.heat, -np.inf)
             self.counters.swaps += share.rebalance(heat, self.config.hysteresis)
 
     # --- results -------------------------------------------------------------------------------
@@ -493,7 +486,7 @@ class Engine:
                  sum(int((r.host_page >= 0).sum()) for r in parts if r.host is not None)]
         counters, tiers = summed_moves(self.counters, tiers, self._processes)
         return {"tier0_experts": tiers[0], "tier1_experts": tiers[1],
-                "staging_slots": self.staging, "expert_devices": len(self.devices),
+                "staging_slots": self.layout.staging, "expert_devices": len(self.layout.devices),
                 "processes": self._processes,
                 **counters.summary(),
                 **({} if self.host_misses is None
@@ -556,20 +549,6 @@ def _expert_devices(count: int, cfg: ModelConfig) -> list[jax.Device]:
     return present[:count]
 
 
-
-
-def link_rate(device: jax.Device, nbytes: int = 64 << 20, pieces: int = 8) -> float:
-    """Pinned host -> device GB/s of `nbytes` moved as `pieces` copies in flight together, as a
-    step moves a layer's misses (one copy alone leaves the link part idle): the link-busy
-    figures' and the bound's denominator."""
-    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    xs = [jax.device_put(np.full(nbytes // pieces // 4, i, np.float32), pinned)
-          for i in range(pieces)]
-    jax.block_until_ready(jax.device_put(xs, on_device))
-    t0 = time.perf_counter()
-    jax.block_until_ready(jax.device_put(xs, on_device))
-    return nbytes // pieces * pieces / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
 def _spliced(done, record, layer: int):

@@ -33,7 +33,7 @@ class Share:
     set and its cache slots' policy."""
 
     device: int
-    """Its index on the expert axis (`Engine.owner`'s value for its experts)."""
+    """Its index on the expert axis (`ExpertLayout.owner`'s value for its experts)."""
     residency: Residency
     pinned: set[Key]
     cache: ExpertCache
@@ -70,6 +70,22 @@ class Share:
             self.pinned.add(new)
             swaps += 1
         return swaps
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertLayout:
+    """Where an engine's experts are, fixed at start-up (`Engine.layout`)."""
+
+    devices: list[jax.Device]
+    """The expert axis: the first `EngineConfig.expert_devices` devices."""
+    owner: np.ndarray
+    """int32 [L, E]: the device (index on the axis) that owns each expert."""
+    ledger: Ledger | None
+    """The HBM budget's split (`plan_for`); None without a budget (every expert a slot)."""
+    resident: bool
+    """Every expert has a device slot."""
+    staging: int
+    """Experts per staging half (0: resident)."""
 
 
 @dataclass(frozen=True, kw_only=True)

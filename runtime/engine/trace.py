@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from strata_jax.formats.config import ModelConfig
+
 FORMAT = "strata-trace"
 VERSION = 1
 _ARRAYS = ("experts", "rows", "requests", "offsets", "widths", "prefill")
@@ -113,6 +115,24 @@ class TraceWriter:
         self._steps: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, bool]] = []
         self._closed = False
 
+    @classmethod
+    def of(cls, path: str | os.PathLike, cfg: ModelConfig, bytes_per_expert: int,
+           checkpoint: str | os.PathLike) -> TraceWriter:
+        """An engine's trace of `cfg`'s routing, the model and its checkpoint named in it."""
+        return cls(path, num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                   top_k=cfg.top_k, extra={"model_config": dataclasses.asdict(cfg),
+                                           "bytes_per_expert": bytes_per_expert,
+                                           "checkpoint": str(checkpoint)})
+
+    def add_program(self, experts: np.ndarray, rows: np.ndarray, counts: np.ndarray,
+                    tokens: int, riders: np.ndarray, requests: Sequence[int | None]) -> None:
+        """A prefill program's step: its rows' `tokens` tokens each (row `rows[i]`, real below
+        `counts[i]`; a row at or past the batch (`len(requests)`) is padding), then one token
+        per batch row, live where it rides (`riders`); `requests`: each batch row's request."""
+        real = (np.arange(tokens)[None] < counts[:, None]).reshape(-1)
+        owners = [requests[r] if r < len(requests) else None for r in np.repeat(rows, tokens)]
+        self.add(experts, np.concatenate([real, riders]), owners + list(requests), prefill=True)
+
     def add(self, experts: np.ndarray, live: np.ndarray, requests: Sequence[int | None], *,
             prefill: bool = False) -> None:
         """One step: `experts` int [L, N, k] every row's picks (a StepRecord's `experts`),
@@ -194,6 +214,12 @@ class TraceReplay:
         self._next = {"decode": 0, "prefill": 0}
         self.wraps = 0
 
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, cfg: ModelConfig) -> TraceReplay:
+        """The trace file at `path` replayed on `cfg`'s shape."""
+        return cls(load_trace(path), num_layers=cfg.num_layers, num_experts=cfg.num_experts,
+                   top_k=cfg.top_k, source=str(path))
     def picks(self, kind: str, rows: int) -> np.ndarray:
         """int32 [L, rows, k]: the next `kind` ("decode" / "prefill") step's picks."""
         t = self.trace

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.formats.checkpoint import CheckpointReader
-from strata_runtime.engine.offload import link_rate
+from strata_runtime.residency.link import link_rate
 
 GPU_WARM_S = 1.0  # seconds of untimed work before a device ceiling is timed (`best_seconds`)
 CHAIN = 8  # kernel calls chained in one program when a device rate is timed (`chained_seconds`)
@@ -99,11 +99,11 @@ def _memory_stats(dev: jax.Device) -> dict[str, Any]:
 
 def measure_ceilings(quick: bool | None = None) -> dict[str, Any]:
     """The rates the bound divides by, measured now on the default device: pinned host ->
-    device (`engine.link_rate`, best of 3: eight copies in flight), host read (`host_read_gbps`),
-    device-memory read (a jitted sum, best wall time), matmul (a jitted square matmul, bf16 on
-    a GPU, float32 on a CPU); the device's two after `GPU_WARM_S` of untimed work each. `quick`
-    (default: on a CPU backend) uses small arrays and no warm-up: the CPU figures only make the
-    bound's arithmetic run, they are not a GPU's."""
+    device (`residency.link.link_rate`, best of 3: eight copies in flight), host read
+    (`host_read_gbps`), device-memory read (a jitted sum, best wall time), matmul (a jitted
+    square matmul, bf16 on a GPU, float32 on a CPU); the device's two after `GPU_WARM_S` of
+    untimed work each. `quick` (default: on a CPU backend) uses small arrays and no warm-up:
+    the CPU figures only make the bound's arithmetic run, they are not a GPU's."""
     dev = jax.devices()[0]
     quick = dev.platform == "cpu" if quick is None else quick
     big, n, reps = (64 << 20, 512, 3) if quick else (1 << 30, 8192, 10)

@@ -42,13 +42,13 @@ class EngineFacts:
     prefill_chunk: int
     """Tokens per prefill chunk (`Engine.prefill_chunk`)."""
     devices: int
-    """Devices of its expert axis (`Engine.devices`); their links copy side by side."""
+    """Devices of its expert axis (`Engine.layout.devices`); their links copy side by side."""
     pool: Callable[[], ExpertPool]
     """The first device's slots, tier 0 and staging, as they are now
     (`Engine.shares[0].residency.pool`: a step replaces its arrays, donating the old ones)."""
     host: Callable[[], ExpertPool | None]
     """The first device's pinned-host tier 1 as it is now (`Engine.shares[0].residency.host`);
-    None when every expert has an HBM slot (`Engine.resident`)."""
+    None when every expert has an HBM slot (`Engine.layout.resident`)."""
     host_rates: MissRates | None
     """The host expert kernel's and the link's rates it decides misses by (measured at
     start-up unless configured); None: misses are only copied (`Engine.host_misses`)."""
@@ -69,8 +69,8 @@ class EngineFacts:
                         kv_bytes=int(engine.state.k.nbytes + engine.state.v.nbytes),
                         rows=engine.capacity, flops_per_token=model_cost(cfg).flops_per_token),
             cache_len=engine.state.max_len, unroll=engine.plan.unroll,
-            prefill_chunk=engine.prefill_chunk, devices=len(engine.devices),
+            prefill_chunk=engine.prefill_chunk, devices=len(engine.layout.devices),
             pool=lambda: engine.shares[0].residency.pool,
-            host=lambda: None if engine.resident else engine.shares[0].residency.host,
+            host=lambda: None if engine.layout.resident else engine.shares[0].residency.host,
             host_rates=None if engine.host_misses is None else engine.host_misses.rates,
             startup=dict(engine.startup), counters=lambda: engine.counters)

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from strata_runtime.engine.offload import link_rate
+from strata_runtime.residency.link import link_rate
 
 REPO = Path(__file__).resolve().parents[2]
 

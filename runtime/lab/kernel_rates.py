@@ -108,7 +108,7 @@ def step_link(host: ExpertPool | None, decode: PhaseCounts, layers: int, devices
     no tier 1 `host`): GB/s of as many experts as a decode step's layer copied in the `decode`
     counters so far (the warm-up's; over `devices` devices each copies its share), copied out
     of `host` by the step's own copy (`copy_in_gbps`), best of `reps`. Copies made apart
-    (`engine.link_rate`) may run faster than the step's, and a layer's few copies below the
+    (`residency.link.link_rate`) may run faster than the step's, and a layer's few copies below the
     rate of many (docs/design.md, "Benchmarks and sweeps")."""
     copies = decode.fetched + decode.prefetched
     if host is None or not decode.calls or not copies:

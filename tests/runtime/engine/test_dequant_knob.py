@@ -68,10 +68,10 @@ def test_tile_major_slots_are_exact_across_budgets(quantized):
     change by a bit from the resident rows layout. Offloaded, so the pinned slots, tier 1 and
     the copies between them all hold tiles (a resident tiles engine has only the first)."""
     (ref_tokens, ref_logits), rows = _generate(quantized, None, weight_layout="rows")
-    assert rows.residency.pool.w1.ndim == 3 and rows.resident
+    assert rows.residency.pool.w1.ndim == 3 and rows.layout.resident
     (tokens, logits), engine = _generate(quantized, 3, weight_layout="tiles")
     assert engine.residency.pool.tile == (64, 128)  # D = 128: one group of inputs a step
-    assert not engine.resident and engine.shares[0].residency.host.tile == (64, 128)
+    assert not engine.layout.resident and engine.shares[0].residency.host.tile == (64, 128)
     np.testing.assert_array_equal(tokens, ref_tokens)
     np.testing.assert_array_equal(logits, ref_logits)
 
@@ -111,7 +111,7 @@ def test_host_dequant_ledger_sizes_slots_as_bf16(quantized):
         pool = engine.residency.pool
         held = sum(a.nbytes for a in (pool.w1, pool.w3, pool.w2))
         assert held == pool.num_slots * bf16 and pool.w1_scale is None
-        assert engine.staging > 0
+        assert engine.layout.staging > 0
 
 
 def test_host_compute_takes_packed_and_host_dequantized_experts(quantized, host_dequantized,

@@ -45,7 +45,7 @@ def _engine(ckpt, **knobs):
 @pytest.fixture(scope="module")
 def reference(ckpt):
     with _engine(ckpt) as engine:
-        assert engine.resident and engine.staging == 0
+        assert engine.layout.resident and engine.layout.staging == 0
         return run_rows(engine, PROMPTS, 6)
 
 
@@ -85,7 +85,7 @@ def test_cache_admission_rules_keep_the_bits(ckpt, reference):
 @pytest.mark.parametrize("staging", [1, 2, 3])
 def test_fewer_staging_slots_than_a_layer_needs(ckpt, reference, staging):
     with _engine(ckpt, resident_experts=3, policy="static", staging_slots=staging) as engine:
-        assert engine.staging == staging
+        assert engine.layout.staging == staging
         tokens, logits = run_rows(engine, PROMPTS, 6)
     np.testing.assert_array_equal(tokens, reference[0])
     np.testing.assert_array_equal(logits, reference[1])
@@ -148,7 +148,7 @@ def test_budget_goes_through_the_ledger(ckpt):
     with pytest.raises(BudgetError, match="too small"):
         _engine(ckpt, hbm_budget="64KiB", workspace=0)
     with _engine(ckpt, hbm_budget="1GiB", host_budget="1MiB", workspace=0) as engine:
-        assert engine.ledger.resident and engine.resident
+        assert engine.layout.ledger.resident and engine.layout.resident
 
 
 def _touched(ckpt, tokens):
@@ -307,7 +307,7 @@ def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, knobs, betwee
         dispatched = _programs_dispatched(lambda: [engine.step() for _ in range(steps)])
         assert set(dispatched) <= {"decode_step"} | between_steps, dispatched
         assert dispatched["decode_step"] >= steps
-        program = step.PROGRAMS[engine.staging > 0].decode
+        program = step.PROGRAMS[engine.layout.staging > 0].decode
         text = program.lower(engine.cfg, engine.plan, engine.params, engine.residency.pool,
                              engine._tiers(), engine.state).as_text()
         assert "callback" not in text, "a host call inside the step"

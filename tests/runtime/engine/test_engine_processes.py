@@ -42,7 +42,7 @@ def runs(tmp_path_factory):
     port = str(_free_port())
     procs = [launch([str(ckpt), "engine-process", str(pid), port]) for pid in (0, 1)]
     with Engine.from_checkpoint(ckpt, EngineConfig(**ENGINE_SHAPE)) as one:
-        assert one.resident
+        assert one.layout.resident
         tokens, logits = run_rows(one, PROCESS_PROMPTS, ENGINE_NEW)
         generated = one.generate(PROCESS_PROMPTS, ENGINE_NEW)
     return [result(p)[0] for p in procs], (tokens.tolist(), digest(logits), generated)

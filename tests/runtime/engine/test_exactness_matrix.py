@@ -85,7 +85,7 @@ def test_every_setting_is_bit_identical_to_unlimited(checkpoints, model):
                                        NEW_TOKENS, batch_capacity=2, max_len=32)
     for dequant in dequants:
         ref_tokens, ref_logits, full = _generate(reader, dequant=dequant)
-        assert full.resident and full.staging == 0
+        assert full.layout.resident and full.layout.staging == 0
         if dequant == "device":
             assert ref_tokens.tolist() == resident_api
         for predictor, policy in itertools.product(PREDICTORS, POLICIES):

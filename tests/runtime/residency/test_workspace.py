@@ -30,7 +30,7 @@ def test_workspace_is_the_compiled_programs_scratch_and_a_tight_budget_offloads(
     ledger = plan_for(reader, config)
     assert not ledger.resident and 0 < ledger.pool_slots < ledger.num_experts
     with Engine(reader, config) as engine:
-        assert engine.ledger == ledger
+        assert engine.layout.ledger == ledger
         args = (engine.cfg, engine.plan, engine.params, engine.residency.pool,
                 engine.residency.tiers(), engine.state)
         real = _temp(engine._decode, *args)  # the program the engine runs, at its real pool
