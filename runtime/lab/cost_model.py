@@ -104,7 +104,7 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
         name="h200-pcie5", pcie_gbps=49.0, host_read_gbps=94.0, hbm_gbps=4600.0,
         hbm_gib=139.0, matmul_tflops=700.0, host_cores=16, host_kernel_gbps=45.0,
         host_row_cost=0.05,
-        source="measured on the H200 machine (../shared/DESIGN.md, benchmarks/results): "
+        source="measured on the H200 machine (docs/measurements.md, benchmarks/results): "
                "pinned copies 50-54 GB/s alone, 48.9 inside the step; host DRAM 94 GB/s; HBM "
                "read 4.6-4.7 TB/s; bf16 GEMM 685-790 TFLOP/s; 16 cores; the C host expert "
                "kernel (AMX) 43-50 GB/s at one row while copies run (58-94 alone), each "
@@ -114,12 +114,12 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
         name="rtx3090-pcie3-xeon-v4", pcie_gbps=12.0, host_read_gbps=150.0, hbm_gbps=936.0,
         hbm_gib=24.0, matmul_tflops=35.0, host_cores=40, host_kernel_gbps=82.0,
         host_row_cost=0.003,
-        source="the write-up's machine (SEED_SUMMARY.md): PCIe 3.0 x16 ~12 GB/s real, dual "
+        source="the write-up's machine (the system this project reimplements): PCIe 3.0 x16 ~12 GB/s real, dual "
                "Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s fp16; 936 GB/s is the "
                "3090's nominal GDDR6X rate; host kernel assumed 0.55 of the DRAM rate, the "
                "ratio measured on the H200 host (alone)",
         reported="the write-up: ~110 tok/s stable, 127 peak, on its 125 B MoE (int8 shared "
-                 "weights, int4 experts, B up to 16; SEED_SUMMARY.md)"),
+                 "weights, int4 experts, B up to 16)"),
     HardwareProfile(
         name="rtx4090-pcie4", pcie_gbps=25.0, host_read_gbps=60.0, hbm_gbps=1000.0,
         hbm_gib=24.0, matmul_tflops=82.0, host_cores=16, host_kernel_gbps=33.0,
