@@ -116,8 +116,8 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
         host_row_cost=0.003,
         source="the write-up's machine (the system this project reimplements): PCIe 3.0 "
                "x16 ~12 GB/s real, dual Xeon v4 ~40 cores and ~150 GB/s DDR4, 35 TFLOP/s "
-               "fp16; 936 GB/s is the 3090's nominal GDDR6X rate; host kernel assumed 0.55 of the DRAM rate, the "
-               "ratio measured on the H200 host (alone)",
+               "fp16; 936 GB/s is the 3090's nominal GDDR6X rate; host kernel assumed 0.55 "
+               "of the DRAM rate, the ratio measured on the H200 host (alone)",
         reported="the write-up: ~110 tok/s stable, 127 peak, on its 125 B MoE (int8 shared "
                  "weights, int4 experts, B up to 16)"),
     HardwareProfile(
