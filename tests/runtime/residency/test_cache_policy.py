@@ -105,7 +105,7 @@ def test_the_simulator_replays_the_engines_admissions(tmp_path, policy="lfru"):
     with Engine.from_checkpoint(tmp_path / "ck", config) as engine:
         share = engine.shares[0]
         pinned = sorted(share.pinned)
-        engine.generate([[5, 9, 2, 7], [1, 3], [8, 8, 4, 1, 6]], 12)
+        engine.generate([[5, 9, 2, 7], [8, 8, 4, 1, 6]], 8)
         admitted = engine.stats()["by_phase"]
     took = sum(phase["totals"]["admissions"] for phase in admitted.values())
     assert took > 0
