@@ -94,10 +94,11 @@ def serve(args: argparse.Namespace) -> int:
     config = engine_config(args) or resident_config(args)
     tokenizer = load_tokenizer(args.ckpt)
     _log_to_stderr(args.log_level)
+    reader = CheckpointReader(args.ckpt)
     if not hasattr(args, "max_len"):
-        config, why = context_max_len(config, CheckpointReader(args.ckpt))
+        config, why = context_max_len(config, reader)
         log.info("%s", why)
-    engine = Engine.from_checkpoint(args.ckpt, config)
+    engine = Engine(reader, config)
     if not args.no_warmup:
         t0 = time.perf_counter()
         warm_up(engine)

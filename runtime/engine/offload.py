@@ -34,12 +34,7 @@ from strata_jax.batching import packing
 from strata_jax.batching.checks import check_admissions
 from strata_jax.batching.contract import StepResult
 from strata_jax.batching.packing import Admission
-from strata_jax.batching.requests import (  # noqa: F401 (RequestFailed: the engine raises it)
-    RequestFailed,
-    RequestResult,
-    generate_all,
-    run_requests,
-)
+from strata_jax.batching.requests import RequestResult, generate_all, run_requests
 from strata_jax.batching.scheduler import Scheduler
 from strata_jax.batching.scoring import loglikelihood
 from strata_jax.formats.checkpoint import CheckpointReader
@@ -50,13 +45,7 @@ from strata_jax.step import expert_parallel
 from strata_jax.step import programs as step
 from strata_jax.step.loaded import programs_for
 from strata_jax.step.sampling import GREEDY, SamplingParams
-from strata_runtime.engine.config import (  # noqa: F401 (EngineConfig: the engine's face)
-    DEQUANT,
-    LAYOUTS,
-    EngineConfig,
-    check_expert_devices,
-    check_int4_tiles,
-)
+from strata_runtime.engine.config import EngineConfig, check_expert_devices, check_int4_tiles
 from strata_runtime.engine.disk import (
     ExpertLoader,
     agreed_errors,
@@ -72,17 +61,10 @@ from strata_runtime.engine.plan import (
     slot_tile,
 )
 from strata_runtime.engine.processes import process_sum, summed_moves
-from strata_runtime.engine.shares import (  # noqa: F401 (placement: the engine's)
-    ExpertLayout,
-    Share,
-    placement,
-    start_shares,
-)
+from strata_runtime.engine.shares import Share, start_shares
 from strata_runtime.engine.stats import DeviceCounts, EngineStats
 from strata_runtime.engine.trace import TraceReplay, TraceWriter
-from strata_runtime.residency.cache_policy import (
-    HeatEstimate,
-)
+from strata_runtime.residency.cache_policy import HeatEstimate
 from strata_runtime.residency.heat import load_heat, save_heat
 from strata_runtime.residency.host_misses import HostMisses
 from strata_runtime.residency.link import link_rate
@@ -148,10 +130,8 @@ class Engine:
                 try_load=self._load.attempt,
                 read=start_reads(self._numa, config.fetch_threads), numa=self._numa,
                 rows=max(self.capacity, self.prefill_chunk))
-            self.shares = start.shares  # this process's devices' only
+            self.shares, self.layout = start.shares, start.layout  # this process's shares only
             self._disk_possible = start.disk_possible
-        self.layout = ExpertLayout(devices=devices, owner=owner, ledger=ledger,
-                                   resident=start.resident, staging=start.staging)
         self.residency = Residencies([s.residency for s in self.shares], self._mesh,
                                      None if self._mesh is None else owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)

@@ -94,10 +94,8 @@ class Start:
 
     shares: list[Share]
     """This process's devices' shares."""
-    resident: bool
-    """Every expert has a device slot."""
-    staging: int
-    """Experts per staging half (0: resident)."""
+    layout: ExpertLayout
+    """Where the experts are (the engine's `layout`)."""
     disk_possible: bool
     """Some experts lie only on disk: a step may stall there."""
 
@@ -142,7 +140,9 @@ def start_shares(*, cfg: ModelConfig, config: EngineConfig, reader: CheckpointRe
                           try_load, functools.partial(bind_current_thread, numa))
         shares.append(Share(d, residency, set(pinned) - residency.broken.keys(),
                             ExpertCache(config.policy, cache, config.cache_admit), ahead))
-    return Start(shares=shares, resident=resident, staging=staging,
+    layout = ExpertLayout(devices=devices, owner=owner, ledger=ledger, resident=resident,
+                          staging=staging)
+    return Start(shares=shares, layout=layout,
                  disk_possible=disk_possible)
 
 def _refuse_broken(reader: CheckpointReader, broken: dict[Key, str], staging: int) -> None:

@@ -57,9 +57,9 @@ class StrataLM(TemplateLM):
         if unknown:
             raise ValueError(f"strata model_args: unknown {', '.join(unknown)} (give checkpoint, "
                              "max_gen_toks, hbm, host_mem or an EngineConfig field)")
-        config = EngineConfig(**knobs)
+        config, reader = EngineConfig(**knobs), CheckpointReader(checkpoint)
         if "max_len" not in knobs:  # the model's context, within the budget
-            config, _ = context_max_len(config, CheckpointReader(checkpoint))
+            config, _ = context_max_len(config, reader)
         self.tokenizer = load_tokenizer(checkpoint)
         self.max_gen_toks = int(max_gen_toks)
         self.max_len = config.max_len
@@ -67,7 +67,7 @@ class StrataLM(TemplateLM):
             engine = ResidentEngine(strata_jax.load(checkpoint), config.batch_capacity,
                                     config.max_len, config.prefill_chunk, config.prefill_rows)
         else:
-            engine = Engine.from_checkpoint(checkpoint, config)
+            engine = Engine(reader, config)
         self.engine = engine
 
     def _scheduler(self) -> Scheduler:

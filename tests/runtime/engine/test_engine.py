@@ -15,11 +15,12 @@ import pytest
 
 import strata_jax
 from strata_jax.batching.packing import Admission
+from strata_jax.batching.requests import RequestFailed, RequestResult
 from strata_jax.formats.checkpoint import CheckpointError
 from strata_jax.step import programs as step
 from strata_jax.step.sampling import GREEDY, SamplingParams
 from strata_runtime.engine.config import EngineConfig
-from strata_runtime.engine.offload import Engine, RequestFailed, RequestResult
+from strata_runtime.engine.offload import Engine
 from strata_runtime.residency.ledger import BudgetError
 from tests.helpers import tiny_config, write_checkpoint
 from tests.runtime.contract import routing, run_rows
