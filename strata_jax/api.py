@@ -19,7 +19,7 @@ from strata_jax.batching.scheduler import Scheduler
 from strata_jax.batching.scoring import loglikelihood
 from strata_jax.batching.text import cut_at_stop
 from strata_jax.formats.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
-from strata_jax.formats.config import ModelConfig
+from strata_jax.formats.config import F32_PARAMS, ModelConfig
 from strata_jax.model import decoder as mdl
 from strata_jax.model.decoder import fuse_qkv
 from strata_jax.model.flax_model import MoEModel
@@ -35,14 +35,19 @@ def from_arrays(
     globals_: dict[str, np.ndarray],
     layers: dict[str, np.ndarray],
     experts: dict[str, np.ndarray],
+    mlp_layers: dict[str, np.ndarray] | None = None,
 ) -> Model:
     """Build a resident Model from host arrays.
 
-    `layers` maps each dense param name to an array stacked over layers; experts are
+    `layers` maps each MoE layer's dense param name to an array stacked over those layers
+    (`mlp_layers`: the dense-MLP layers', `ModelConfig.dense_layers`); experts are
     [L, E, in, out] per kind.
     """
-    per_layer = [{k: v[i] for k, v in layers.items()} for i in range(config.num_layers)]
-    params = dense_params(config, globals_, per_layer)
+    def split(stacked: dict[str, np.ndarray] | None, n: int) -> list[dict[str, np.ndarray]]:
+        return [{k: v[i] for k, v in (stacked or {}).items()} for i in range(n)]
+
+    params = dense_params(config, globals_, split(layers, config.num_layers),
+                          split(mlp_layers, config.dense_layers))
     return Model(config, params, resident_pool(config, experts), mdl.resident_slot_table(config))
 
 
@@ -54,16 +59,26 @@ def resident_pool(config: ModelConfig, experts: dict[str, np.ndarray]) -> Expert
 
 
 def dense_params(
-    config: ModelConfig, globals_: dict[str, np.ndarray], layers: list[dict[str, Any]]
+    config: ModelConfig, globals_: dict[str, np.ndarray], layers: list[dict[str, Any]],
+    mlp_layers: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The device param tree of the Flax model (`flax_model.MoEModel`) the step applies:
-    {"params": globals + "layers"}, each layer param stacked over layers (qkv fused)."""
+    {"params": globals + "layers" (+ "mlp_layers" where the model has dense-MLP layers)},
+    each layer param stacked over its layers (qkv fused)."""
     dtype = jnp.dtype(config.dtype)
     params: dict[str, Any] = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
-    fused = [fuse_qkv({k: np.asarray(v) for k, v in lp.items()}) for lp in layers]
-    params["layers"] = {k: _device_array(np.stack([lp[k] for lp in fused]), dtype)
-                        for k in fused[0]}
+    params["layers"] = _stacked(config, layers)
+    if config.dense_layers:
+        params["mlp_layers"] = _stacked(config, mlp_layers)
     return {"params": params}
+
+
+def _stacked(config: ModelConfig, layers: Sequence[dict[str, Any]]) -> dict[str, jax.Array]:
+    dtype = jnp.dtype(config.dtype)
+    fused = [fuse_qkv({k: np.asarray(v) for k, v in lp.items()}) for lp in layers]
+    keep = F32_PARAMS if config.scoring == "sigmoid" else ()
+    return {k: _device_array(np.stack([lp[k] for lp in fused]),
+                             jnp.float32 if k in keep else dtype) for k in fused[0]}
 
 
 def init_params(config: ModelConfig, key: jax.Array, dense: str = "none") -> dict[str, Any]:
@@ -80,8 +95,10 @@ def init_params(config: ModelConfig, key: jax.Array, dense: str = "none") -> dic
 
 def read_dense_params(reader: CheckpointReader) -> dict[str, Any]:
     """A checkpoint's dense params on the device, as `dense_params` lays them out."""
-    layers = [reader.read_layer_dense(i) for i in range(reader.config.num_layers)]
-    return dense_params(reader.config, reader.read_globals(), layers)
+    cfg = reader.config
+    layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
+    mlp = [reader.read_mlp_layer(i) for i in range(cfg.dense_layers)]
+    return dense_params(cfg, reader.read_globals(), layers, mlp)
 
 
 def _held_dtype(v: np.ndarray, dtype):

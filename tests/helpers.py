@@ -11,6 +11,7 @@ from strata_jax.formats.checkpoint import (
     dense_layer_shapes,
     expert_shape,
     global_shapes,
+    mlp_layer_shapes,
 )
 from strata_jax.formats.config import ModelConfig
 
@@ -27,6 +28,20 @@ def tiny_config(family: str = "mixtral", **changes) -> ModelConfig:
         base.update(qk_norm="head")
     elif family == "olmoe":
         base.update(qk_norm="full", clip_qkv=2.0, norm_topk_prob=False)
+    elif family == "glm4_moe":
+        base.update(qk_norm="head", rotary_dim=4, attention_bias=True, scoring="sigmoid",
+                    n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                    shared_intermediate_size=16, dense_layers=1, dense_intermediate_size=40)
+    elif family == "minimax_m2":
+        base.update(qk_norm="full", rotary_dim=4, scoring="sigmoid")
+    elif family == "deepseek_v3":
+        base.update(attention="mla", num_kv_heads=4, head_dim=12, q_lora_rank=16,
+                    kv_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, rope_interleave=True,
+                    rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 4.0),
+                                  ("mscale", 1.0), ("mscale_all_dim", 1.0),
+                                  ("original_max_position_embeddings", 16)),
+                    scoring="sigmoid", n_group=3, topk_group=2, routed_scaling_factor=2.5,
+                    shared_intermediate_size=16, dense_layers=1, dense_intermediate_size=40)
     base.update(changes)
     return ModelConfig(**base)
 
@@ -53,15 +68,26 @@ def random_arrays(cfg: ModelConfig, seed: int = 0, scale: float = 0.3):
     return g, layers, experts
 
 
+def random_mlp_layers(cfg: ModelConfig, seed: int = 0, scale: float = 0.3):
+    """The dense-MLP layers' params (`ModelConfig.dense_layers`), stacked, float32."""
+    rng = np.random.default_rng(seed + 1000)
+    return {k: (1.0 + 0.1 * rng.normal(size=(cfg.dense_layers, *s)) if len(s) == 1
+                else rng.normal(0, scale, (cfg.dense_layers, *s))).astype(np.float32)
+            for k, s in mlp_layer_shapes(cfg).items()}
+
+
 def random_model(cfg: ModelConfig, seed: int = 0) -> api.Model:
-    return api.from_arrays(cfg, *random_arrays(cfg, seed))
+    return api.from_arrays(cfg, *random_arrays(cfg, seed), random_mlp_layers(cfg, seed))
 
 
 def write_checkpoint(cfg: ModelConfig, dst, seed: int = 0, **writer_kw):
     """Write `random_arrays(cfg, seed)` as a Strata checkpoint; returns the arrays."""
     g, layers, experts = random_arrays(cfg, seed)
+    mlp = random_mlp_layers(cfg, seed)
     with CheckpointWriter(dst, cfg, **writer_kw) as w:
         w.write_globals(g)
+        for i in range(cfg.dense_layers):
+            w.write_mlp_layer(i, {k: v[i] for k, v in mlp.items()})
         for i in range(cfg.num_layers):
             w.write_layer_dense(i, {k: v[i] for k, v in layers.items()})
             for e in range(cfg.num_experts):

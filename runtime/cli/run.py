@@ -22,6 +22,7 @@ from strata_runtime.cli.engine_flags import (
     resident_config,
 )
 from strata_runtime.cli.helptext import Formatter, describe, examples
+from strata_runtime.cli.tools import SHAPE_NAMES
 from strata_runtime.engine.processes import add_process_flags, is_first, own_path
 
 if TYPE_CHECKING:
@@ -328,14 +329,13 @@ def add_generate_parser(sub: argparse._SubParsersAction,
 
 def _plan(args: argparse.Namespace) -> int:
     # here, not above: CLI start-up
-    from strata_jax.formats.checkpoint import CheckpointReader
     from strata_runtime.engine.plan import plan_for
     from strata_runtime.residency.ledger import BudgetError
 
     config = engine_config(args) if hasattr(args, "hbm_budget") else None
     if config is None:
         raise ValueError("plan needs the HBM budget: --hbm SIZE (e.g. 24GB or 20GiB)")
-    reader = CheckpointReader(args.ckpt)
+    reader = _planned_model(args)
     try:
         ledger = plan_for(reader, config)
     except BudgetError as e:
@@ -348,6 +348,23 @@ def _plan(args: argparse.Namespace) -> int:
     if config.miss != "fetch" and not ledger.resident:
         print(_miss_lines(ledger, config, reader.config))
     return 0
+
+
+def _planned_model(args: argparse.Namespace):
+    """The checkpoint CKPT, or with --shape the checkpoint `strata synth` and `strata quantize`
+    would write (no weights needed: a full-size model planned before it is downloaded)."""
+    # here, not above: CLI start-up
+    from strata_jax.formats.checkpoint import CheckpointReader, StoredModel
+
+    if (args.ckpt is None) == (args.shape is None):
+        raise ValueError("plan needs a checkpoint CKPT or --shape NAME (one of them)")
+    if args.ckpt is not None:
+        return CheckpointReader(args.ckpt)
+    from strata_jax.tools.synth import synth_config
+
+    cfg = synth_config(args.shape, args.layers, None, "bfloat16")
+    experts = {"int4": "int4-g128", "none": "none"}[args.quant_experts]
+    return StoredModel(cfg, {"dense": args.quant_dense, "experts": experts})
 
 
 def _tier1_line(ledger: Ledger, config: EngineConfig, cfg: ModelConfig) -> str | None:
@@ -406,8 +423,21 @@ def add_plan_parser(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
         "plan", parents=[common], formatter_class=Formatter,
         help="print how an HBM budget splits (the ledger) and tiers",
         epilog=examples("strata plan CKPT --hbm 24GB --host-mem 64GB",
-                        "strata plan CKPT --hbm 8GB --dequant host --staging-slots 4"))
-    plan.add_argument("ckpt")
+                        "strata plan CKPT --hbm 8GB --dequant host --staging-slots 4",
+                        "strata plan --shape deepseek-v3 --experts int4 --dense int8 "
+                        "--hbm 80GB --host-mem 512GB"))
+    plan.add_argument("ckpt", nargs="?", default=None,
+                      help="the checkpoint (or --shape: a full-size model without weights)")
+    plan.add_argument("--shape", choices=SHAPE_NAMES, default=None,
+                      help="plan the checkpoint `strata synth --shape` writes, quantized as "
+                      "--experts / --dense say, without writing it")
+    plan.add_argument("--layers", type=int, default=None,
+                      help="with --shape: this many MoE layers (default: the full model's)")
+    plan.add_argument("--experts", dest="quant_experts", choices=("int4", "none"),
+                      default="int4", help="with --shape: the experts' storage (int4 g128 "
+                      "as `strata quantize --experts int4-*` writes, or the model dtype)")
+    plan.add_argument("--dense", dest="quant_dense", choices=("int8", "none"), default="none",
+                      help="with --shape: the dense matrices' storage")
     add_engine_flags(plan)
     plan.set_defaults(func=_plan)
 

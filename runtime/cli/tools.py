@@ -14,7 +14,8 @@ from strata_runtime.cli.helptext import Formatter, describe, examples
 __all__ = ["SHAPE_NAMES", "add_convert_parser", "add_eval_ppl_parser", "add_eval_quant_parser",
            "add_quantize_parser", "add_synth_parser"]
 
-SHAPE_NAMES = ("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b")
+SHAPE_NAMES = ("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b", "deepseek-v3", "glm-4.5-air",
+               "minimax-m2")
 """The shapes of strata_jax.tools.synth.SHAPES, named without importing it."""
 
 
@@ -24,8 +25,12 @@ SHAPE_NAMES = ("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b")
 def _convert(args: argparse.Namespace) -> int:
     from strata_jax.tools.hf_convert import convert_hf  # here, not above: CLI start-up
 
-    path = convert_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
+    path = convert_hf(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite,
+                      experts=args.experts, dense=args.dense)
     print(f"wrote {path}")
+    if (args.experts, args.dense) != ("none", "none"):
+        print(f"how each weight was quantized, each expert's error against the source: "
+              f"{path / 'quantize_report.json'}")
     return 0
 
 
@@ -125,11 +130,24 @@ def add_convert_parser(sub: argparse._SubParsersAction, common: argparse.Argumen
     hf = conv_sub.add_parser(
         "hf", parents=[common], formatter_class=Formatter,
         help="from a Hugging Face safetensors directory (with its tokenizer files)",
-        epilog=examples("strata convert hf ~/models/Mixtral-8x7B-v0.1 mixtral --dtype bfloat16"))
+        description=describe(
+            "Float (float32/float16/bfloat16) and block-FP8 (DeepSeek-V3 style, "
+            "quant_method fp8) sources; FP8 weights are dequantized one tensor at a time. "
+            "--experts/--dense quantize while converting, with the bits and the "
+            "quantize_report.json of `strata quantize` by round-to-nearest."),
+        epilog=examples("strata convert hf ~/models/Mixtral-8x7B-v0.1 mixtral --dtype bfloat16",
+                        "strata convert hf ~/models/Qwen3-30B-A3B-FP8 qwen3-int4 "
+                        "--experts int4-rtn --dense int8"))
     hf.add_argument("src")
     hf.add_argument("dst")
     hf.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="storage dtype (default: the source's torch_dtype/dtype)")
+    hf.add_argument("--experts", choices=("int4-rtn", "none"), default="none",
+                    help="routed experts: int4 g128 by round-to-nearest, or kept float (GPTQ "
+                         "needs calibration: convert, then `strata quantize`)")
+    hf.add_argument("--dense", choices=("int8", "none"), default="none",
+                    help="attention + shared-expert matrices: int8 by RTN, or float (int8-gptq: "
+                         "convert, then `strata quantize`)")
     hf.add_argument("--overwrite", action="store_true")
     hf.set_defaults(func=_convert)
 

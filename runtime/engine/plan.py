@@ -44,7 +44,7 @@ def slot_bytes(reader: CheckpointReader, config: EngineConfig) -> ModelBytes:
     specs = reader.expert_specs
     if host_dequantizes(config, reader):
         specs = expert_arrays(reader.config.replace(dtype="bfloat16"))
-    return ModelBytes.from_specs(reader.config, specs, reader.dense_specs)
+    return ModelBytes.from_specs(reader.config, specs, reader.dense_specs, reader.quantization)
 
 
 def plan_for(reader: CheckpointReader, config: EngineConfig) -> Ledger:

@@ -65,7 +65,8 @@ def _step_without_experts(cfg: ModelConfig, positions: jax.Array, unroll: bool):
 
     def step(x, k_all, v_all, p):
         (x, k_all, v_all), experts = jax.lax.scan(
-            layer, (x, k_all, v_all), (p["layers"], jnp.arange(cfg.num_layers)), unroll=unroll)
+            layer, (x, k_all, v_all), (p["layers"], jnp.arange(cfg.num_layers) + cfg.dense_layers),
+            unroll=unroll)
         return lm_head(cfg, p, x), experts, k_all, v_all
 
     return step
@@ -90,8 +91,8 @@ def dense_kernel_gbps(cfg: ModelConfig, params: dict[str, Any], rows: int, cache
     ids = np.random.default_rng(0).integers(cfg.vocab_size, size=rows)
     x = jax.device_put(p["embed"][ids][:, None], dev)
     positions = jax.device_put(jnp.zeros((rows, 1), jnp.int32), dev)
-    shape = (cfg.num_layers, rows, cache_len, cfg.num_kv_heads, cfg.head_dim)
-    cache = [jnp.zeros(shape, cfg.dtype, device=dev) for _ in range(2)]
+    cache = [jnp.zeros(shape, cfg.dtype, device=dev) for shape in cfg.cache_shapes(rows,
+                                                                                 cache_len)]
     run = jax.jit(_step_without_experts(cfg, positions, unroll), donate_argnums=(1, 2))
 
     def call():

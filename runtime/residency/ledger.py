@@ -29,6 +29,7 @@ from strata_jax.formats.checkpoint import (
     dense_layer_arrays,
     expert_arrays,
     global_shapes,
+    mlp_layer_arrays,
     numpy_dtype,
 )
 from strata_jax.formats.config import ModelConfig
@@ -104,7 +105,8 @@ class ModelBytes:
     num_layers: int
     experts_per_layer: int
     top_k: int
-    kv_bytes_per_token: int  # K and V of every layer for one token, in the model dtype
+    kv_bytes_per_token: int  # the cache of every layer for one token, in the model dtype
+    mlp_layers_bytes: int = 0  # the dense-MLP layers before the MoE ones, all of them
 
     def __post_init__(self) -> None:
         if self.bytes_per_expert <= 0 or self.num_layers <= 0 or self.experts_per_layer <= 0:
@@ -112,7 +114,7 @@ class ModelBytes:
 
     @property
     def dense(self) -> int:
-        return self.global_bytes + self.num_layers * self.dense_per_layer
+        return self.global_bytes + self.num_layers * self.dense_per_layer + self.mlp_layers_bytes
 
     @property
     def num_experts(self) -> int:
@@ -132,8 +134,11 @@ class ModelBytes:
         config: ModelConfig,
         expert_specs: dict[str, ArraySpec],
         dense_specs: dict[str, ArraySpec],
+        quant: dict[str, str] | None = None,
     ) -> ModelBytes:
-        """From per-expert and per-layer array specs (`expert_arrays`, `dense_layer_arrays`)."""
+        """From per-expert and per-layer array specs (`expert_arrays`, `dense_layer_arrays`);
+        `quant`: the dense quantization the dense-MLP layers are stored in."""
+        quant = quant or {"dense": "none", "experts": "none"}
         globals_specs = {k: (s, config.dtype) for k, s in global_shapes(config).items()}
         itemsize = numpy_dtype(config.dtype).itemsize
         return cls(
@@ -143,7 +148,8 @@ class ModelBytes:
             num_layers=config.num_layers,
             experts_per_layer=config.num_experts,
             top_k=config.top_k,
-            kv_bytes_per_token=2 * config.num_layers * config.kv_size * itemsize,
+            kv_bytes_per_token=config.total_layers * config.cache_width * itemsize,
+            mlp_layers_bytes=config.dense_layers * _nbytes(mlp_layer_arrays(config, quant)),
         )
 
     @classmethod
@@ -152,13 +158,14 @@ class ModelBytes:
     ) -> ModelBytes:
         quant = quantization or {"dense": "none", "experts": "none"}
         return cls.from_specs(
-            config, expert_arrays(config, quant), dense_layer_arrays(config, quant)
+            config, expert_arrays(config, quant), dense_layer_arrays(config, quant), quant
         )
 
     @classmethod
     def from_reader(cls, reader: Any) -> ModelBytes:
         """From a `CheckpointReader` (uses its `config`, `expert_specs` and `dense_specs`)."""
-        return cls.from_specs(reader.config, reader.expert_specs, reader.dense_specs)
+        return cls.from_specs(reader.config, reader.expert_specs, reader.dense_specs,
+                              reader.quantization)
 
 
 KV_SHARE = 4

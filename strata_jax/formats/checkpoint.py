@@ -4,7 +4,8 @@ Layout (see checkpoints/README.md):
     DST/config.json          format, version, model config, dtype, quantization
     DST/manifest.json        every expert chunk's sha256, written last
     DST/dense/globals/       orbax: embed, lm_head, final_norm
-    DST/dense/layer_NNNN/    orbax: that layer's attention, norms, router, shared expert
+    DST/dense/layer_NNNN/    orbax: MoE layer NNNN's attention, norms, router, shared expert
+    DST/dense/mlp_layer_NNNN/  orbax: dense-MLP layer NNNN (the `dense_layers` before them)
     DST/experts/{w1,w3,w2}/  zarr3 [layer, expert, in, out], chunk = one (layer, expert)
 
 A writer fills `DST.partial-<pid>` and swaps it into place only after the manifest is
@@ -20,6 +21,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,12 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from strata_jax.formats import safe_write
-from strata_jax.formats.config import ModelConfig
+from strata_jax.formats.config import (
+    F32_PARAMS,
+    ModelConfig,
+    dense_layer_shapes,
+    mlp_layer_shapes,
+)
 from strata_jax.formats.quant import GROUP as INT4_GROUP
 
 FORMAT = "strata"
@@ -84,35 +91,12 @@ def expert_shape(cfg: ModelConfig, kind: str) -> tuple[int, int]:
     return (f, d) if kind == "w2" else (d, f)
 
 
-def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's dense params (the stacked arrays add a leading layer axis)."""
-    d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "attn_norm": (d,), "mlp_norm": (d,),
-        "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
-        "router": (d, cfg.num_experts),
-    }  # fmt: skip
-    if cfg.attention_bias:
-        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
-    if cfg.qk_norm == "head":
-        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
-    elif cfg.qk_norm == "full":
-        shapes.update(q_norm=(q,), k_norm=(kv,))
-    if cfg.router_bias:
-        shapes["router_bias"] = (cfg.num_experts,)
-    if cfg.has_shared_expert:
-        fs = cfg.shared_intermediate_size
-        shapes.update(shared_w1=(d, fs), shared_w3=(d, fs), shared_w2=(fs, d))
-        if cfg.shared_gate:
-            shapes["shared_gate"] = (d,)
-    return shapes
-
-
 FLOAT = {"dense": "none", "experts": "none"}
 DENSE_QUANTS = ("none", "int8")
 EXPERT_QUANTS = ("none", "int4-g128")
 # dense matrices that int8 quantization covers (router, norms, biases stay in the model dtype)
-INT8_MATRICES = ("wq", "wk", "wv", "wo", "shared_w1", "shared_w3", "shared_w2")
+INT8_MATRICES = ("wq", "wk", "wv", "wo", "shared_w1", "shared_w3", "shared_w2", "wq_a", "wq_b",
+                 "wkv_a", "ffn_w1", "ffn_w3", "ffn_w2")
 
 ArraySpec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
@@ -180,12 +164,24 @@ def expert_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, 
 
 
 def dense_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
-    """Stored arrays of one layer's dense params, with int8 matrices + scales if quantized."""
+    """Stored arrays of one MoE layer's dense params, with int8 matrices + scales if quantized."""
+    return _stored(cfg, dense_layer_shapes(cfg), quant)
+
+
+def mlp_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
+    """Stored arrays of one dense-MLP layer (`ModelConfig.dense_layers`), as above."""
+    return _stored(cfg, mlp_layer_shapes(cfg), quant)
+
+
+def _stored(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
+            quant: dict[str, str]) -> dict[str, ArraySpec]:
     specs: dict[str, ArraySpec] = {}
-    for name, shape in dense_layer_shapes(cfg).items():
+    for name, shape in shapes.items():
         if quant["dense"] == "int8" and name in INT8_MATRICES:
             specs[name] = (shape, "int8")
             specs[f"{name}_scale"] = ((shape[-1],), "bfloat16")
+        elif cfg.scoring == "sigmoid" and name in F32_PARAMS:
+            specs[name] = (shape, "float32")
         else:
             specs[name] = (shape, cfg.dtype)
     return specs
@@ -196,6 +192,30 @@ def global_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """What a checkpoint of `config` stored with `quantization` holds, without one on disk:
+    the attributes of a `CheckpointReader` that sizes and plans read (`strata plan --shape`)."""
+
+    config: ModelConfig
+    quantization: dict[str, str]
+
+    def __post_init__(self) -> None:
+        check_quantization(self.quantization)
+
+    @property
+    def expert_specs(self) -> dict[str, ArraySpec]:
+        return expert_arrays(self.config, self.quantization)
+
+    @property
+    def dense_specs(self) -> dict[str, ArraySpec]:
+        return dense_layer_arrays(self.config, self.quantization)
+
+    @property
+    def mlp_specs(self) -> dict[str, ArraySpec]:
+        return mlp_layer_arrays(self.config, self.quantization)
 
 
 def _shapes(specs: dict[str, ArraySpec]) -> dict[str, tuple[int, ...]]:
@@ -272,6 +292,7 @@ class CheckpointWriter:
         check_quantization(self.quantization)
         self._expert_specs = expert_arrays(config, self.quantization)
         self._dense_specs = dense_layer_arrays(config, self.quantization)
+        self._mlp_specs = mlp_layer_arrays(config, self.quantization)
         self.extra = extra or {}
         self._target = safe_write.SafeWrite(
             dst, overwrite=overwrite, replaceable=checkpoint_problem, sources=sources)
@@ -289,6 +310,7 @@ class CheckpointWriter:
         self._hashes: dict[str, str] = {}
         self._lock = threading.Lock()
         self._layers_done: set[int] = set()
+        self._mlp_layers_done: set[int] = set()
         self._globals_done = False
         self._checkpointer = ocp.StandardCheckpointer()
         self._experts = {
@@ -336,6 +358,14 @@ class CheckpointWriter:
         self._save_dense(f"layer_{layer:04d}", params, dtypes)
         with self._lock:
             self._layers_done.add(layer)
+
+    def write_mlp_layer(self, layer: int, params: dict[str, np.ndarray]) -> None:
+        """Dense-MLP layer `layer` (of `ModelConfig.dense_layers`)."""
+        _check_shapes(_shapes(self._mlp_specs), params, f"dense-MLP layer {layer}")
+        self._save_dense(f"mlp_layer_{layer:04d}", params,
+                         {k: v[1] for k, v in self._mlp_specs.items()})
+        with self._lock:
+            self._mlp_layers_done.add(layer)
 
     def write_file(self, name: str, data: bytes) -> None:
         """A file beside config.json (the tokenizer's), swapped in with the rest on `commit`."""
@@ -391,10 +421,11 @@ class CheckpointWriter:
         self._pool.shutdown(wait=True)
         cfg = self.config
         missing_layers = sorted(set(range(cfg.num_layers)) - self._layers_done)
-        if missing_layers or not self._globals_done:
+        missing_mlp = sorted(set(range(cfg.dense_layers)) - self._mlp_layers_done)
+        if missing_layers or missing_mlp or not self._globals_done:
             raise CheckpointError(
-                f"incomplete checkpoint: dense layers missing {missing_layers}, "
-                f"globals written={self._globals_done}"
+                f"incomplete checkpoint: dense params of MoE layers missing {missing_layers}, "
+                f"dense-MLP layers missing {missing_mlp}, globals written={self._globals_done}"
             )
         expected = cfg.num_layers * cfg.num_experts * len(self._expert_specs)
         if len(self._hashes) != expected:
@@ -447,6 +478,7 @@ class CheckpointReader:
         check_quantization(self.quantization)
         self.expert_specs = expert_arrays(self.config, self.quantization)
         self.dense_specs = dense_layer_arrays(self.config, self.quantization)
+        self.mlp_specs = mlp_layer_arrays(self.config, self.quantization)
         manifest = read_json_object(manifest_path)
         require(manifest, "format_version", int, manifest_path)
         self.hashes: dict[str, str] = require(manifest, "expert_chunks", dict, manifest_path)
@@ -466,6 +498,10 @@ class CheckpointReader:
 
     def read_layer_dense(self, layer: int) -> dict[str, np.ndarray]:
         return self._dense(f"layer_{layer:04d}", _shapes(self.dense_specs))
+
+    def read_mlp_layer(self, layer: int) -> dict[str, np.ndarray]:
+        """Dense-MLP layer `layer` (of `ModelConfig.dense_layers`)."""
+        return self._dense(f"mlp_layer_{layer:04d}", _shapes(self.mlp_specs))
 
     def expert_store(self, kind: str) -> ts.TensorStore:
         if kind not in self._experts:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3")
 QK_NORMS = ("none", "head", "full")
+SCORINGS = ("softmax", "sigmoid")
+ATTENTIONS = ("gqa", "mla")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -22,6 +25,22 @@ class ModelConfig:
     `max_position`: the model's context, the longest sequence it was made for (Hugging Face's
     `max_position_embeddings`; None: not known), what `max_len` defaults to where a budget
     allows (`runtime/residency/ledger.py` `default_max_len`).
+
+    Layers: `num_layers` counts the MoE layers, those with routed experts (what the tiers, the
+    expert files and every [layer, expert] table index); `dense_layers` layers with a plain
+    SwiGLU MLP of width `dense_intermediate_size` come before them (DeepSeek's and GLM's
+    `first_k_dense_replace`), so the decoder has `total_layers` layers.
+
+    Routing: "softmax" scores (Mixtral, Qwen, OLMoE) or "sigmoid" scores chosen with a
+    per-expert correction bias within the `topk_group` best of `n_group` groups and weighted
+    by `routed_scaling_factor` (DeepSeek-V3, GLM-4.5, MiniMax-M2: `model/routing.py`).
+
+    Attention: "gqa", or "mla" (DeepSeek's multi-head latent attention: q through the
+    optional `q_lora_rank` bottleneck, the cache holding the `kv_lora_rank` latent and the
+    shared `qk_rope_head_dim` rope key; `head_dim` is then qk_nope_head_dim +
+    qk_rope_head_dim). `rotary_dim`: the leading dims of each head that rotate (None: all);
+    `rope_interleave`: rotate interleaved pairs (DeepSeek) instead of the two halves.
+    `rope_scaling`: YaRN's fields as Hugging Face names them (None: plain RoPE).
     """
 
     family: str
@@ -46,6 +65,20 @@ class ModelConfig:
     router_bias: bool = False
     dtype: str = "float32"
     max_position: int | None = None
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    dense_layers: int = 0
+    dense_intermediate_size: int = 0
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rotary_dim: int | None = None
+    rope_interleave: bool = False
+    rope_scaling: tuple[tuple[str, float], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -60,6 +93,59 @@ class ModelConfig:
             )
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        for name, value, allowed in (("scoring", self.scoring, SCORINGS),
+                                     ("attention", self.attention, ATTENTIONS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if self.dense_layers and self.dense_intermediate_size <= 0:
+            raise ValueError("dense_layers needs dense_intermediate_size > 0")
+        if self.attention == "mla" and not (self.kv_lora_rank and self.qk_rope_head_dim
+                                            and self.v_head_dim):
+            raise ValueError("attention='mla' needs kv_lora_rank, qk_rope_head_dim, v_head_dim")
+        if self.rotary_dim is not None and not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim={self.rotary_dim} must be in (0, {self.head_dim}]")
+        if self.rope_scaling is not None:  # from JSON or a dict: a hashable, ordered form
+            items = (self.rope_scaling.items() if isinstance(self.rope_scaling, dict)
+                     else self.rope_scaling)
+            object.__setattr__(self, "rope_scaling", tuple(sorted((str(k), v) for k, v in items)))
+
+    @property
+    def total_layers(self) -> int:
+        """Decoder layers: the dense-MLP ones first, then the MoE ones."""
+        return self.dense_layers + self.num_layers
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head (MLA: of the shared rope key) that rotate."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the per-head dims of q and k that do not rotate."""
+        return self.head_dim - self.qk_rope_head_dim
+
+    def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the two stacked cache arrays over every layer: GQA's keys and values
+        [L, B, S, kv_heads, head_dim]; MLA's latent [L, B, S, 1, kv_lora_rank] and rope key
+        [L, B, S, 1, qk_rope_head_dim] (what decode attends over, docs/design.md, "MLA")."""
+        lead = (self.total_layers, batch, max_len)
+        if self.attention == "mla":
+            return (*lead, 1, self.kv_lora_rank), (*lead, 1, self.qk_rope_head_dim)
+        return (*lead, self.num_kv_heads, self.head_dim), (*lead, self.num_kv_heads,
+                                                           self.head_dim)
+
+    @property
+    def cache_width(self) -> int:
+        """Cached values per token and layer (keys and values, or latent and rope key)."""
+        k, v = self.cache_shapes(1, 1)
+        return k[-1] * k[-2] + v[-1] * v[-2]
+
+    @property
+    def o_size(self) -> int:
+        """Width of the attention output before wo (MLA: heads x v_head_dim)."""
+        return self.num_heads * (self.v_head_dim if self.attention == "mla" else self.head_dim)
 
     @property
     def q_size(self) -> int:
@@ -96,13 +182,63 @@ class ModelConfig:
 
     def param_counts(self) -> dict[str, int]:
         """Parameter counts split into dense (attention, norms, embeddings, shared) and routed."""
-        d, layers = self.hidden_size, self.num_layers
-        attn = d * self.q_size + 2 * d * self.kv_size + self.q_size * d
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        shared = 3 * d * self.shared_intermediate_size + (d if self.shared_gate else 0)
-        per_layer = attn + shared + d * self.num_experts + 2 * d
+        d = self.hidden_size
+        per_layer = sum(math.prod(s) for s in dense_layer_shapes(self).values())
+        mlp_layer = sum(math.prod(s) for s in mlp_layer_shapes(self).values())
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        routed = layers * self.num_experts * 3 * d * self.expert_intermediate_size
-        dense = layers * per_layer + embed + d
+        routed = self.num_layers * self.num_experts * 3 * d * self.expert_intermediate_size
+        dense = self.num_layers * per_layer + self.dense_layers * mlp_layer + embed + d
         return {"dense": dense, "routed": routed, "total": dense + routed}
+
+
+F32_PARAMS = ("router", "router_correction")
+"""Params of sigmoid-routed layers kept in float32 whatever the model's dtype: the choice
+among experts compares biased scores, which bfloat16 would round (transformers keeps them so)."""
+
+
+def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's attention params (and its input norm)."""
+    d = cfg.hidden_size
+    if cfg.attention == "mla":
+        h, r = cfg.num_heads, cfg.kv_lora_rank
+        shapes = {"attn_norm": (d,), "wkv_a": (d, r + cfg.qk_rope_head_dim), "kv_a_norm": (r,),
+                  "wkv_b": (r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+                  "wo": (cfg.o_size, d)}
+        if cfg.q_lora_rank:
+            shapes.update(wq_a=(d, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,),
+                          wq_b=(cfg.q_lora_rank, cfg.q_size))
+        else:
+            shapes["wq"] = (d, cfg.q_size)
+        return shapes
+    q, kv = cfg.q_size, cfg.kv_size
+    shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
+    if cfg.attention_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.qk_norm == "head":
+        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    elif cfg.qk_norm == "full":
+        shapes.update(q_norm=(q,), k_norm=(kv,))
+    return shapes
+
+
+def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one MoE layer's dense params (the stacked arrays add a leading layer axis)."""
+    d = cfg.hidden_size
+    shapes = {**attention_shapes(cfg), "mlp_norm": (d,), "router": (d, cfg.num_experts)}
+    if cfg.router_bias:
+        shapes["router_bias"] = (cfg.num_experts,)
+    if cfg.scoring == "sigmoid":
+        shapes["router_correction"] = (cfg.num_experts,)
+    if cfg.has_shared_expert:
+        fs = cfg.shared_intermediate_size
+        shapes.update(shared_w1=(d, fs), shared_w3=(d, fs), shared_w2=(fs, d))
+        if cfg.shared_gate:
+            shapes["shared_gate"] = (d,)
+    return shapes
+
+
+def mlp_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one dense-MLP layer's params (the `dense_layers` before the MoE layers)."""
+    d, f = cfg.hidden_size, cfg.dense_intermediate_size
+    return {**attention_shapes(cfg), "mlp_norm": (d,), "ffn_w1": (d, f), "ffn_w3": (d, f),
+            "ffn_w2": (f, d)}

@@ -26,9 +26,19 @@ from strata_jax.model.moe import (
     route,
     routed_outputs,
 )
+from strata_jax.model.routing import SigmoidRouting, route_sigmoid, sigmoid_weights
 from strata_jax.ops.int4_kernel import Int4Tiles
 from strata_jax.ops.int8_kernel import int8_linear
-from strata_jax.ops.layers import apply_rope, attend, einsum_f32, ordered_sum, rms_norm, rope_tables
+from strata_jax.ops.layers import (
+    NEG_INF,
+    apply_rope,
+    attend,
+    einsum_f32,
+    ordered_sum,
+    rms_norm,
+    rope_tables,
+    yarn_mscale,
+)
 
 if TYPE_CHECKING:
     from strata_jax.step.plan import StepPlan
@@ -69,26 +79,106 @@ def project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm == "head":
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_mla(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
+    """Multi-head latent attention's projections: ((q_nope [B,T,H,dn], q_rope [B,T,H,dr]),
+    latent [B,T,1,r] (normed), rope key [B,T,1,dr]), rope applied; the latent and the rope
+    key are what the cache keeps (`ModelConfig.cache_shapes`)."""
+    b, t, _ = h.shape
+    if cfg.q_lora_rank:
+        q = linear(rms_norm(linear(h, lp, "wq_a"), lp["q_a_norm"], cfg.rms_eps), lp, "wq_b")
+    else:
+        q = linear(h, lp, "wq")
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    kv = linear(h, lp, "wkv_a")
+    latent = rms_norm(kv[..., :cfg.kv_lora_rank], lp["kv_a_norm"], cfg.rms_eps)
+    cos, sin = rope_tables(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
+    k_rope = apply_rope(kv[..., None, cfg.kv_lora_rank:], cos, sin, cfg.rope_interleave)
+    return (q_nope, q_rope), latent[:, :, None], k_rope
+
+
+def mla_scale(cfg: ModelConfig) -> float:
+    """MLA's softmax scale: 1 / sqrt(q's head dim), times YaRN's mscale squared where the
+    rope is scaled with `mscale_all_dim` (transformers' `yarn_apply_mscale`)."""
+    scale = cfg.head_dim ** -0.5
+    p = dict(cfg.rope_scaling or ())
+    if p.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(p["factor"]), p["mscale_all_dim"]) ** 2
+    return scale
+
+
+def attend_mla(cfg: ModelConfig, lp: Params, q, latent: jax.Array, k_rope: jax.Array,
+               mask: jax.Array) -> jax.Array:
+    """Attention over the latent cache with the up-projections absorbed (docs/design.md,
+    "MLA"): q_nope through W_uk scores the latent [B,S,1,r] directly, and the latent that the
+    probabilities mix goes through W_uv once per query, so no per-head key or value is ever
+    made. Returns [B, T, H * v_head_dim]."""
+    q_nope, q_rope = q
+    b, t, heads, _ = q_nope.shape
+    r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    wkv_b = lp["wkv_b"].reshape(r, heads, dn + cfg.v_head_dim)
+    q_lat = einsum_f32("bthn,rhn->bthr", q_nope, wkv_b[..., :dn]).astype(latent.dtype)
+    scores = (einsum_f32("bthr,bsr->bhts", q_lat, latent[:, :, 0])
+              + einsum_f32("bthd,bsd->bhts", q_rope, k_rope[:, :, 0]))
+    scores = jnp.where(mask[:, None], scores * mla_scale(cfg), NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(latent.dtype)
+    mixed = jnp.einsum("bhts,bsr->bthr", probs, latent[:, :, 0])
+    out = jnp.einsum("bthr,rhv->bthv", mixed, wkv_b[..., dn:])
+    return out.reshape(b, t, heads * cfg.v_head_dim)
+
+
+def project(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
+    """(q, what the cache's first array keeps, its second) of the family's attention."""
+    if cfg.attention == "mla":
+        return project_mla(cfg, lp, h, positions)
+    return project_qkv(cfg, lp, h, positions)
+
+
+def attend_cached(cfg: ModelConfig, lp: Params, q, k: jax.Array, v: jax.Array,
+                  mask: jax.Array) -> jax.Array:
+    """The family's attention of q over the cache arrays k, v [B, S, ...] (before wo)."""
+    if cfg.attention == "mla":
+        return attend_mla(cfg, lp, q, k, v, mask)
+    return attend(q, k, v, mask)
 
 
 def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, Routing]:
     """The MoE input [N, D] of residual stream x and its routing (what moe_block will use)."""
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_eps).reshape(-1, x.shape[-1])
+    if cfg.scoring == "sigmoid":
+        logits = (h @ lp["router"]).astype(jnp.float32)
+        if "router_bias" in lp:  # a synthetic model's skew (`ModelConfig.router_bias`)
+            logits = logits + lp["router_bias"].astype(jnp.float32)
+        experts, weights = route_sigmoid(logits, lp["router_correction"],
+                                         SigmoidRouting.of(cfg))
+        return h, Routing(experts, weights, logits)
     return h, route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
 
 
 def force_routing(cfg: ModelConfig, routing: Routing, forced: jax.Array) -> Routing:
     """`routing` with the experts of `forced` [N, k] (-1: the router's own pick) and the
-    router's probabilities at them as weights, normalized as `route` does: a routing trace
-    replayed (docs/design.md, "The routing trace"). Forcing the ids the router picked gives
-    its weights bit for bit."""
+    router's weights at them, normalized as the router does: a routing trace replayed
+    (docs/design.md, "The routing trace"). Forcing the ids the router picked gives its
+    weights bit for bit."""
     experts = jnp.where(forced >= 0, forced, routing.experts)
+    if cfg.scoring == "sigmoid":
+        weights = sigmoid_weights(routing.logits, experts, SigmoidRouting.of(cfg))
+        return Routing(experts, weights, routing.logits)
     weights = jnp.take_along_axis(jax.nn.softmax(routing.logits, axis=-1), experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / ordered_sum(weights, -1, keepdims=True)
     return Routing(experts, weights.astype(routing.weights.dtype), routing.logits)
+
+
+def dense_mlp(lp: Params, x: jax.Array) -> jax.Array:
+    """The residual SwiGLU MLP of a dense-MLP layer (`ModelConfig.dense_layers`)."""
+    gate, up = linear(x, lp, "ffn_w1"), linear(x, lp, "ffn_w3")
+    return linear(jax.nn.silu(gate) * up, lp, "ffn_w2")
 
 
 def moe_block(
@@ -120,7 +210,8 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 
 
 def causal_attention(cfg, lp, x, positions):
-    """The attention half of a layer over a whole prefix (residual included), with its k, v."""
+    """The attention half of a layer over a whole prefix (residual included), with its k, v
+    (MLA: the latent and the rope key)."""
     o, k, v = attention_heads(cfg, lp, x, positions)
     return x + linear(o, lp, "wo"), k, v
 
@@ -128,20 +219,21 @@ def causal_attention(cfg, lp, x, positions):
 def attention_heads(cfg, lp, x, positions):
     """Causal attention of a whole prefix before wo: (wo's input [B, T, Q], k, v)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q, k, v = project_qkv(cfg, lp, h, positions)
+    q, k, v = project(cfg, lp, h, positions)
     t = x.shape[1]
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
-    return attend(q, k, v, mask), k, v
+    return attend_cached(cfg, lp, q, k, v, mask), k, v
 
 
 def fuse_qkv(lp: Params) -> Params:
     """Replace wq/wk/wv (and biases) by one [D, Q + 2 KV] matrix: one GEMV instead of three.
-    Works on numpy arrays, jax arrays and `jax.ShapeDtypeStruct`s (under `jax.eval_shape`)."""
+    Works on numpy arrays, jax arrays and `jax.ShapeDtypeStruct`s (under `jax.eval_shape`).
+    MLA's projections (no wk, wv) stay as they are."""
     lp = dict(lp)
     cat = np.concatenate if all(isinstance(lp[k], np.ndarray) for k in ("wq", "wk", "wv")
                                 if k in lp) else jnp.concatenate
     for suffix in ("", "_scale"):
-        if f"wq{suffix}" in lp:
+        if f"wk{suffix}" in lp:
             parts = [lp.pop(f"w{p}{suffix}") for p in "qkv"]
             lp[f"wqkv{suffix}"] = cat(parts, axis=-1)
     if "bq" in lp:
@@ -150,12 +242,12 @@ def fuse_qkv(lp: Params) -> Params:
 
 
 def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, layer, row):
-    """Write the chunk's k/v into the stacked cache [L, B, max_len, kv, hd] (chunk row b into
-    cache row `row[b]`, or row b when `row` is None) at `positions` [B, T] (out of range:
-    dropped) and attend over layer `layer`'s cache; residual included. Returns (x, k_all,
-    v_all)."""
+    """Write the chunk's cache entries into the stacked cache (`ModelConfig.cache_shapes`;
+    chunk row b into cache row `row[b]`, or row b when `row` is None) at `positions` [B, T]
+    (out of range: dropped) and attend over layer `layer`'s cache; residual included. Returns
+    (x, k_all, v_all)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-    q, k, v = project_qkv(cfg, lp, h, positions)
+    q, k, v = project(cfg, lp, h, positions)
     b, t = positions.shape
     rows = jnp.arange(b) if row is None else row
     rows = jnp.broadcast_to(rows[:, None], (b, t))
@@ -168,7 +260,7 @@ def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, l
         own = jnp.minimum(row, k_all.shape[1] - 1)
         kc, vc = k_all[layer, own], v_all[layer, own]
     mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]
-    return x + linear(attend(q, kc, vc, mask), lp, "wo"), k_all, v_all
+    return x + linear(attend_cached(cfg, lp, q, kc, vc, mask), lp, "wo"), k_all, v_all
 
 
 # --- experts from the tiers (docs/design.md, "The step") ---------------------------------------

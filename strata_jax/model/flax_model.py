@@ -19,24 +19,40 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from strata_jax.formats.checkpoint import dense_layer_arrays, global_shapes, numpy_dtype
+from strata_jax.formats.checkpoint import (
+    dense_layer_arrays,
+    global_shapes,
+    mlp_layer_arrays,
+    numpy_dtype,
+)
 from strata_jax.formats.config import ModelConfig
-from strata_jax.model.decoder import cached_attention, fuse_qkv, lm_head, prefetch, tiered_moe
+from strata_jax.model.decoder import (
+    cached_attention,
+    dense_mlp,
+    fuse_qkv,
+    lm_head,
+    prefetch,
+    tiered_moe,
+)
+from strata_jax.ops.layers import rms_norm
 from strata_jax.ops.pool import ExpertPool
 
 if TYPE_CHECKING:
     from strata_jax.step.plan import StepPlan, Tiers
 
-ROUTER_KEYS = ("mlp_norm", "router", "router_bias")  # what layer l's prefetch reads of layer l+1
+# what layer l's prefetch reads of layer l+1
+ROUTER_KEYS = ("mlp_norm", "router", "router_bias", "router_correction")
 Variables = dict[str, Any]
 
 
 @functools.cache
-def layer_specs(cfg: ModelConfig, dense: str = "none") -> dict[str, jax.ShapeDtypeStruct]:
-    """One layer's dense params as the module declares them: the stored arrays of a checkpoint
-    whose dense quantization is `dense` ("none" / "int8", `checkpoint.dense_layer_arrays`), with
-    q/k/v fused (`model.fuse_qkv`)."""
-    stored = dense_layer_arrays(cfg, {"dense": dense, "experts": "none"})
+def layer_specs(cfg: ModelConfig, dense: str = "none",
+                mlp: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """One MoE layer's dense params as the module declares them (`mlp`: one dense-MLP
+    layer's): the stored arrays of a checkpoint whose dense quantization is `dense` ("none" /
+    "int8", `checkpoint.dense_layer_arrays`), with q/k/v fused (`model.fuse_qkv`)."""
+    arrays = mlp_layer_arrays if mlp else dense_layer_arrays
+    stored = arrays(cfg, {"dense": dense, "experts": "none"})
     structs = {k: jax.ShapeDtypeStruct(shape, numpy_dtype(dtype))
                for k, (shape, dtype) in stored.items()}
     return jax.eval_shape(fuse_qkv, structs)
@@ -44,7 +60,16 @@ def layer_specs(cfg: ModelConfig, dense: str = "none") -> dict[str, jax.ShapeDty
 
 def dense_quant(variables: Variables) -> str:
     """The dense quantization of a param tree: "int8" when its layers carry scales."""
-    return "int8" if "wqkv_scale" in variables["params"]["layers"] else "none"
+    return "int8" if "wo_scale" in variables["params"]["layers"] else "none"
+
+
+def _layer_params(module: nn.Module, cfg: ModelConfig, dense: str, mlp: bool) -> dict:
+    """The layer's params, declared from `layer_specs`."""
+    if not module.is_initializing() and module.has_variable("params", "wo_scale") != (
+            dense == "int8"):
+        raise ValueError(f"params do not match dense={dense!r} (see `model_for`)")
+    return {k: module.param(k, _initializer(k, s.dtype), s.shape, s.dtype)
+            for k, s in layer_specs(cfg, dense, mlp).items()}
 
 
 def model_for(cfg: ModelConfig, plan: StepPlan, variables: Variables) -> MoEModel:
@@ -55,7 +80,8 @@ def model_for(cfg: ModelConfig, plan: StepPlan, variables: Variables) -> MoEMode
 def _initializer(name: str, dtype) -> Callable[..., jax.Array]:
     """Norm weights and scales 1, biases and int8 codes 0, the embedding N(0, 1), every other
     weight N(0, 1 / fan-in) (the LM head [V, D] reads D inputs, the others their axis 0)."""
-    if jnp.issubdtype(dtype, jnp.integer) or name in ("bqkv", "router_bias"):
+    if jnp.issubdtype(dtype, jnp.integer) or name in ("bqkv", "router_bias",
+                                                       "router_correction"):
         return nn.initializers.zeros
     if name.endswith(("norm", "_scale")):
         return nn.initializers.ones
@@ -77,9 +103,9 @@ class LayerCarry(NamedTuple):
     """[N, D] residual stream of the chunk's tokens, flat: the B x T tokens of its rows, then
     the riders' (`ChunkInputs.riders`)."""
     k: jax.Array
-    """[L, B, max_len, kv, hd] key cache."""
+    """The cache's first array over every layer: keys (MLA: the latent), `cache_shapes`."""
     v: jax.Array
-    """[L, B, max_len, kv, hd] value cache."""
+    """Its second: values (MLA: the rope key)."""
     pool: ExpertPool
     """The device pool (slots, cache slots, the two staging halves)."""
     prefetched: jax.Array
@@ -151,19 +177,15 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
         cfg, plan = self.cfg, self.plan
-        if not self.is_initializing() and self.has_variable("params", "wqkv_scale") != (
-                self.dense == "int8"):
-            raise ValueError(f"params do not match dense={self.dense!r} (see `model_for`)")
-        lp = {k: self.param(k, _initializer(k, s.dtype), s.shape, s.dtype)
-              for k, s in layer_specs(cfg, self.dense).items()}
+        lp = _layer_params(self, cfg, self.dense, mlp=False)
         x_in, positions, token_live, skip = _resumed(carry, rows, inputs)
         # The layer's math sits between two barriers in every program, so what the resume
         # (or its absence) puts around it cannot change how it is fused, nor its bits
         # (docs/design.md, "Measured").
         x_in, positions, token_live = jax.lax.optimization_barrier(
             (x_in, positions, token_live))
-        x, k_all, v_all = _attention(cfg, lp, x_in, positions, carry.k, carry.v, rows.layer,
-                                     inputs.row)
+        x, k_all, v_all = _attention(cfg, lp, x_in, positions, carry.k, carry.v,
+                                     rows.layer + cfg.dense_layers, inputs.row)
         half = rows.layer % 2  # staging half this layer's demand copies use
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
@@ -183,6 +205,32 @@ class DecoderLayer(nn.Module):
         saved = jnp.where(stall & ~carry.stalled, x_in, carry.saved)
         return LayerCarry(jnp.where(skip, x_in, x), k_all, v_all, pool, pre_ids, saved,
                           carry.stalled | stall), record
+
+
+class MLPLayer(nn.Module):
+    """One dense-MLP layer (`ModelConfig.dense_layers`, before the MoE layers): attention over
+    the cache, then a plain SwiGLU MLP. No experts, so no record; with a resume compiled it is
+    skipped whenever the step resumes (every MoE layer comes after it)."""
+
+    cfg: ModelConfig
+    """The model's shape and math switches."""
+    dense: str = "none"
+    """Dense quantization: "none", or "int8"."""
+
+    @nn.compact
+    def __call__(self, carry: tuple[jax.Array, jax.Array, jax.Array], layer: jax.Array,
+                 inputs: ChunkInputs):
+        cfg = self.cfg
+        lp = _layer_params(self, cfg, self.dense, mlp=True)
+        x, k_all, v_all = carry
+        positions = (inputs.positions, inputs.riders)
+        if inputs.resume is not None:  # a resumed step: writes nothing here (see _resumed)
+            positions = jax.tree.map(
+                lambda p: jnp.where(inputs.resume[0] >= 0, k_all.shape[2], p), positions)
+        x, positions = jax.lax.optimization_barrier((x, positions))
+        x, k_all, v_all = _attention(cfg, lp, x, positions, k_all, v_all, layer, inputs.row)
+        x = x + dense_mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_eps))
+        return (jax.lax.optimization_barrier(x), k_all, v_all), None
 
 
 def _attention(cfg: ModelConfig, lp, x, positions, k_all, v_all, layer, row):
@@ -244,17 +292,21 @@ class MoEModel(nn.Module):
                           length=cfg.num_layers, unroll=self.plan.unroll,
                           check_constancy_invariants=False)
         self.layers = scanned(cfg, self.plan, self.dense)
+        if cfg.dense_layers:
+            mlp = nn.scan(MLPLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                          in_axes=(0, nn.broadcast), length=cfg.dense_layers,
+                          unroll=self.plan.unroll, check_constancy_invariants=False)
+            self.mlp_layers = mlp(cfg, self.dense)
 
     def __call__(self, tokens: jax.Array, pool: ExpertPool, tiers: Tiers):
         """Full causal forward of tokens [B, T] through a fresh cache of T positions, every
         token live: (float32 logits [B, T, V], the record's fields, each [L, ...])."""
         cfg = self.cfg
         b, t = tokens.shape
-        k = jnp.zeros((cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim),
-                      jnp.dtype(cfg.dtype))
+        k, v = (jnp.zeros(s, jnp.dtype(cfg.dtype)) for s in cfg.cache_shapes(b, t))
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         live = jnp.ones((b * t,), jnp.bool_)
-        logits, (_, _, _, record, _) = self.chunk(tokens, positions, live, pool, tiers, k, k)
+        logits, (_, _, _, record, _) = self.chunk(tokens, positions, live, pool, tiers, k, v)
         return logits, record
 
     def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
@@ -296,6 +348,11 @@ class MoEModel(nn.Module):
         if riders is not None:
             x = jnp.concatenate([x, riders[0]])
         n = self.cfg.num_layers
+        inputs = ChunkInputs(positions, token_live, tiers.host, row, resume, tiers.host_work,
+                             None if riders is None else riders[1])
+        if self.cfg.dense_layers:
+            (x, k_all, v_all), _ = self.mlp_layers(
+                (x, k_all, v_all), jnp.arange(self.cfg.dense_layers), inputs)
         rows = LayerRows(layer=jnp.arange(n), page=tiers.page, host_page=tiers.host_page,
                          next_router=self._next_router(), next_page=_next_rows(tiers.page),
                          next_host_page=_next_rows(tiers.host_page), forced=forced,
@@ -304,10 +361,7 @@ class MoEModel(nn.Module):
         carry = LayerCarry(x, k_all, v_all, pool, pre0)
         if resume is not None:
             carry = carry._replace(saved=jnp.zeros_like(x), stalled=jnp.zeros((), jnp.bool_))
-        carry, record = self.layers(carry, rows,
-                                    ChunkInputs(positions, token_live, tiers.host, row, resume,
-                                                tiers.host_work,
-                                                None if riders is None else riders[1]))
+        carry, record = self.layers(carry, rows, inputs)
         return carry.x, carry.k, carry.v, carry.pool, record, carry.saved
 
     def _next_router(self) -> dict[str, jax.Array] | None:

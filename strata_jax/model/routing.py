@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from strata_jax.formats.config import ModelConfig
 from strata_jax.ops.layers import ordered_sum
 
 NORM_EPS = 1e-20
@@ -76,6 +77,13 @@ class SigmoidRouting:
             routed_scaling_factor=1.0 if scale is None else float(scale),
         )
 
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> SigmoidRouting:
+        """The routing of a model whose `scoring` is "sigmoid"."""
+        return cls(top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                   norm_topk_prob=cfg.norm_topk_prob,
+                   routed_scaling_factor=cfg.routed_scaling_factor)
+
     def check(self, num_experts: int) -> None:
         """Raise ValueError unless this routing fits a layer of `num_experts` experts."""
         if num_experts % self.n_group:
@@ -106,10 +114,18 @@ def route_sigmoid(
     if spec.n_group > 1:
         biased = jnp.where(group_mask(biased, spec), biased, -jnp.inf)
     _, experts = jax.lax.top_k(biased, spec.top_k)
+    experts = experts.astype(jnp.int32)
+    return experts, sigmoid_weights(logits, experts, spec)
+
+
+def sigmoid_weights(logits: jax.Array, experts: jax.Array, spec: SigmoidRouting) -> jax.Array:
+    """float32 [N, k] combine weights of `experts` [N, k] (chosen by the router, or replayed
+    from a trace): their sigmoid scores, normalized and scaled as `spec` says."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if spec.norm_topk_prob:
         weights = weights / (ordered_sum(weights, -1, keepdims=True) + NORM_EPS)
-    return experts.astype(jnp.int32), weights * jnp.float32(spec.routed_scaling_factor)
+    return weights * jnp.float32(spec.routed_scaling_factor)
 
 
 def group_mask(biased: jax.Array, spec: SigmoidRouting) -> jax.Array:

@@ -1,9 +1,14 @@
-"""Transformer building blocks: RMSNorm, rotary embeddings, grouped-query attention."""
+"""Transformer building blocks: RMSNorm, rotary embeddings (partial, interleaved, YaRN),
+grouped-query attention."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = -1e30
 
@@ -39,20 +44,69 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [..., head_dim] for integer positions, half-rotation layout."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rope_tables(positions: jax.Array, dim: int, theta: float,
+                scaling: tuple[tuple[str, float], ...] | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., dim] for integer positions, half-rotation layout. `scaling`:
+    YaRN's fields as Hugging Face names them (`ModelConfig.rope_scaling`), its attention
+    factor folded into the tables as transformers does."""
+    if scaling is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+        factor = 1.0
+    else:
+        inv_freq, factor = yarn_frequencies(dim, theta, dict(scaling))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if factor == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * factor, jnp.sin(emb) * factor
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, T, H, hd] by tables [B, T, hd]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_frequencies(dim: int, theta: float, p: dict[str, Any]) -> tuple[np.ndarray, float]:
+    """YaRN's inverse frequencies [dim / 2] float32 and attention factor (transformers'
+    `_compute_yarn_parameters`, in float32 as it computes them)."""
+    factor = float(p["factor"])
+    attention = p.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+                     if mscale and all_dim else yarn_mscale(factor))
+    original = float(p["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    pos = np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    extrapolation = 1 - np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low),
+                                0, 1).astype(np.float32)
+    inv = (1 / (factor * pos)) * (1 - extrapolation) + (1 / pos) * extrapolation
+    return inv.astype(np.float32), float(attention)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array,
+               interleave: bool = False) -> jax.Array:
+    """Rotate the first cos.shape[-1] dims of x [B, T, H, hd] (the rest pass: partial
+    rotary) by tables [B, T, dim]. `interleave`: the rotated dims pair up as (x0, x1), (x2,
+    x3), ... and come out as halves (DeepSeek's layout; transformers'
+    `apply_rotary_pos_emb_interleave`): q and k are permuted alike, so q . k is unchanged."""
+    dim = cos.shape[-1]
+    rot = x[..., :dim]
+    if interleave:
+        rot = jnp.concatenate([rot[..., 0::2], rot[..., 1::2]], axis=-1)
+    half = dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    out = rot * cos + rotated * sin
+    return out if dim == x.shape[-1] else jnp.concatenate([out, x[..., dim:]], axis=-1)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

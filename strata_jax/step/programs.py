@@ -45,7 +45,7 @@ class DecodeState:
     """What a decode step reads and writes, one entry per row of the fixed batch.
 
     `tokens` [B] int32: each row's last token, placed at `positions` [B] by the next step;
-    `k`, `v` [L, B, max_len, kv_heads, head_dim]: the cache; `live` [B] bool: rows in use
+    `k`, `v`: the cache over every layer (`ModelConfig.cache_shapes`); `live` [B] bool: rows in use
     (others compute on padding, route nothing and move nothing); `sampler`: each row's
     sampling settings and the tokens its sequence has seen."""
 
@@ -160,11 +160,11 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int,
     """An empty state of `batch` rows, committed to `device` (default: the first; a sharding:
     e.g. replicated over a mesh), as the step's outputs are: a step then never meets an
     argument placed otherwise (a recompile)."""
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    k_shape, v_shape = cfg.cache_shapes(batch, max_len)
     dtype = jnp.dtype(cfg.dtype)
     state = DecodeState(tokens=jnp.zeros((batch,), jnp.int32),
                         positions=jnp.zeros((batch,), jnp.int32),
-                        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype),
                         live=jnp.zeros((batch,), jnp.bool_),
                         sampler=greedy_rows(batch, cfg.vocab_size))
     return jax.device_put(state, device or jax.devices()[0])

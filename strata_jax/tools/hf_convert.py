@@ -7,14 +7,29 @@ tokenizer files the source has (`tokenizer.TOKENIZER_FILES`) are copied beside t
 
 Safetensors files are read directly (8-byte header length, JSON header, raw little-endian
 data), so bfloat16 sources need neither torch nor an upcast: they decode to ml_dtypes.bfloat16.
+
+Block-FP8 sources (DeepSeek-V3 style: config.json's `quantization_config` with `quant_method:
+"fp8"`, each F8_E4M3 weight beside a float32 `<name>_scale_inv` grid, see `formats/fp8.py`)
+convert too: every weight that has a scale grid is dequantized to float32 as it is read, one
+tensor at a time, then stored like a float source's; its grid is checked with the rest. Other
+quantization methods are refused (dequantize them with their own tools first).
+
+`experts="int4-rtn"` / `dense="int8"` quantize while converting, so that a large FP8 model goes
+straight to int4 experts and int8 dense matrices without a float copy on disk. Each weight is
+rounded as `strata quantize` rounds the float checkpoint (the same `formats.quant` calls on the
+weight in the storage dtype), so the result is bit for bit convert-then-quantize with the same
+methods; quantize_report.json adds each expert's weight error against the source. GPTQ needs
+calibration through the model and stays with `strata quantize`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from collections.abc import Container, Iterator
+import time
+from collections.abc import Container, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,20 +39,37 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from strata_jax.formats import fp8, quant
 from strata_jax.formats.checkpoint import (
     EXPERT_KINDS,
+    FLOAT,
+    INT8_MATRICES,
     CheckpointWriter,
     check_destination,
-    dense_layer_shapes,
-    expert_shape,
-    global_shapes,
+    expert_arrays,
     numpy_dtype,
     read_json_object,
     require,
 )
-from strata_jax.formats.config import DTYPES, ModelConfig
+from strata_jax.formats.config import DTYPES, F32_PARAMS, ModelConfig
+from strata_jax.formats.fp8 import Fp8Format, scale_name
 from strata_jax.formats.safe_write import absolute
 from strata_jax.formats.tokenizer import SOURCE_KEY, copy_tokenizer_files
+from strata_jax.tools.hf_families import (
+    Family,
+    MoeLayout,
+    Ref,
+    dense_refs,
+    detect_layout,
+    expert_tensors,
+    family_of,
+    global_refs,
+    mlp_refs,
+    model_config_from_hf,
+    mtp_layer_names,
+)
+from strata_jax.tools.quant_report import ExpertQuant, QuantOptions, QuantReport, weight_error
+from strata_jax.tools.quantize import REPORT_FILE, quantize_entry, write_report
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -50,138 +82,11 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F64": np.dtype("<f8"),
 }
-
-
-@dataclass(frozen=True)
-class Family:
-    """How one HF `model_type` names its config fields and MoE tensors."""
-
-    name: str
-    experts_keys: tuple[str, ...]  # config keys for the expert count, first present wins
-    intermediate_key: str  # config key for the routed expert FFN width
-    moe_prefixes: tuple[str, ...]  # module holding router + experts; first is canonical
-    split_names: tuple[str, str, str]  # per-expert tensor names for (w1, w3, w2)
-    qk_norm: str
-    rope_theta: float  # default when the config names none
-    rms_eps: float
-
-
-_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
-FAMILIES: dict[str, Family] = {
-    "mixtral": Family("mixtral", ("num_local_experts", "num_experts"), "intermediate_size",
-                      ("block_sparse_moe", "mlp"), ("w1", "w3", "w2"), "none", 1e6, 1e-5),
-    "qwen2_moe": Family("qwen2_moe", ("num_experts", "num_local_experts"),
-                        "moe_intermediate_size", ("mlp",), _PROJ_NAMES, "none", 1e4, 1e-6),
-    "qwen3_moe": Family("qwen3_moe", ("num_experts", "num_local_experts"),
-                        "moe_intermediate_size", ("mlp",), _PROJ_NAMES, "head", 1e4, 1e-6),
-    "olmoe": Family("olmoe", ("num_experts", "num_local_experts"), "intermediate_size",
-                    ("mlp",), _PROJ_NAMES, "full", 1e4, 1e-5),
-}  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# config.json -> ModelConfig
-
-
-def family_of(hf: dict[str, Any]) -> Family:
-    model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported families: {', '.join(FAMILIES)}"
-        )
-    return FAMILIES[model_type]
-
-
-def _field(hf: dict[str, Any], *keys: str) -> Any:
-    """The first of `keys` present (and not null) in the HF config."""
-    for key in keys:
-        if hf.get(key) is not None:
-            return hf[key]
-    raise ValueError(f"config.json: missing field {' / '.join(map(repr, keys))}")
-
-
-def _reject(condition: bool, field: str, value: Any, why: str) -> None:
-    if condition:
-        raise ValueError(f"config.json: {field}={value!r} is not supported ({why})")
-
-
-def _check_supported(hf: dict[str, Any], fam: Family) -> None:
-    """Refuse configs whose math the Strata model does not implement."""
-    act = hf.get("hidden_act", "silu")
-    _reject(act != "silu", "hidden_act", act, "only SwiGLU experts with silu are implemented")
-    if fam.name == "mixtral":
-        window = hf.get("sliding_window")
-        _reject(window is not None, "sliding_window", window, "no sliding-window attention")
-    if fam.name in ("qwen2_moe", "qwen3_moe"):
-        use_window = hf.get("use_sliding_window", False)
-        _reject(bool(use_window), "use_sliding_window", use_window, "no sliding-window attention")
-        types = hf.get("layer_types") or []
-        _reject("sliding_attention" in types, "layer_types", types, "no sliding-window attention")
-        step = hf.get("decoder_sparse_step", 1)
-        _reject(step != 1, "decoder_sparse_step", step, "every layer must be an MoE layer")
-        dense = hf.get("mlp_only_layers") or []
-        _reject(bool(dense), "mlp_only_layers", dense, "every layer must be an MoE layer")
-    if fam.name in ("qwen3_moe", "olmoe"):
-        bias = hf.get("attention_bias", False)
-        _reject(bool(bias), "attention_bias", bias, "o_proj bias is not implemented")
-
-
-def _rope_theta(hf: dict[str, Any], fam: Family) -> float:
-    """rope_theta from transformers-5 `rope_parameters` or the older top-level fields."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config.json: rope_parameters={params!r} is not a mapping")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    _reject(rope_type != "default", "rope_type", rope_type, "only default RoPE is implemented")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    return float(fam.rope_theta if theta is None else theta)
-
-
-def _attention_bias(hf: dict[str, Any], fam: Family) -> bool:
-    if fam.name == "qwen2_moe":
-        return bool(hf.get("qkv_bias", True))
-    if fam.name == "mixtral":
-        return False
-    return bool(hf.get("attention_bias", False))
-
-
-def source_dtype(hf: dict[str, Any]) -> str:
-    """The config's `dtype`/`torch_dtype` when Strata can store it, else float32."""
-    name = hf.get("dtype") or hf.get("torch_dtype")
-    return name if name in DTYPES else "float32"
-
-
-def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-    """Map a Hugging Face config.json dict onto a ModelConfig, rejecting unsupported math."""
-    fam = family_of(hf)
-    _check_supported(hf, fam)
-    hidden, heads = int(_field(hf, "hidden_size")), int(_field(hf, "num_attention_heads"))
-    shared = int(hf.get("shared_expert_intermediate_size") or 0) if fam.name == "qwen2_moe" else 0
-    clip = hf.get("clip_qkv") if fam.name == "olmoe" else None
-    return ModelConfig(
-        family=fam.name,
-        vocab_size=int(_field(hf, "vocab_size")),
-        hidden_size=hidden,
-        num_layers=int(_field(hf, "num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hidden // heads),
-        num_experts=int(_field(hf, *fam.experts_keys)),
-        top_k=int(_field(hf, "num_experts_per_tok")),
-        expert_intermediate_size=int(_field(hf, fam.intermediate_key)),
-        shared_intermediate_size=shared,
-        shared_gate=shared > 0,
-        norm_topk_prob=True if fam.name == "mixtral" else bool(hf.get("norm_topk_prob", False)),
-        qk_norm=fam.qk_norm,
-        attention_bias=_attention_bias(hf, fam),
-        clip_qkv=None if clip is None else float(clip),
-        rope_theta=_rope_theta(hf, fam),
-        rms_eps=float(hf.get("rms_norm_eps") or fam.rms_eps),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=dtype or source_dtype(hf),
-        max_position=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings")
-        else None,
-    )
+FP8_DTYPE = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
+SCALE_DTYPES = ("F32", "F8_E8M0")
+CONVERT_EXPERTS = ("int4-rtn", "none")  # quantize while converting: no calibration, so no GPTQ
+CONVERT_DENSE = ("int8", "none")
+CONVERT_CALIBRATION = "none (round-to-nearest while converting)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,10 +132,12 @@ def _info(path: Path, base: int, entry: dict[str, Any]) -> TensorInfo:
 
 
 class TensorSource:
-    """Every tensor of a HF checkpoint directory, read lazily by name."""
+    """Every tensor of a HF checkpoint directory, read lazily by name; with `fmt` (the source's
+    `quantization_config`), block-FP8 weights are read dequantized."""
 
-    def __init__(self, src: Path) -> None:
+    def __init__(self, src: Path, fmt: Fp8Format | None = None) -> None:
         self.src = src
+        self.fmt = fmt
         self.files, self.tensors = _scan(src)
         self._stack = ExitStack()
         self._handles: dict[Path, BinaryIO] = {}
@@ -246,14 +153,67 @@ class TensorSource:
         return f"{self.src} (searched {', '.join(f.name for f in self.files)})"
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor as a fresh numpy array in its stored dtype (bf16 -> ml_dtypes)."""
+        """One tensor as a fresh numpy array in its stored dtype (bf16 -> ml_dtypes); an FP8
+        weight dequantized to float32 (exactly: one float32 multiply per element)."""
+        self.check_dtype(name)
         info = self.tensors[name]
-        if info.dtype not in SAFETENSORS_DTYPES:
+        if info.dtype != FP8_DTYPE:
+            return self._raw(name, SAFETENSORS_DTYPES[info.dtype])
+        assert self.fmt is not None  # check_dtype
+        scale = scale_name(name)
+        codes = self._raw(name, fp8.E4M3)
+        scales = self._raw(scale, fp8.SAFETENSORS_DTYPES[self.tensors[scale].dtype])
+        try:
+            return fp8.dequantize_block_fp8(codes, scales, self.fmt.block, np.float32, name)
+        except ValueError as e:  # non-finite values: name the file too
+            raise ValueError(f"{e} (in {info.file.name})") from e
+
+    def check_dtype(self, name: str) -> None:
+        """ValueError naming the tensor and its file unless `read` can decode it: a float
+        dtype, or F8_E4M3 with a `<name>_scale_inv` grid of the config's block shape."""
+        info = self.tensors[name]
+        where = f"tensor {name!r} in {info.file.name}"
+        scale = scale_name(name)
+        if info.dtype != FP8_DTYPE:
+            if info.dtype not in SAFETENSORS_DTYPES:
+                raise ValueError(
+                    f"{where} has dtype {info.dtype}; supported: "
+                    f"{', '.join(SAFETENSORS_DTYPES)}, and {FP8_DTYPE} with block scales"
+                )
+            if scale in self.tensors:
+                raise ValueError(
+                    f"{where} has dtype {info.dtype} but also block scales {scale!r}; "
+                    f"only {FP8_DTYPE} weights have scales ({REDOWNLOAD})"
+                )
+            return
+        if self.fmt is None:
             raise ValueError(
-                f"tensor {name!r} in {info.file.name} has dtype {info.dtype}; supported: "
-                f"{', '.join(SAFETENSORS_DTYPES)} (quantized sources are not supported)"
+                f"{where} is FP8 ({FP8_DTYPE}) but config.json has no quantization_config "
+                f"giving its block size; {REDOWNLOAD}"
             )
-        dtype = SAFETENSORS_DTYPES[info.dtype]
+        if scale not in self.tensors:
+            raise ValueError(
+                f"{where} is FP8 ({FP8_DTYPE}) but its block scales {scale!r} are missing "
+                f"from {self.describe()}; {REDOWNLOAD}"
+            )
+        s = self.tensors[scale]
+        if s.dtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"tensor {scale!r} in {s.file.name} has dtype {s.dtype}; block scales must be "
+                f"{' or '.join(SCALE_DTYPES)}"
+            )
+        want = scale_grid(info.shape, self.fmt.block)
+        if s.shape != want:
+            rows, cols = self.fmt.block
+            raise ValueError(
+                f"tensor {scale!r} in {s.file.name} has shape {s.shape}, but {name!r} of shape "
+                f"{info.shape} in {rows}x{cols} blocks (quantization_config.weight_block_size) "
+                f"needs {want}"
+            )
+
+    def _raw(self, name: str, dtype: np.dtype) -> np.ndarray:
+        """Tensor `name`'s bytes as a fresh array of `dtype` (its stored dtype)."""
+        info = self.tensors[name]
         count = int(np.prod(info.shape, dtype=np.int64))
         if info.end - info.start != count * dtype.itemsize:
             raise ValueError(f"tensor {name!r} in {info.file.name}: byte range mismatches shape")
@@ -268,6 +228,35 @@ class TensorSource:
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(open(path, "rb"))
         return self._handles[path]
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the `_scale_inv` grid of an FP8 weight: one scale per block of its last two
+    dims, partial edge blocks included."""
+    if len(shape) < 2:
+        return ()  # no grid fits: a 1-D FP8 tensor is refused as mis-shaped scales
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+def fp8_format(hf: dict[str, Any], src: Path) -> Fp8Format | None:
+    """The block-FP8 format of config.json's `quantization_config`, None without one; any
+    other quantization method is refused, naming the field."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    where = src / "config.json"
+    method = qc.get("quant_method") if isinstance(qc, Mapping) else None
+    if method != "fp8":
+        raise ValueError(
+            f"{where}: quantization_config.quant_method = {method!r} is not supported; "
+            "strata convert hf reads float sources and block-FP8 ones (quant_method 'fp8', "
+            "DeepSeek-V3 style): dequantize the model with its own tools first"
+        )
+    try:
+        return Fp8Format.from_hf(qc)
+    except fp8.Fp8FormatError as e:
+        raise fp8.Fp8FormatError(f"{where}: {e}") from e
 
 
 def _scan(src: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
@@ -292,131 +281,42 @@ def _scan(src: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
     raise FileNotFoundError(f"{src}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-# ---------------------------------------------------------------------------------------------
-# HF tensor names -> Strata params
-
-
-@dataclass(frozen=True)
-class Ref:
-    """One Strata param read from one HF tensor: `how` is copy, transpose, or flatten."""
-
-    hf_name: str
-    how: str
-    shape: tuple[int, ...]  # the Strata shape
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        if self.how == "T":
-            return self.shape[::-1]
-        if self.how == "flat":
-            return (1, *self.shape)
-        return self.shape
-
-
-@dataclass(frozen=True)
-class MoeLayout:
-    """Where one layer's router and experts live: module prefix and expert storage style."""
-
-    prefix: str  # e.g. "model.layers.3.mlp."
-    style: str  # "split": one tensor per (expert, kind); "fused": gate_up_proj + down_proj
-    split_names: tuple[str, str, str]
-
-
-_DENSE_HF = {
-    "attn_norm": ("input_layernorm.weight", "copy"),
-    "mlp_norm": ("post_attention_layernorm.weight", "copy"),
-    "wq": ("self_attn.q_proj.weight", "T"),
-    "wk": ("self_attn.k_proj.weight", "T"),
-    "wv": ("self_attn.v_proj.weight", "T"),
-    "wo": ("self_attn.o_proj.weight", "T"),
-    "bq": ("self_attn.q_proj.bias", "copy"),
-    "bk": ("self_attn.k_proj.bias", "copy"),
-    "bv": ("self_attn.v_proj.bias", "copy"),
-    "q_norm": ("self_attn.q_norm.weight", "copy"),
-    "k_norm": ("self_attn.k_norm.weight", "copy"),
-}
-_MOE_HF = {
-    "router": ("gate.weight", "T"),
-    "shared_w1": ("shared_expert.gate_proj.weight", "T"),
-    "shared_w3": ("shared_expert.up_proj.weight", "T"),
-    "shared_w2": ("shared_expert.down_proj.weight", "T"),
-    "shared_gate": ("shared_expert_gate.weight", "flat"),
-}
-
-
-def detect_layout(fam: Family, names: Container[str], layer: int) -> MoeLayout:
-    """Pick the MoE module prefix and expert style present for `layer` (canonical if none)."""
-    base = f"model.layers.{layer}."
-    prefix = next(
-        (f"{base}{p}." for p in fam.moe_prefixes if f"{base}{p}.gate.weight" in names),
-        f"{base}{fam.moe_prefixes[0]}.",
-    )
-    if f"{prefix}experts.gate_up_proj" in names:
-        return MoeLayout(prefix, "fused", fam.split_names)
-    for split in (fam.split_names, ("w1", "w3", "w2"), _PROJ_NAMES):
-        if f"{prefix}experts.0.{split[0]}.weight" in names:
-            return MoeLayout(prefix, "split", split)
-    return MoeLayout(prefix, "split", fam.split_names)
-
-
-def dense_refs(cfg: ModelConfig, layout: MoeLayout, layer: int) -> dict[str, Ref]:
-    """Strata dense param -> HF tensor it comes from, for one layer."""
-    base = f"model.layers.{layer}."
-    refs = {}
-    for name, shape in dense_layer_shapes(cfg).items():
-        if name in _DENSE_HF:
-            suffix, how = _DENSE_HF[name]
-            refs[name] = Ref(base + suffix, how, shape)
-        elif name in _MOE_HF:
-            suffix, how = _MOE_HF[name]
-            refs[name] = Ref(layout.prefix + suffix, how, shape)
-        else:
-            raise ValueError(f"no Hugging Face source for Strata param {name!r}")
-    return refs
-
-
-def expert_tensors(cfg: ModelConfig, layout: MoeLayout) -> dict[str, tuple[int, ...]]:
-    """HF expert tensor names of one layer -> their expected HF shapes."""
-    d, f, n = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
-    if layout.style == "fused":
-        return {
-            f"{layout.prefix}experts.gate_up_proj": (n, 2 * f, d),
-            f"{layout.prefix}experts.down_proj": (n, d, f),
-        }
-    return {
-        f"{layout.prefix}experts.{e}.{hf_kind}.weight": expert_shape(cfg, kind)[::-1]
-        for e in range(n)
-        for kind, hf_kind in zip(EXPERT_KINDS, layout.split_names, strict=True)
-    }
-
-
-def global_refs(cfg: ModelConfig) -> dict[str, Ref]:
-    names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-             "lm_head": "lm_head.weight"}  # fmt: skip
-    return {k: Ref(names[k], "copy", shape) for k, shape in global_shapes(cfg).items()}
-
-
 @dataclass(frozen=True)
 class Plan:
     """Everything a conversion will read, checked against the source before writing."""
 
     config: ModelConfig
+    family: Family
     layouts: tuple[MoeLayout, ...]
+    """One per MoE layer."""
+    mtp: tuple[str, ...] = ()
+    """Tensors of the multi-token-prediction layers, left out (`hf_families.mtp_layer_names`)."""
+
+    @classmethod
+    def of(cls, hf: dict[str, Any], cfg: ModelConfig, names: Container[str]) -> Plan:
+        fam = family_of(hf)
+        layouts = tuple(detect_layout(fam, names, cfg.dense_layers + i)
+                        for i in range(cfg.num_layers))
+        return cls(cfg, fam, layouts, tuple(mtp_layer_names(cfg, list(names))))
+
+    def dense_refs(self, layer: int) -> dict[str, Ref]:
+        return dense_refs(self.config, self.family, self.layouts[layer])
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every HF tensor the conversion reads -> its expected shape."""
         shapes = {r.hf_name: r.hf_shape for r in global_refs(self.config).values()}
+        for layer in range(self.config.dense_layers):
+            shapes.update({r.hf_name: r.hf_shape for r in mlp_refs(self.config, layer).values()})
         for layer, layout in enumerate(self.layouts):
-            refs = dense_refs(self.config, layout, layer).values()
-            shapes.update({r.hf_name: r.hf_shape for r in refs})
+            shapes.update({r.hf_name: r.hf_shape for r in self.dense_refs(layer).values()})
             shapes.update(expert_tensors(self.config, layout))
         return shapes
 
 
-def _ignorable(name: str, cfg: ModelConfig) -> bool:
+def _ignorable(name: str, plan: Plan) -> bool:
+    cfg = plan.config
     return bool(IGNORED_TENSORS.search(name)) or (
-        cfg.tie_word_embeddings and name == "lm_head.weight"
-    )
+        cfg.tie_word_embeddings and name == "lm_head.weight") or name in plan.mtp
 
 
 def _preview(names: list[str], limit: int = 8) -> str:
@@ -440,8 +340,12 @@ def check_source(plan: Plan, source: TensorSource) -> None:
                 f"tensor {name!r} in {source.tensors[name].file.name} has shape {got}, "
                 f"expected {shape}"
             )
+        source.check_dtype(name)
+    scales = {scale_name(n) for n in expected if scale_name(n) in source.tensors}
     extra = sorted(
-        n for n in source.tensors if n not in expected and not _ignorable(n, plan.config)
+        n for n in source.tensors
+        if n not in expected and n not in scales
+        and not _ignorable(n.removesuffix(fp8.SCALE_SUFFIX), plan)
     )
     if extra:
         raise ValueError(
@@ -493,41 +397,151 @@ def read_hf_config(src: Path) -> dict[str, Any]:
     return read_json_object(path, REDOWNLOAD)
 
 
+def convert_options(experts: str = "none", dense: str = "none") -> QuantOptions | None:
+    """What to quantize while converting (None: nothing); GPTQ is refused with the way to it."""
+    for what, value, allowed in (("experts", experts, CONVERT_EXPERTS),
+                                 ("dense", dense, CONVERT_DENSE)):  # fmt: skip
+        if value.endswith("-gptq"):
+            raise ValueError(
+                f"{what}={value!r} needs calibration through the model, which a conversion "
+                f"does not run: convert (with --{what} none), then `strata quantize --{what} "
+                f"{value}`"
+            )
+        if value not in allowed:
+            raise ValueError(f"{what} must be one of {allowed}, got {value!r}")
+    opts = QuantOptions(experts, dense)
+    return None if opts.storage == FLOAT else opts
+
+
 def convert_hf(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     dtype: str | None = None,
     overwrite: bool = False,
+    *,
+    experts: str = "none",
+    dense: str = "none",
 ) -> Path:
-    """Convert the HF checkpoint directory `src` into a Strata checkpoint at `dst`."""
+    """Convert the HF checkpoint directory `src` into a Strata checkpoint at `dst`, quantizing
+    the routed experts (`experts="int4-rtn"`) and dense matrices (`dense="int8"`) on the way;
+    see the module doc."""
+    t0 = time.perf_counter()
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
+    opts = convert_options(experts, dense)
     src = absolute(src)
     dst = check_destination(dst, overwrite=overwrite, sources=(src,))
     hf = read_hf_config(src)
+    fmt = fp8_format(hf, src)
     cfg = model_config_from_hf(hf, dtype)
-    with TensorSource(src) as source:
-        fam = family_of(hf)
-        layouts = tuple(detect_layout(fam, source.tensors, i) for i in range(cfg.num_layers))
-        plan = Plan(cfg, layouts)
+    quantization = FLOAT if opts is None else opts.storage
+    expert_arrays(cfg, quantization)  # the int4 group must fit, before any reading
+    with TensorSource(src, fmt) as source:
+        plan = Plan.of(hf, cfg, source.tensors)
         check_source(plan, source)
-        provenance = {"format": "huggingface", "model_type": fam.name, "path": str(src)}
+        if plan.mtp:
+            print(f"convert: {len(plan.mtp)} tensors of the multi-token-prediction layers "
+                  f"(from {plan.mtp[0]!r}) are not converted (not supported yet)")
+        provenance = {"format": "huggingface", "model_type": plan.family.name, "path": str(src)}
         if hf.get("eos_token_id") is not None:  # end-of-turn ids some models list only here
             provenance["eos_token_id"] = hf["eos_token_id"]
+        if fmt is not None:
+            provenance["quantization_config"] = hf["quantization_config"]
         with CheckpointWriter(
-            dst, cfg, overwrite=overwrite, extra={SOURCE_KEY: provenance}, sources=(src,)
-        ) as writer:
-            _write_all(writer, source, plan)
+            dst, cfg, overwrite=overwrite, quantization=quantization,
+            extra={SOURCE_KEY: provenance}, sources=(src,),
+        ) as writer:  # fmt: skip
+            records, dense_log = _write_all(writer, source, plan, opts)
+            if opts is not None:
+                report = QuantReport(
+                    str(src), str(dst), opts, CONVERT_CALIBRATION, 0, 0, tuple(records),
+                    tuple(dense_log), time.perf_counter() - t0,
+                )  # fmt: skip
+                writer.extra["quantize"] = quantize_entry(report)
+                write_report(writer.tmp / REPORT_FILE, report)
             copy_tokenizer_files(src, writer)
             return writer.commit()
 
 
-def _write_all(writer: CheckpointWriter, source: TensorSource, plan: Plan) -> None:
+DenseLog = list[tuple[int, str, str]]  # (layer, matrix, "rtn" | "none"), as `strata quantize`
+
+
+def _load_dense(source: TensorSource, cfg: ModelConfig,
+                refs: dict[str, Ref]) -> dict[str, np.ndarray]:
+    """One layer's dense params in the model dtype (the routing's float32 ones in float32,
+    `config.F32_PARAMS`)."""
+    keep = F32_PARAMS if cfg.scoring == "sigmoid" else ()
+    return {k: _load(source, r, np.dtype(np.float32) if k in keep else numpy_dtype(cfg.dtype))
+            for k, r in refs.items()}
+
+
+def _write_all(
+    writer: CheckpointWriter, source: TensorSource, plan: Plan, opts: QuantOptions | None = None
+) -> tuple[list[ExpertQuant], DenseLog]:
+    """Stream every tensor into `writer`, quantized as `opts` asks (None: as floats); returns
+    the quantize report's expert records and dense log (empty without `opts`)."""
     cfg, np_dtype = plan.config, numpy_dtype(plan.config.dtype)
     writer.write_globals({k: _load(source, r, np_dtype) for k, r in global_refs(cfg).items()})
+    records: list[ExpertQuant] = []
+    dense_log: DenseLog = []
+    for layer in range(cfg.dense_layers):
+        mlp = _load_dense(source, cfg, mlp_refs(cfg, layer))
+        if opts is not None:
+            mlp = quantize_dense(-1 - layer, mlp, opts, dense_log)
+        writer.write_mlp_layer(layer, mlp)
     for layer in tqdm(range(cfg.num_layers), desc="convert", unit="layer"):
         layout = plan.layouts[layer]
-        refs = dense_refs(cfg, layout, layer)
-        writer.write_layer_dense(layer, {k: _load(source, r, np_dtype) for k, r in refs.items()})
+        dense = _load_dense(source, cfg, plan.dense_refs(layer))
+        if opts is not None:
+            dense = quantize_dense(layer, dense, opts, dense_log)
+        writer.write_layer_dense(layer, dense)
+        del dense  # else it lives on while the next layer's are read
+        if opts is not None and opts.experts == "int4-rtn":
+            records += _write_int4_experts(writer, source, cfg, layout, layer, np_dtype)
+            continue
         for expert, kind, array in iter_experts(source, cfg, layout, np_dtype):
             writer.write_expert(layer, expert, kind, array)
+        if opts is not None:
+            records += [ExpertQuant(layer, e, 0, ("none",) * 3) for e in range(cfg.num_experts)]
+    return records, dense_log
+
+
+def quantize_dense(
+    layer: int, params: dict[str, np.ndarray], opts: QuantOptions, log: DenseLog
+) -> dict[str, np.ndarray]:
+    """One layer's dense params with its `INT8_MATRICES` int8 if `opts.dense` asks, logged.
+
+    `strata quantize --dense int8` quantizes wq/wk/wv as one fused matrix, but its scales are
+    per output column, so one matrix at a time gives the same bits."""
+    names = [n for n in INT8_MATRICES if n in params]
+    if opts.dense == "none":
+        log += [(layer, n, "none") for n in names]
+        return params
+    out = dict(params)
+    for n in names:
+        w = quant.quantize_int8(np.asarray(params[n], np.float32), name=f"layer {layer} {n}")
+        out[n], out[f"{n}_scale"] = w.q, w.scales
+        log.append((layer, n, "rtn"))
+    return out
+
+
+def _write_int4_experts(
+    writer: CheckpointWriter, source: TensorSource, cfg: ModelConfig, layout: MoeLayout,
+    layer: int, dtype: np.dtype,
+) -> list[ExpertQuant]:  # fmt: skip
+    """Round one layer's experts to int4, one weight at a time, and queue them for writing.
+
+    Each weight is rounded as stored in `dtype` (what `strata quantize` reads from the float
+    checkpoint); its error is measured against the float32 source (FP8: the dequantized one).
+    """
+    errors: dict[int, dict[str, float]] = {}
+    for e, kind, w in iter_experts(source, cfg, layout, np.dtype(np.float32)):
+        stored = np.asarray(_cast(w, dtype), np.float32)
+        q = quant.quantize_int4_rtn(stored, name=f"layer {layer} expert {e} {kind}")
+        writer.write_expert(layer, e, kind, q.packed)
+        writer.write_expert(layer, e, f"{kind}_scale", q.scales)
+        errors.setdefault(e, {})[kind] = weight_error(w, q)
+    return [
+        ExpertQuant(layer, e, 0, ("rtn",) * 3, tuple(errs[k] for k in EXPERT_KINDS))
+        for e, errs in sorted(errors.items())
+    ]

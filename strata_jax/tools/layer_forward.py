@@ -50,6 +50,29 @@ def attention_norm(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
+def q_lora_input(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
+    """MLA's wq_b input: the normed q-LoRA bottleneck of residual stream x."""
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+    return rms_norm(mdl.linear(h, lp, "wq_a"), lp["q_a_norm"], cfg.rms_eps)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def mlp_norm(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
+    """The MLP's (or MoE block's) input: rms_norm of the attention residuals x."""
+    return rms_norm(x, lp["mlp_norm"], cfg.rms_eps)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _mlp(cfg: ModelConfig, lp: Params, x_mid: jax.Array) -> jax.Array:
+    return x_mid + mdl.dense_mlp(lp, rms_norm(x_mid, lp["mlp_norm"], cfg.rms_eps))
+
+
+def mlp_outputs(cfg: ModelConfig, lp: Params, x_mid: np.ndarray) -> np.ndarray:
+    """A dense-MLP layer's output [N, T, D] for its attention residuals x_mid."""
+    return batched(lambda xb, pos: _mlp(cfg, lp, xb), x_mid)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
 def attention_out(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array) -> jax.Array:
     """wo's input [B, T, Q] for residual stream x (the model's own attention)."""
     return mdl.attention_heads(cfg, lp, x, positions)[0]

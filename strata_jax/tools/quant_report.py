@@ -4,6 +4,9 @@
 threshold), `ExpertQuant` (how one expert was quantized), `QuantReport` (the whole run, as
 printed and as written to quantize_report.json) and `CalibrationWarning`, raised (as a warning)
 where GPTQ had too few calibration tokens and a weight was rounded to nearest instead.
+
+`strata convert hf --experts int4-rtn` writes the same report, with each expert's
+`weight_error` against its source: no float checkpoint is left for `strata eval quant`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from strata_jax.formats import quant
 from strata_jax.formats.checkpoint import EXPERT_KINDS, expert_shape
 from strata_jax.formats.config import ModelConfig
 from strata_jax.tools import gptq
@@ -70,14 +74,23 @@ class CalibrationWarning(UserWarning):
         self.fallbacks = fallbacks
 
 
+def weight_error(w: np.ndarray, q: quant.Int4Weight) -> float:
+    """‖W − Ŵ‖ / ‖W‖ (Frobenius) of int4 `q` against its float source `w` (0 where w = 0)."""
+    w = np.asarray(w, np.float32)
+    norm = float(np.linalg.norm(w))
+    return float(np.linalg.norm(quant.dequantize_int4(q) - w)) / norm if norm else 0.0
+
+
 @dataclass(frozen=True)
 class ExpertQuant:
-    """How one expert was quantized: calibration tokens routed to it, method per w1/w3/w2."""
+    """How one expert was quantized: calibration tokens routed to it, method per w1/w3/w2, and
+    `weight_error` (per w1/w3/w2) where the quantizer measured it (`strata convert hf`)."""
 
     layer: int
     expert: int
     tokens: int
     methods: tuple[str, str, str]
+    weight_error: tuple[float, float, float] | None = None
 
     @property
     def method(self) -> str:
@@ -86,7 +99,12 @@ class ExpertQuant:
 
     def to_dict(self) -> dict[str, Any]:
         methods = dict(zip(EXPERT_KINDS, self.methods, strict=True))
-        return {**asdict(self), "method": self.method, "methods": methods}
+        out = {**asdict(self), "method": self.method, "methods": methods}
+        if self.weight_error is None:
+            del out["weight_error"]
+        else:
+            out["weight_error"] = dict(zip(EXPERT_KINDS, self.weight_error, strict=True))
+        return out
 
 
 @dataclass(frozen=True)
@@ -115,7 +133,18 @@ class QuantReport:
             counts[r.method] = counts.get(r.method, 0) + 1
         return counts
 
+    def weight_errors(self) -> dict[str, Any] | None:
+        """Mean and largest expert weight error and where the largest is; None unmeasured."""
+        rows = [(err, r.layer, r.expert, kind) for r in self.experts if r.weight_error
+                for kind, err in zip(EXPERT_KINDS, r.weight_error, strict=True)]  # fmt: skip
+        if not rows:
+            return None
+        worst = max(rows)
+        return {"mean": float(np.mean([e for e, *_ in rows])), "max": worst[0],
+                "max_at": {"layer": worst[1], "expert": worst[2], "kind": worst[3]}}  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
+        errors = self.weight_errors()
         return {
             "src": self.src,
             "dst": self.dst,
@@ -128,6 +157,7 @@ class QuantReport:
             "experts": [r.to_dict() for r in self.experts],
             "dense": [list(d) for d in self.dense],
             "seconds": self.seconds,
+            **({"weight_error": errors} if errors else {}),
         }
 
     def __str__(self) -> str:

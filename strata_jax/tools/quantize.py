@@ -80,7 +80,7 @@ from strata_jax.tools.quant_report import (
     QuantReport,
     warn_expert_fallbacks,
 )
-from strata_jax.tools.quantize_layer import quantize_layer
+from strata_jax.tools.quantize_layer import quantize_layer, quantize_mlp_layer
 
 __all__ = [
     "CALIB_STREAM", "DENSE_METHODS", "EXPERT_METHODS", "HELDOUT_STREAM", "PAD_TOKEN",
@@ -88,9 +88,9 @@ __all__ = [
     "CalibrationWarning", "ExpertQuant", "Params", "QuantOptions", "QuantReport",
     "attention_residuals", "batched", "calibration_tokens", "check_seed", "device_params",
     "layer_params", "lm_logits", "moe_inputs", "moe_outputs", "pad_sequences", "parse_calib",
-    "positions_for", "quantize_checkpoint", "random_sequences", "read_token_file",
-    "read_token_sequences", "real_rows", "routed_rows", "sample_sequences",
-    "single_threaded_blas", "swiglu_hidden", "warn_expert_fallbacks",
+    "positions_for", "quantize_checkpoint", "quantize_entry", "random_sequences",
+    "read_token_file", "read_token_sequences", "real_rows", "routed_rows", "sample_sequences",
+    "single_threaded_blas", "swiglu_hidden", "warn_expert_fallbacks", "write_report",
 ]  # fmt: skip
 
 REPORT_FILE = "quantize_report.json"
@@ -149,7 +149,7 @@ def quantize_checkpoint(
     bar = tqdm(range(cfg.num_layers), desc="quantize", unit="layer",
                disable=None if progress is None else not progress)  # fmt: skip
     records: list[ExpertQuant] = []
-    dense_log: list[tuple[int, str, str]] = []
+    dense_log: list[tuple[int, str, str]] = []  # dense-MLP layer i logged as layer -1 - i
     with (
         bar,
         single_threaded_blas(),
@@ -158,6 +158,11 @@ def quantize_checkpoint(
     ):  # fmt: skip
         writer.write_globals(globals_)
         del globals_
+        for layer in range(cfg.dense_layers):
+            result = quantize_mlp_layer(cfg.replace(dtype="float32"), reader, layer, x, opts,
+                                        rows)
+            writer.write_mlp_layer(layer, result.dense)
+            x, dense_log = result.x, dense_log + result.dense_log
         for layer in bar:
             result = quantize_layer(cfg.replace(dtype="float32"), reader, layer, x, opts, rows)
             warn_expert_fallbacks(cfg, result.records, opts)
@@ -174,8 +179,9 @@ def quantize_checkpoint(
             len(cal.tokens) if cal else 0, cal.num_tokens if cal else 0,
             tuple(records), tuple(dense_log), time.perf_counter() - t0,
         )  # fmt: skip
-        writer.extra = {"quantize": _meta(report, seed, mix_random, calib_len)}
-        _write_report(writer.tmp / REPORT_FILE, report)
+        writer.extra = {"quantize": quantize_entry(
+            report, calib_len=calib_len, mix_random=mix_random, seed=seed)}  # fmt: skip
+        write_report(writer.tmp / REPORT_FILE, report)
         copy_tokenizer_files(reader.path, writer)
         writer.commit()
     return report
@@ -191,17 +197,16 @@ def _check_paths(src: Path, dst: Path, overwrite: bool) -> tuple[CheckpointReade
     return reader, check_destination(dst, overwrite=overwrite, sources=(src,))
 
 
-def _meta(report: QuantReport, seed: int, mix_random: float, calib_len: int) -> dict[str, Any]:
-    """The `quantize` entry of the checkpoint's config.json."""
+def quantize_entry(report: QuantReport, **sampling: Any) -> dict[str, Any]:
+    """The `quantize` entry of the checkpoint's config.json (also `strata convert hf`'s);
+    `sampling`: how calibration sequences were made (calib_len, mix_random, seed)."""
     o = report.options
     return {
         "experts": o.experts,
         "dense": o.dense,
         "calibration": report.calibration,
         "calib_sequences": report.calib_sequences,
-        "calib_len": calib_len,
-        "mix_random": mix_random,
-        "seed": seed,
+        **sampling,
         "damp": o.damp,
         "act_order": o.act_order,
         "min_tokens": o.min_tokens,
@@ -211,5 +216,5 @@ def _meta(report: QuantReport, seed: int, mix_random: float, calib_len: int) -> 
     }
 
 
-def _write_report(path: Path, report: QuantReport) -> None:
+def write_report(path: Path, report: QuantReport) -> None:
     path.write_text(json.dumps(report.to_dict(), indent=2))

@@ -5,12 +5,16 @@ through the model *as it is being quantized*: the hidden states X [N, T, D] (flo
 and for each layer in turn
 
     h = rms_norm(X)                    -> Hessian of wq/wk/wv  -> quantize
+                                          (MLA: of wq_a/wkv_a, then wq_b on its normed q_a)
     o = attention(h) with quantized qkv  -> Hessian of wo        -> quantize
     h2 = rms_norm(X + o @ ŵo)          -> float router picks each token's experts
     per expert: its routed rows of h2  -> Hessian of w1/w3     -> quantize
                 silu(x ŵ1) * (x ŵ3)    -> Hessian of w2        -> quantize
     shared expert (qwen2_moe): the same with all rows of h2, int8
     X <- the quantized layer applied to X
+
+A dense-MLP layer (`ModelConfig.dense_layers`, before the MoE layers) goes the same way, its
+MLP quantized as a shared expert is.
 
 so every weight is fitted to the inputs the quantized model will actually feed it (the forward
 pieces are `layer_forward`'s). An expert reached by fewer than `min_tokens` calibration tokens
@@ -40,8 +44,11 @@ from strata_jax.tools.layer_forward import (
     attention_residuals,
     batched,
     device_params,
+    mlp_norm,
+    mlp_outputs,
     moe_inputs,
     moe_outputs,
+    q_lora_input,
     real_rows,
     routed_rows,
     swiglu_hidden,
@@ -49,6 +56,7 @@ from strata_jax.tools.layer_forward import (
 from strata_jax.tools.quant_report import ExpertQuant, QuantOptions, warn_dense_fallback
 
 _SHARED = (("shared_w1", "shared_w3"), ("shared_w2",))  # the shared expert's two GPTQ inputs
+_FFN = (("ffn_w1", "ffn_w3"), ("ffn_w2",))  # a dense-MLP layer's MLP, likewise
 
 
 class LayerResult(NamedTuple):
@@ -86,23 +94,14 @@ def quantize_layer(
     """
     state = _LayerState(layer, dict(reader.read_layer_dense(layer)))
     experts = dict(reader.iter_layer_experts(layer))
+    x_mid = _quantize_attention(cfg32, state, x, rows, opts)
     if x is None:
-        shared = _SHARED if cfg32.has_shared_expert else ()
-        for names in (("wq", "wk", "wv"), ("wo",), *shared):
+        for names in _SHARED if cfg32.has_shared_expert else ():
             _quantize_matrices(state, names, None, opts)
         stored, records = _quantize_experts(cfg32, layer, experts, None, None, opts)
         return LayerResult(None, state.stored, stored, state.methods, records)
 
     lp = _fused(state)
-    h = batched(lambda xb, pos: attention_norm(cfg32, lp, xb), x)
-    _quantize_matrices(state, ("wq", "wk", "wv"), real_rows(h, rows), opts)
-    lp = _fused(state)
-    del h
-    o = batched(lambda xb, pos: attention_out(cfg32, lp, xb, pos), x)
-    _quantize_matrices(state, ("wo",), real_rows(o, rows), opts)
-    del o
-    lp = _fused(state)
-    x_mid = attention_residuals(cfg32, lp, x)
     h2, routes = (real_rows(a, rows) for a in moe_inputs(cfg32, lp, x_mid))
     if cfg32.has_shared_expert:
         _quantize_shared_expert(state, h2, opts)
@@ -112,6 +111,59 @@ def quantize_layer(
     slot_row = jnp.arange(cfg32.num_experts, dtype=jnp.int32)
     x_next = moe_outputs(cfg32, lp, x_mid, pool, slot_row)
     return LayerResult(x_next, state.stored, stored, state.methods, records)
+
+
+def quantize_mlp_layer(
+    cfg32: ModelConfig, reader: CheckpointReader, layer: int, x: np.ndarray | None,
+    opts: QuantOptions, rows: np.ndarray | None = None,
+) -> LayerResult:  # fmt: skip
+    """Quantize dense-MLP layer `layer` (`ModelConfig.dense_layers`): its attention as a MoE
+    layer's, its MLP as a shared expert's. Its log names it layer -1 - `layer`."""
+    state = _LayerState(-1 - layer, dict(reader.read_mlp_layer(layer)))
+    x_mid = _quantize_attention(cfg32, state, x, rows, opts)
+    h2 = None
+    if x is not None:
+        lp = _fused(state)
+        h2 = real_rows(batched(lambda xb, pos: mlp_norm(cfg32, lp, xb), x_mid), rows)
+    _quantize_matrices(state, _FFN[0], h2, opts)
+    mid = None
+    if h2 is not None and opts.dense == "int8-gptq":
+        mid = swiglu_hidden(h2, *(_dense_weight(state.stored, n) for n in _FFN[0]))
+    _quantize_matrices(state, _FFN[1], mid, opts)
+    x_next = None if x is None else mlp_outputs(cfg32, _fused(state), x_mid)
+    return LayerResult(x_next, state.stored, {}, state.methods, [])
+
+
+def _attention_groups(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """The attention's matrices before wo, grouped by their input: the first group reads the
+    normed stream; MLA's q_b (with a q-LoRA) the normed q_a output."""
+    if cfg.attention != "mla":
+        return (("wq", "wk", "wv"),)
+    if cfg.q_lora_rank:
+        return ("wq_a", "wkv_a"), ("wq_b",)
+    return (("wq", "wkv_a"),)
+
+
+def _quantize_attention(cfg32: ModelConfig, state: _LayerState, x: np.ndarray | None,
+                        rows: np.ndarray | None, opts: QuantOptions) -> np.ndarray | None:
+    """int8 of the layer's attention matrices, each fitted to the inputs the partly quantized
+    layer feeds it; returns the attention residuals x + attention(x) (None without x)."""
+    groups = (*_attention_groups(cfg32), ("wo",))
+    if x is None:
+        for names in groups:
+            _quantize_matrices(state, names, None, opts)
+        return None
+    inputs = {0: attention_norm, 1: q_lora_input}  # the groups before wo
+    for i, names in enumerate(groups[:-1]):
+        lp = _fused(state)
+        h = batched(lambda xb, pos, f=inputs[i], lp=lp: f(cfg32, lp, xb), x)
+        _quantize_matrices(state, names, real_rows(h, rows), opts)
+        del h
+    lp = _fused(state)
+    o = batched(lambda xb, pos: attention_out(cfg32, lp, xb, pos), x)
+    _quantize_matrices(state, ("wo",), real_rows(o, rows), opts)
+    del o
+    return attention_residuals(cfg32, _fused(state), x)
 
 
 def _quantize_shared_expert(state: _LayerState, h2: np.ndarray, opts: QuantOptions) -> None:

@@ -49,6 +49,7 @@ from strata_jax.formats.checkpoint import (
     dense_layer_shapes,
     expert_shape,
     global_shapes,
+    mlp_layer_shapes,
     numpy_dtype,
 )
 from strata_jax.formats.config import ModelConfig
@@ -78,12 +79,41 @@ SHAPES: dict[str, ModelConfig] = {
         shared_intermediate_size=18432, shared_gate=True, norm_topk_prob=True, rope_theta=1e6,
         dtype="bfloat16", max_position=32768,
     ),
+    # The 2026 families at their released dimensions (Hugging Face configs of
+    # deepseek-ai/DeepSeek-V3, zai-org/GLM-4.5-Air, MiniMaxAI/MiniMax-M2); `--layers N`
+    # keeps N MoE layers after the dense-MLP ones.
+    "deepseek-v3": ModelConfig(
+        family="deepseek_v3", vocab_size=129280, hidden_size=7168, num_layers=58,
+        dense_layers=3, dense_intermediate_size=18432, num_heads=128, num_kv_heads=128,
+        head_dim=192, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+        qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, num_experts=256, top_k=8,
+        expert_intermediate_size=2048, shared_intermediate_size=2048, scoring="sigmoid",
+        n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_theta=1e4, rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 40.0),
+                                      ("mscale", 1.0), ("mscale_all_dim", 1.0),
+                                      ("original_max_position_embeddings", 4096)),
+        rms_eps=1e-6, dtype="bfloat16", max_position=163840,
+    ),
+    "glm-4.5-air": ModelConfig(
+        family="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=45, dense_layers=1,
+        dense_intermediate_size=10944, num_heads=96, num_kv_heads=8, head_dim=128,
+        rotary_dim=64, attention_bias=True, num_experts=128, top_k=8,
+        expert_intermediate_size=1408, shared_intermediate_size=1408, scoring="sigmoid",
+        norm_topk_prob=True, rope_theta=1e6, rms_eps=1e-5, dtype="bfloat16",
+        max_position=131072,
+    ),
+    "minimax-m2": ModelConfig(
+        family="minimax_m2", vocab_size=200064, hidden_size=3072, num_layers=62, num_heads=48,
+        num_kv_heads=8, head_dim=128, rotary_dim=64, qk_norm="full", num_experts=256, top_k=8,
+        expert_intermediate_size=1536, scoring="sigmoid", norm_topk_prob=True, rope_theta=5e6,
+        rms_eps=1e-6, dtype="bfloat16", max_position=196608,
+    ),
 }  # fmt: skip
 
 PIECE = 1 << 22  # elements per independent random stream
 _BLOCK = 1 << 20  # max elements per XLA call: few GIL round trips, output reused by malloc
 _MIN_XLA = 1 << 15  # shorter runs are cheaper in numpy (same bits)
-_GLOBAL, _DENSE, _EXPERT, _ROUTE = 0, 1, 2, 3  # seed-sequence domains
+_GLOBAL, _DENSE, _EXPERT, _ROUTE, _MLP = 0, 1, 2, 3, 4  # seed-sequence domains
 TOP_FRACTION = 0.2
 MEASURE_MAX_PARAMS = 200_000_000
 _MC_SEED, _MC_REPLICAS = 12345, 4
@@ -297,6 +327,13 @@ def layer_params(
     return params
 
 
+def mlp_layer_params(cfg: ModelConfig, seed: int, layer: int, pool=None) -> dict[str, np.ndarray]:
+    """Dense-MLP layer `layer`'s params (`ModelConfig.dense_layers`)."""
+    dtype = numpy_dtype(cfg.dtype)
+    return {name: _param(name, shape, dtype, [seed, _MLP, layer], pool)
+            for name, shape in mlp_layer_shapes(cfg).items()}
+
+
 def expert_array(
     cfg: ModelConfig, seed: int, layer: int, expert: int, kind: str, out: np.ndarray | None = None
 ) -> np.ndarray:
@@ -420,7 +457,8 @@ def checkpoint_bytes(cfg: ModelConfig) -> int:
     per_layer = sum(map(math.prod, dense_layer_shapes(cfg).values())) + cfg.num_experts * sum(
         math.prod(expert_shape(cfg, kind)) for kind in EXPERT_KINDS
     )
-    total = sum(map(math.prod, global_shapes(cfg).values())) + cfg.num_layers * per_layer
+    total = (sum(map(math.prod, global_shapes(cfg).values())) + cfg.num_layers * per_layer
+             + cfg.dense_layers * sum(map(math.prod, mlp_layer_shapes(cfg).values())))
     return total * numpy_dtype(cfg.dtype).itemsize
 
 
@@ -464,12 +502,18 @@ class _Buffers:
             self._cv.notify()
 
 
-def _dense_job(writer: CheckpointWriter, seed: int, layer: int | None, alpha: float) -> int:
-    """Generate and save the globals (layer None) or one layer's dense params; their bytes."""
+def _dense_job(writer: CheckpointWriter, seed: int, layer: int | str | None,
+               alpha: float) -> int:
+    """Generate and save the globals (layer None), one MoE layer's dense params (an int) or
+    dense-MLP layer i's ("mlp<i>"); their bytes."""
     cfg = writer.config
     if layer is None:
         params = global_params(cfg, seed)
         writer.write_globals(params)
+    elif isinstance(layer, str):
+        index = int(layer.removeprefix("mlp"))
+        params = mlp_layer_params(cfg, seed, index)
+        writer.write_mlp_layer(index, params)
     else:
         params = layer_params(cfg, seed, layer, alpha)
         writer.write_layer_dense(layer, params)
@@ -521,7 +565,8 @@ def _write_all(
     random_array((_BLOCK,), numpy_dtype(cfg.dtype), 1.0, [seed])  # compile once, not per thread
     dense_lane = ThreadPoolExecutor(1, thread_name_prefix="synth-dense")
     try:
-        for layer in (None, *range(cfg.num_layers)):
+        mlp = [f"mlp{i}" for i in range(cfg.dense_layers)]
+        for layer in (None, *mlp, *range(cfg.num_layers)):
             dense.append(dense_lane.submit(_dense_job, writer, seed, layer, alpha))
         for li, e, kind in chunks:
             buf = buffers.take()
@@ -606,4 +651,6 @@ def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0) -> Mode
         ])
         for kind in EXPERT_KINDS
     }  # fmt: skip
-    return from_arrays(cfg, global_params(cfg, seed), stacked, experts)
+    mlp = [mlp_layer_params(cfg, seed, i) for i in range(cfg.dense_layers)]
+    stacked_mlp = {name: np.stack([lp[name] for lp in mlp]) for name in mlp[0]} if mlp else None
+    return from_arrays(cfg, global_params(cfg, seed), stacked, experts, stacked_mlp)

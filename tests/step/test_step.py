@@ -14,7 +14,7 @@ from strata_jax.model import decoder as mdl
 from strata_jax.step import programs as step
 from tests.helpers import random_model, tiny_config
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3"]
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42]]
 
 
@@ -160,7 +160,8 @@ def run(m, plan, pool, tiers, steps=5, capacity=4):
 @pytest.mark.parametrize("family,fraction,staging,predictor", [
     ("qwen2_moe", 0.5, 2, "none"), ("olmoe", 0.3, 3, "next-gate"),
     ("qwen2_moe", 0.0, 2, "next-gate"), ("olmoe", 0.0, 12, "none"),
-    ("olmoe", 1.0, 1, "next-gate"),
+    ("olmoe", 1.0, 1, "next-gate"), ("glm4_moe", 0.1, 2, "next-gate"),
+    ("deepseek_v3", 0.2, 3, "next-gate"), ("minimax_m2", 0.1, 2, "none"),
 ])  # fmt: skip
 def test_offloaded_tiers_give_the_resident_bits(family, fraction, staging, predictor):
     cfg = tiny_config(family)

@@ -317,7 +317,9 @@ def test_unknown_model_type_lists_families(case, root, capsys):
     [
         ({"sliding_window": 16}, "sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+         "original_max_position_embeddings"),
     ],
 )
 def test_unsupported_config_names_field(case, root, changes, field):

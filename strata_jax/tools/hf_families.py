@@ -1,0 +1,405 @@
+"""How each Hugging Face `model_type` maps onto the Strata model: config fields and tensor names.
+
+Supported: mixtral, qwen2_moe, qwen3_moe, olmoe (softmax routing, GQA), glm4_moe (GQA with
+partial rotary, sigmoid routing with groups, shared experts, dense first layers), minimax_m2
+(GQA with full q/k norm and partial rotary, sigmoid routing) and deepseek_v3 (multi-head latent
+attention, YaRN, grouped sigmoid routing, shared experts, dense first layers). Hugging Face's
+config is the source of truth: every field whose math the model lacks is refused by name.
+
+Layers: HF layer i < `first_k_dense_replace` is dense-MLP layer i, a later one MoE layer
+i - first_k_dense_replace (`ModelConfig.dense_layers`). Layers past `num_hidden_layers` (the
+multi-token-prediction modules of DeepSeek-V3 and GLM-4.5) are not converted yet
+(`mtp_layer_names`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any
+
+from strata_jax.formats.checkpoint import (
+    EXPERT_KINDS,
+    dense_layer_shapes,
+    expert_shape,
+    global_shapes,
+    mlp_layer_shapes,
+)
+from strata_jax.formats.config import DTYPES, ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """How one HF `model_type` names its config fields and MoE tensors."""
+
+    name: str
+    """The `model_type`, and `ModelConfig.family`."""
+    experts_keys: tuple[str, ...]
+    """Config keys for the expert count, first present wins."""
+    intermediate_key: str
+    """Config key for the routed expert FFN width."""
+    moe_prefixes: tuple[str, ...]
+    """Module holding router + experts; the first is canonical."""
+    split_names: tuple[str, str, str]
+    """Per-expert tensor names for (w1, w3, w2)."""
+    qk_norm: str
+    """`ModelConfig.qk_norm` (a family with `use_qk_norm` takes it only where set)."""
+    rope_theta: float
+    """Default when the config names none."""
+    rms_eps: float
+    """Default when the config names none."""
+    sigmoid: bool = False
+    """Sigmoid routing with a correction bias (`model/routing.py`)."""
+    correction: str = "gate.e_score_correction_bias"
+    """The correction bias' tensor under the MoE module."""
+    shared_module: str = "shared_expert"
+    """The shared expert's module under the MoE module."""
+
+
+_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
+_W_NAMES = ("w1", "w3", "w2")
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family(name="mixtral", experts_keys=("num_local_experts", "num_experts"),
+           intermediate_key="intermediate_size", moe_prefixes=("block_sparse_moe", "mlp"),
+           split_names=_W_NAMES, qk_norm="none", rope_theta=1e6, rms_eps=1e-5),
+    Family(name="qwen2_moe", experts_keys=("num_experts", "num_local_experts"),
+           intermediate_key="moe_intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="none", rope_theta=1e4, rms_eps=1e-6),
+    Family(name="qwen3_moe", experts_keys=("num_experts", "num_local_experts"),
+           intermediate_key="moe_intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="head", rope_theta=1e4, rms_eps=1e-6),
+    Family(name="olmoe", experts_keys=("num_experts", "num_local_experts"),
+           intermediate_key="intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="full", rope_theta=1e4, rms_eps=1e-5),
+    Family(name="glm4_moe", experts_keys=("n_routed_experts", "num_local_experts"),
+           intermediate_key="moe_intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="head", rope_theta=1e4, rms_eps=1e-5,
+           sigmoid=True, shared_module="shared_experts"),
+    Family(name="minimax_m2", experts_keys=("num_local_experts", "num_experts"),
+           intermediate_key="intermediate_size", moe_prefixes=("block_sparse_moe", "mlp"),
+           split_names=_W_NAMES, qk_norm="full", rope_theta=1e4, rms_eps=1e-6, sigmoid=True,
+           correction="e_score_correction_bias"),
+    Family(name="deepseek_v3", experts_keys=("n_routed_experts", "num_local_experts"),
+           intermediate_key="moe_intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="none", rope_theta=1e4, rms_eps=1e-6,
+           sigmoid=True, shared_module="shared_experts"),
+)}
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> ModelConfig
+
+
+def family_of(hf: dict[str, Any]) -> Family:
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported families: {', '.join(FAMILIES)}"
+        )
+    return FAMILIES[model_type]
+
+
+def _field(hf: dict[str, Any], *keys: str) -> Any:
+    """The first of `keys` present (and not null) in the HF config."""
+    for key in keys:
+        if hf.get(key) is not None:
+            return hf[key]
+    raise ValueError(f"config.json: missing field {' / '.join(map(repr, keys))}"
+                     + (" (of rope_parameters)" if "rope_type" in hf else ""))
+
+
+def _reject(condition: bool, field: str, value: Any, why: str) -> None:
+    if condition:
+        raise ValueError(f"config.json: {field}={value!r} is not supported ({why})")
+
+
+def _check_supported(hf: dict[str, Any], fam: Family) -> None:
+    """Refuse configs whose math the Strata model does not implement."""
+    act = hf.get("hidden_act", "silu")
+    _reject(act != "silu", "hidden_act", act, "only SwiGLU experts with silu are implemented")
+    if fam.name == "mixtral":
+        window = hf.get("sliding_window")
+        _reject(window is not None, "sliding_window", window, "no sliding-window attention")
+    if fam.name in ("qwen2_moe", "qwen3_moe"):
+        use_window = hf.get("use_sliding_window", False)
+        _reject(bool(use_window), "use_sliding_window", use_window, "no sliding-window attention")
+        types = hf.get("layer_types") or []
+        _reject("sliding_attention" in types, "layer_types", types, "no sliding-window attention")
+        step = hf.get("decoder_sparse_step", 1)
+        _reject(step != 1, "decoder_sparse_step", step, "every layer must be an MoE layer")
+        dense = hf.get("mlp_only_layers") or []
+        _reject(bool(dense), "mlp_only_layers", dense, "every layer must be an MoE layer")
+    if fam.name in ("qwen3_moe", "olmoe", "minimax_m2", "deepseek_v3"):
+        bias = hf.get("attention_bias", False)
+        _reject(bool(bias), "attention_bias", bias, "o_proj bias is not implemented")
+    if fam.name == "minimax_m2":
+        scoring = hf.get("scoring_func", "sigmoid")
+        _reject(scoring != "sigmoid", "scoring_func", scoring, "MiniMax-M2 routes by sigmoid")
+        bias = hf.get("use_routing_bias", True)
+        _reject(not bias, "use_routing_bias", bias, "the correction bias is always read")
+    if fam.name == "deepseek_v3":
+        scoring = hf.get("scoring_func", "sigmoid")
+        _reject(scoring != "sigmoid", "scoring_func", scoring, "DeepSeek-V3 routes by sigmoid")
+        method = hf.get("topk_method", "noaux_tc")
+        _reject(method != "noaux_tc", "topk_method", method, "only noaux_tc routing")
+
+
+def _rope(hf: dict[str, Any], fam: Family) -> tuple[float, tuple[tuple[str, float], ...] | None]:
+    """(rope_theta, YaRN's fields or None) from transformers-5 `rope_parameters` or the older
+    top-level fields and `rope_scaling`."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: rope_parameters={params!r} is not a mapping")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    _reject(rope_type not in ("default", "yarn"), "rope_type", rope_type,
+            "default RoPE and YaRN are implemented")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    theta = float(fam.rope_theta if theta is None else theta)
+    if rope_type != "yarn":
+        return theta, None
+    for key in ("factor", "original_max_position_embeddings"):
+        _field(params, key)
+    keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+            "mscale_all_dim", "attention_factor", "truncate")
+    return theta, tuple(sorted((k, params[k]) for k in keys if params.get(k) is not None))
+
+
+def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
+    """The rotated dims of a head: MiniMax's `rotary_dim` or `partial_rotary_factor` (None:
+    all of them)."""
+    params = hf.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if hf.get("rotary_dim") is not None:
+        dim = int(hf["rotary_dim"])
+    elif factor is not None:
+        dim = int(head_dim * float(factor))
+    else:
+        return None
+    return None if dim == head_dim else dim
+
+
+def _attention_bias(hf: dict[str, Any], fam: Family) -> bool:
+    if fam.name == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    if fam.name == "mixtral":
+        return False
+    return bool(hf.get("attention_bias", False))
+
+
+def source_dtype(hf: dict[str, Any]) -> str:
+    """The config's `dtype`/`torch_dtype` when Strata can store it, else float32."""
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return name if name in DTYPES else "float32"
+
+
+def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
+    """Map a Hugging Face config.json dict onto a ModelConfig, rejecting unsupported math."""
+    fam = family_of(hf)
+    _check_supported(hf, fam)
+    hidden, heads = int(_field(hf, "hidden_size")), int(_field(hf, "num_attention_heads"))
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    theta, scaling = _rope(hf, fam)
+    clip = hf.get("clip_qkv") if fam.name == "olmoe" else None
+    qk_norm = fam.qk_norm
+    if fam.name == "glm4_moe" and not hf.get("use_qk_norm", False):
+        qk_norm = "none"
+    dense = int(hf.get("first_k_dense_replace") or 0) if fam.sigmoid else 0
+    fields = dict(
+        family=fam.name,
+        vocab_size=int(_field(hf, "vocab_size")),
+        hidden_size=hidden,
+        num_layers=int(_field(hf, "num_hidden_layers")) - dense,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        num_experts=int(_field(hf, *fam.experts_keys)),
+        top_k=int(_field(hf, "num_experts_per_tok")),
+        expert_intermediate_size=int(_field(hf, fam.intermediate_key)),
+        norm_topk_prob=True if fam.name in ("mixtral", "minimax_m2")
+        else bool(hf.get("norm_topk_prob", False)),
+        qk_norm=qk_norm,
+        attention_bias=_attention_bias(hf, fam),
+        clip_qkv=None if clip is None else float(clip),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rotary_dim=_rotary_dim(hf, head_dim),
+        rms_eps=float(hf.get("rms_norm_eps") or fam.rms_eps),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype or source_dtype(hf),
+        max_position=int(hf["max_position_embeddings"]) if hf.get("max_position_embeddings")
+        else None,
+        dense_layers=dense,
+        dense_intermediate_size=int(hf.get("intermediate_size") or 0) if dense else 0,
+    )
+    if fam.name == "qwen2_moe":
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        fields.update(shared_intermediate_size=shared, shared_gate=shared > 0)
+    if fam.sigmoid:
+        fields.update(_sigmoid_fields(hf, fam))
+    if fam.name == "deepseek_v3":
+        fields.update(_mla_fields(hf))
+    return ModelConfig(**fields)
+
+
+def _sigmoid_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """Routing and shared-expert fields of the sigmoid-routed families."""
+    n_group = int(hf.get("n_group") or 1)
+    fields: dict[str, Any] = dict(
+        scoring="sigmoid", n_group=n_group, topk_group=int(hf.get("topk_group") or n_group),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
+    shared = int(hf.get("n_shared_experts") or 0) if fam.shared_module == "shared_experts" else 0
+    if shared:
+        fields["shared_intermediate_size"] = shared * int(_field(hf, fam.intermediate_key))
+    return fields
+
+
+def _mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's fields (DeepSeek-V3)."""
+    nope, rope = int(_field(hf, "qk_nope_head_dim")), int(_field(hf, "qk_rope_head_dim"))
+    return dict(attention="mla", head_dim=nope + rope, num_kv_heads=int(_field(
+        hf, "num_attention_heads")), q_lora_rank=hf.get("q_lora_rank") or None,
+        kv_lora_rank=int(_field(hf, "kv_lora_rank")), qk_rope_head_dim=rope,
+        v_head_dim=int(_field(hf, "v_head_dim")), rotary_dim=None,
+        rope_interleave=bool(hf.get("rope_interleave", True)))
+
+
+# ---------------------------------------------------------------------------------------------
+# HF tensor names -> Strata params
+
+
+@dataclass(frozen=True)
+class Ref:
+    """One Strata param read from one HF tensor: `how` is copy, transpose, or flatten."""
+
+    hf_name: str
+    how: str
+    shape: tuple[int, ...]  # the Strata shape
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        if self.how == "T":
+            return self.shape[::-1]
+        if self.how == "flat":
+            return (1, *self.shape)
+        return self.shape
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Where one layer's router and experts live: module prefix and expert storage style."""
+
+    prefix: str  # e.g. "model.layers.3.mlp."
+    style: str  # "split": one tensor per (expert, kind); "fused": gate_up_proj + down_proj
+    split_names: tuple[str, str, str]
+    hf_layer: int  # the HF layer index (MoE layers come after the dense-MLP ones)
+
+
+_LAYER_HF = {  # under model.layers.N.
+    "attn_norm": ("input_layernorm.weight", "copy"),
+    "mlp_norm": ("post_attention_layernorm.weight", "copy"),
+    "wq": ("self_attn.q_proj.weight", "T"),
+    "wk": ("self_attn.k_proj.weight", "T"),
+    "wv": ("self_attn.v_proj.weight", "T"),
+    "wo": ("self_attn.o_proj.weight", "T"),
+    "bq": ("self_attn.q_proj.bias", "copy"),
+    "bk": ("self_attn.k_proj.bias", "copy"),
+    "bv": ("self_attn.v_proj.bias", "copy"),
+    "q_norm": ("self_attn.q_norm.weight", "copy"),
+    "k_norm": ("self_attn.k_norm.weight", "copy"),
+    "wq_a": ("self_attn.q_a_proj.weight", "T"),
+    "q_a_norm": ("self_attn.q_a_layernorm.weight", "copy"),
+    "wq_b": ("self_attn.q_b_proj.weight", "T"),
+    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", "T"),
+    "kv_a_norm": ("self_attn.kv_a_layernorm.weight", "copy"),
+    "wkv_b": ("self_attn.kv_b_proj.weight", "T"),
+    "ffn_w1": ("mlp.gate_proj.weight", "T"),
+    "ffn_w3": ("mlp.up_proj.weight", "T"),
+    "ffn_w2": ("mlp.down_proj.weight", "T"),
+}
+
+
+def _moe_hf(fam: Family) -> dict[str, tuple[str, str]]:
+    """Strata param -> (tensor under the MoE module, how) of the family's MoE params."""
+    shared = fam.shared_module
+    return {
+        "router": ("gate.weight", "T"),
+        "router_correction": (fam.correction, "copy"),
+        "shared_w1": (f"{shared}.gate_proj.weight", "T"),
+        "shared_w3": (f"{shared}.up_proj.weight", "T"),
+        "shared_w2": (f"{shared}.down_proj.weight", "T"),
+        "shared_gate": ("shared_expert_gate.weight", "flat"),
+    }
+
+
+def detect_layout(fam: Family, names: Container[str], hf_layer: int) -> MoeLayout:
+    """Pick the MoE module prefix and expert style present for HF layer `hf_layer`."""
+    base = f"model.layers.{hf_layer}."
+    prefix = next(
+        (f"{base}{p}." for p in fam.moe_prefixes if f"{base}{p}.gate.weight" in names),
+        f"{base}{fam.moe_prefixes[0]}.",
+    )
+    if f"{prefix}experts.gate_up_proj" in names:
+        return MoeLayout(prefix, "fused", fam.split_names, hf_layer)
+    for split in (fam.split_names, _W_NAMES, _PROJ_NAMES):
+        if f"{prefix}experts.0.{split[0]}.weight" in names:
+            return MoeLayout(prefix, "split", split, hf_layer)
+    return MoeLayout(prefix, "split", fam.split_names, hf_layer)
+
+
+def dense_refs(cfg: ModelConfig, fam: Family, layout: MoeLayout) -> dict[str, Ref]:
+    """Strata dense param -> HF tensor it comes from, for one MoE layer."""
+    base, moe = f"model.layers.{layout.hf_layer}.", _moe_hf(fam)
+    refs = {}
+    for name, shape in dense_layer_shapes(cfg).items():
+        if name in _LAYER_HF:
+            suffix, how = _LAYER_HF[name]
+            refs[name] = Ref(base + suffix, how, shape)
+        elif name in moe:
+            suffix, how = moe[name]
+            refs[name] = Ref(layout.prefix + suffix, how, shape)
+        else:
+            raise ValueError(f"no Hugging Face source for Strata param {name!r}")
+    return refs
+
+
+def mlp_refs(cfg: ModelConfig, hf_layer: int) -> dict[str, Ref]:
+    """Strata param -> HF tensor, for the dense-MLP layer at HF layer `hf_layer`."""
+    base = f"model.layers.{hf_layer}."
+    return {name: Ref(base + _LAYER_HF[name][0], _LAYER_HF[name][1], shape)
+            for name, shape in mlp_layer_shapes(cfg).items()}
+
+
+def expert_tensors(cfg: ModelConfig, layout: MoeLayout) -> dict[str, tuple[int, ...]]:
+    """HF expert tensor names of one layer -> their expected HF shapes."""
+    d, f, n = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    if layout.style == "fused":
+        return {
+            f"{layout.prefix}experts.gate_up_proj": (n, 2 * f, d),
+            f"{layout.prefix}experts.down_proj": (n, d, f),
+        }
+    return {
+        f"{layout.prefix}experts.{e}.{hf_kind}.weight": expert_shape(cfg, kind)[::-1]
+        for e in range(n)
+        for kind, hf_kind in zip(EXPERT_KINDS, layout.split_names, strict=True)
+    }
+
+
+def global_refs(cfg: ModelConfig) -> dict[str, Ref]:
+    names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+             "lm_head": "lm_head.weight"}  # fmt: skip
+    return {k: Ref(names[k], "copy", shape) for k, shape in global_shapes(cfg).items()}
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_layer_names(cfg: ModelConfig, names: Container[str] | list[str]) -> list[str]:
+    """The tensors of layers past the decoder's (DeepSeek-V3's and GLM-4.5's multi-token-
+    prediction modules), which the conversion leaves out (and says so)."""
+    out = []
+    for name in names:
+        m = _LAYER_INDEX.match(name)
+        if m and int(m.group(1)) >= cfg.total_layers:
+            out.append(name)
+    return out

@@ -1,0 +1,75 @@
+"""`strata quantize` on the 2026 families: MLA's projections, the dense-MLP layers and the
+sigmoid routers go through the same int8 / int4 paths as the four older families."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import strata_jax
+from strata_jax.formats import quant
+from strata_jax.formats.checkpoint import INT8_MATRICES, CheckpointReader
+from strata_jax.tools.quantize import quantize_checkpoint
+from tests.helpers import tiny_config, write_checkpoint
+
+DIMS = dict(hidden_size=128, expert_intermediate_size=128, shared_intermediate_size=128,
+            dense_intermediate_size=128)
+CONFIGS = {
+    "deepseek_v3": tiny_config("deepseek_v3", **DIMS, head_dim=48, q_lora_rank=128,
+                               kv_lora_rank=128, qk_rope_head_dim=16, v_head_dim=32),
+    "deepseek_v3-noqlora": tiny_config("deepseek_v3", **DIMS, head_dim=48, q_lora_rank=None,
+                                       kv_lora_rank=128, qk_rope_head_dim=16, v_head_dim=32),
+    "glm4_moe": tiny_config("glm4_moe", **DIMS, head_dim=32),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def float_ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "float"
+    write_checkpoint(CONFIGS[request.param], path, seed=1)
+    return path
+
+
+def test_round_to_nearest_stores_each_matrix_as_the_reference_rounds_it(float_ckpt):
+    """Every int8 matrix (MLA's, the dense-MLP layers') and int4 expert equals
+    `quant`'s rounding of the float source; the routers stay float32."""
+    dst = float_ckpt.parent / "rtn"
+    quantize_checkpoint(float_ckpt, dst, experts="int4-rtn", dense="int8", progress=False)
+    src, got = CheckpointReader(float_ckpt), CheckpointReader(dst)
+    cfg = src.config
+    layers = [(src.read_layer_dense(i), got.read_layer_dense(i)) for i in range(cfg.num_layers)]
+    layers += [(src.read_mlp_layer(i), got.read_mlp_layer(i)) for i in range(cfg.dense_layers)]
+    checked = set()
+    for a, b in layers:
+        for name, w in a.items():
+            if name in INT8_MATRICES:
+                ref = quant.quantize_int8(np.asarray(w, np.float32))
+                np.testing.assert_array_equal(b[name], ref.q)
+                np.testing.assert_array_equal(b[f"{name}_scale"], ref.scales)
+                checked.add(name)
+            else:
+                np.testing.assert_array_equal(np.asarray(b[name], np.float32),
+                                              np.asarray(w, np.float32))
+    mla = {"wq_a", "wq_b", "wkv_a"} if cfg.q_lora_rank else {"wq", "wkv_a"}
+    assert checked >= ({"ffn_w1", "ffn_w3", "ffn_w2", "wo"}
+                       | (mla if cfg.attention == "mla" else {"wq", "wk", "wv"}))
+    assert got.read_layer_dense(0)["router_correction"].dtype == np.float32
+    w1 = src.read_expert(1, 3, "w1")
+    ref = quant.quantize_int4_rtn(np.asarray(w1, np.float32))
+    np.testing.assert_array_equal(got.read_expert(1, 3, "w1"), ref.packed)
+
+
+def test_gptq_calibrates_through_the_dense_layers_and_mla(float_ckpt):
+    """GPTQ runs the calibration tokens through the dense-MLP layers and MLA's q-LoRA; the
+    quantized model stays close to the float one."""
+    dst = float_ckpt.parent / "gptq"
+    report = quantize_checkpoint(float_ckpt, dst, experts="int4-gptq", dense="int8-gptq",
+                                 calib=16, calib_len=32, min_tokens=1, progress=False)
+    cfg = CheckpointReader(float_ckpt).config
+    logged = {(layer, name) for layer, name, _ in report.dense}
+    assert {(-1, "ffn_w2"), (0, "wo")} <= logged
+    assert any(method == "gptq" for _, _, method in report.dense)
+    a, b = strata_jax.load(float_ckpt), strata_jax.load(dst)
+    tokens = np.arange(24)[None] % cfg.vocab_size
+    la, lb = strata_jax.logits(a, tokens), strata_jax.logits(b, tokens)
+    assert np.linalg.norm(la - lb) <= 0.6 * np.linalg.norm(la)
