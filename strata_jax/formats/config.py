@@ -196,35 +196,41 @@ F32_PARAMS = ("router", "router_correction")
 among experts compares biased scores, which bfloat16 would round (transformers keeps them so)."""
 
 
-def attention_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's attention params (and its input norm)."""
+def attention_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
+                                                 dict[str, tuple[int, ...]]]:
+    """Shapes of one layer's attention params: (its input norm and matrices, its biases and
+    q/k norms). Two parts so that a layer's params keep the order the checkpoints and the
+    seeded test models have always drawn them in."""
     d = cfg.hidden_size
     if cfg.attention == "mla":
         h, r = cfg.num_heads, cfg.kv_lora_rank
-        shapes = {"attn_norm": (d,), "wkv_a": (d, r + cfg.qk_rope_head_dim), "kv_a_norm": (r,),
-                  "wkv_b": (r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
-                  "wo": (cfg.o_size, d)}
+        q = ({"wq_a": (d, cfg.q_lora_rank), "wq_b": (cfg.q_lora_rank, cfg.q_size)}
+             if cfg.q_lora_rank else {"wq": (d, cfg.q_size)})
+        core = {"attn_norm": (d,), **q, "wkv_a": (d, r + cfg.qk_rope_head_dim),
+                "wkv_b": (r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+                "wo": (cfg.o_size, d)}
+        extra = {"kv_a_norm": (r,)}
         if cfg.q_lora_rank:
-            shapes.update(wq_a=(d, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,),
-                          wq_b=(cfg.q_lora_rank, cfg.q_size))
-        else:
-            shapes["wq"] = (d, cfg.q_size)
-        return shapes
+            extra["q_a_norm"] = (cfg.q_lora_rank,)
+        return core, extra
     q, kv = cfg.q_size, cfg.kv_size
-    shapes = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
+    core = {"attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d)}
+    extra: dict[str, tuple[int, ...]] = {}
     if cfg.attention_bias:
-        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+        extra.update(bq=(q,), bk=(kv,), bv=(kv,))
     if cfg.qk_norm == "head":
-        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+        extra.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
     elif cfg.qk_norm == "full":
-        shapes.update(q_norm=(q,), k_norm=(kv,))
-    return shapes
+        extra.update(q_norm=(q,), k_norm=(kv,))
+    return core, extra
 
 
 def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of one MoE layer's dense params (the stacked arrays add a leading layer axis)."""
     d = cfg.hidden_size
-    shapes = {**attention_shapes(cfg), "mlp_norm": (d,), "router": (d, cfg.num_experts)}
+    core, extra = attention_shapes(cfg)
+    shapes = {"attn_norm": core.pop("attn_norm"), "mlp_norm": (d,), **core,
+              "router": (d, cfg.num_experts), **extra}
     if cfg.router_bias:
         shapes["router_bias"] = (cfg.num_experts,)
     if cfg.scoring == "sigmoid":
@@ -240,5 +246,6 @@ def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def mlp_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of one dense-MLP layer's params (the `dense_layers` before the MoE layers)."""
     d, f = cfg.hidden_size, cfg.dense_intermediate_size
-    return {**attention_shapes(cfg), "mlp_norm": (d,), "ffn_w1": (d, f), "ffn_w3": (d, f),
+    core, extra = attention_shapes(cfg)
+    return {**core, **extra, "mlp_norm": (d,), "ffn_w1": (d, f), "ffn_w3": (d, f),
             "ffn_w2": (f, d)}

@@ -57,11 +57,11 @@ SHAPES = {
 ROUTING_MARGIN = 1e-4
 
 
-def build(shape: str, seed: int = 0):
+def build(shape: str, seed: int = 0, **overrides):
     """A tiny float32 model whose routing has a margin on PROMPTS (see test_hf_convert's
     `build_model`), its correction biases non-zero so they must steer the choice."""
     family, kw = SHAPES[shape]
-    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **kw})
+    cfg = transformers.AutoConfig.for_model(family, **{**BASE, **kw, **overrides})
     for draw in range(seed, seed + 50):
         torch.manual_seed(draw)
         model = transformers.AutoModelForCausalLM.from_config(
