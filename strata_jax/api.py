@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from strata_jax.batching.text import cut_at_stop
 from strata_jax.formats.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
 from strata_jax.formats.config import F32_PARAMS, ModelConfig
 from strata_jax.model import decoder as mdl
+from strata_jax.model import mtp as mtp_model
 from strata_jax.model.decoder import fuse_qkv
 from strata_jax.model.flax_model import MoEModel
 from strata_jax.model.moe import ExpertPool
@@ -147,6 +149,46 @@ def _stack_experts(ex, reader: CheckpointReader, kind: str, layers: int, experts
         [ex.submit(reader.read_expert, li, e, kind) for e in range(experts)] for li in range(layers)
     ]
     return np.stack([np.stack([f.result() for f in row]) for row in futures])
+
+
+class MtpModule(NamedTuple):
+    """One multi-token-prediction module on the device (`model/mtp.py`)."""
+
+    params: dict[str, jax.Array]
+    """Its dense params, q/k/v fused."""
+    experts: ExpertPool
+    """Its experts, expert e in slot e."""
+
+
+def load_mtp(path: str | os.PathLike, index: int = 0) -> MtpModule:
+    """Multi-token-prediction module `index` of a checkpoint (`ModelConfig.mtp_layers`)."""
+    reader = CheckpointReader(path)
+    cfg = reader.config
+    if not 0 <= index < cfg.mtp_layers:
+        raise ValueError(f"{reader.path}: no MTP module {index} (the checkpoint has "
+                         f"{cfg.mtp_layers}; `strata convert hf` keeps the source's)")
+    stacked = _stacked(cfg, [reader.read_mtp_layer(index)])
+    experts = dict(reader.iter_layer_experts(cfg.num_layers + index))
+    dtype = jnp.dtype(cfg.dtype)
+    return MtpModule({k: v[0] for k, v in stacked.items()},
+                     ExpertPool(**{k: _device_array(v, dtype) for k, v in experts.items()}))
+
+
+def mtp_logits(model: Model, mtp: MtpModule, tokens: Any) -> np.ndarray:
+    """The MTP module's float32 logits [B, T - 1, V] over tokens [B, T]: at position i, its
+    guess of token i + 2 from the model's hidden state at i and token i + 1."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    check_tokens(model.config, tokens)
+    return np.asarray(_mtp_logits(model.config, model.params, model.experts,
+                                  step.resident_tiers(model.slot_table), mtp.params,
+                                  mtp.experts, tokens))
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _mtp_logits(cfg, params, pool, tiers, mtp_params, mtp_pool, tokens):
+    hidden = mtp_model.last_hidden(cfg, params, pool, tiers, tokens)
+    return mtp_model.mtp_logits(cfg, params, mtp_params, mtp_pool, hidden[:, :-1],
+                                tokens[:, 1:])
 
 
 def logits(model: Model, tokens: Any) -> np.ndarray:

@@ -6,6 +6,8 @@ Layout (see checkpoints/README.md):
     DST/dense/globals/       orbax: embed, lm_head, final_norm
     DST/dense/layer_NNNN/    orbax: MoE layer NNNN's attention, norms, router, shared expert
     DST/dense/mlp_layer_NNNN/  orbax: dense-MLP layer NNNN (the `dense_layers` before them)
+    DST/dense/mtp_NNNN/      orbax: multi-token-prediction module NNNN's dense params; its
+                             experts are the expert arrays' layer num_layers + NNNN
     DST/experts/{w1,w3,w2}/  zarr3 [layer, expert, in, out], chunk = one (layer, expert)
 
 A writer fills `DST.partial-<pid>` and swaps it into place only after the manifest is
@@ -36,6 +38,7 @@ from strata_jax.formats.config import (
     ModelConfig,
     dense_layer_shapes,
     mlp_layer_shapes,
+    mtp_layer_shapes,
 )
 from strata_jax.formats.quant import GROUP as INT4_GROUP
 
@@ -173,6 +176,11 @@ def mlp_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[st
     return _stored(cfg, mlp_layer_shapes(cfg), quant)
 
 
+def mtp_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
+    """Stored arrays of one multi-token-prediction module's dense params, as above."""
+    return _stored(cfg, mtp_layer_shapes(cfg), quant)
+
+
 def _stored(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]],
             quant: dict[str, str]) -> dict[str, ArraySpec]:
     specs: dict[str, ArraySpec] = {}
@@ -293,6 +301,7 @@ class CheckpointWriter:
         self._expert_specs = expert_arrays(config, self.quantization)
         self._dense_specs = dense_layer_arrays(config, self.quantization)
         self._mlp_specs = mlp_layer_arrays(config, self.quantization)
+        self._mtp_specs = mtp_layer_arrays(config, self.quantization)
         self.extra = extra or {}
         self._target = safe_write.SafeWrite(
             dst, overwrite=overwrite, replaceable=checkpoint_problem, sources=sources)
@@ -311,13 +320,14 @@ class CheckpointWriter:
         self._lock = threading.Lock()
         self._layers_done: set[int] = set()
         self._mlp_layers_done: set[int] = set()
+        self._mtp_done: set[int] = set()
         self._globals_done = False
         self._checkpointer = ocp.StandardCheckpointer()
         self._experts = {
             kind: ts.open(
                 _expert_spec(
                     self.tmp / "experts" / kind,
-                    (config.num_layers, config.num_experts, *shape),
+                    (config.num_layers + config.mtp_layers, config.num_experts, *shape),
                     dtype,
                     create=True,
                 )
@@ -366,6 +376,15 @@ class CheckpointWriter:
                          {k: v[1] for k, v in self._mlp_specs.items()})
         with self._lock:
             self._mlp_layers_done.add(layer)
+
+    def write_mtp_layer(self, index: int, params: dict[str, np.ndarray]) -> None:
+        """Multi-token-prediction module `index`'s dense params (its experts: `write_expert`
+        at layer num_layers + index)."""
+        _check_shapes(_shapes(self._mtp_specs), params, f"MTP module {index}")
+        self._save_dense(f"mtp_{index:04d}", params,
+                         {k: v[1] for k, v in self._mtp_specs.items()})
+        with self._lock:
+            self._mtp_done.add(index)
 
     def write_file(self, name: str, data: bytes) -> None:
         """A file beside config.json (the tokenizer's), swapped in with the rest on `commit`."""
@@ -422,12 +441,15 @@ class CheckpointWriter:
         cfg = self.config
         missing_layers = sorted(set(range(cfg.num_layers)) - self._layers_done)
         missing_mlp = sorted(set(range(cfg.dense_layers)) - self._mlp_layers_done)
-        if missing_layers or missing_mlp or not self._globals_done:
+        missing_mtp = sorted(set(range(cfg.mtp_layers)) - self._mtp_done)
+        if missing_layers or missing_mlp or missing_mtp or not self._globals_done:
             raise CheckpointError(
                 f"incomplete checkpoint: dense params of MoE layers missing {missing_layers}, "
-                f"dense-MLP layers missing {missing_mlp}, globals written={self._globals_done}"
+                f"dense-MLP layers missing {missing_mlp}, MTP modules missing {missing_mtp}, "
+                f"globals written={self._globals_done}"
             )
-        expected = cfg.num_layers * cfg.num_experts * len(self._expert_specs)
+        expected = ((cfg.num_layers + cfg.mtp_layers) * cfg.num_experts
+                    * len(self._expert_specs))
         if len(self._hashes) != expected:
             raise CheckpointError(f"incomplete checkpoint: {len(self._hashes)}/{expected} chunks")
         meta = {
@@ -479,6 +501,7 @@ class CheckpointReader:
         self.expert_specs = expert_arrays(self.config, self.quantization)
         self.dense_specs = dense_layer_arrays(self.config, self.quantization)
         self.mlp_specs = mlp_layer_arrays(self.config, self.quantization)
+        self.mtp_specs = mtp_layer_arrays(self.config, self.quantization)
         manifest = read_json_object(manifest_path)
         require(manifest, "format_version", int, manifest_path)
         self.hashes: dict[str, str] = require(manifest, "expert_chunks", dict, manifest_path)
@@ -502,6 +525,11 @@ class CheckpointReader:
     def read_mlp_layer(self, layer: int) -> dict[str, np.ndarray]:
         """Dense-MLP layer `layer` (of `ModelConfig.dense_layers`)."""
         return self._dense(f"mlp_layer_{layer:04d}", _shapes(self.mlp_specs))
+
+    def read_mtp_layer(self, index: int) -> dict[str, np.ndarray]:
+        """Multi-token-prediction module `index`'s dense params (its experts:
+        `iter_layer_experts(num_layers + index)`)."""
+        return self._dense(f"mtp_{index:04d}", _shapes(self.mtp_specs))
 
     def expert_store(self, kind: str) -> ts.TensorStore:
         if kind not in self._experts:

@@ -41,6 +41,11 @@ class ModelConfig:
     qk_rope_head_dim). `rotary_dim`: the leading dims of each head that rotate (None: all);
     `rope_interleave`: rotate interleaved pairs (DeepSeek) instead of the two halves.
     `rope_scaling`: YaRN's fields as Hugging Face names them (None: plain RoPE).
+
+    `mtp_layers`: multi-token-prediction modules kept in the checkpoint (DeepSeek-V3's and
+    GLM-4.5's `num_nextn_predict_layers`): each an MoE decoder layer fed by the projection
+    of the next token's embedding and the model's last hidden state (`model/mtp.py`), its
+    experts stored past the MoE layers'; the engine does not load them.
     """
 
     family: str
@@ -79,6 +84,7 @@ class ModelConfig:
     rotary_dim: int | None = None
     rope_interleave: bool = False
     rope_scaling: tuple[tuple[str, float], ...] | None = None
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -241,6 +247,14 @@ def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.shared_gate:
             shapes["shared_gate"] = (d,)
     return shapes
+
+
+def mtp_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one multi-token-prediction module's dense params: an MoE layer's, the norms
+    of its two inputs, their projection and its head's norm (`model/mtp.py`)."""
+    d = cfg.hidden_size
+    return {**dense_layer_shapes(cfg), "enorm": (d,), "hnorm": (d,), "eh_proj": (2 * d, d),
+            "head_norm": (d,)}
 
 
 def mlp_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -66,7 +66,9 @@ from strata_jax.tools.hf_families import (
     global_refs,
     mlp_refs,
     model_config_from_hf,
-    mtp_layer_names,
+    mtp_count,
+    mtp_refs,
+    shared_copies,
 )
 from strata_jax.tools.quant_report import ExpertQuant, QuantOptions, QuantReport, weight_error
 from strata_jax.tools.quantize import REPORT_FILE, quantize_entry, write_report
@@ -288,26 +290,28 @@ class Plan:
     config: ModelConfig
     family: Family
     layouts: tuple[MoeLayout, ...]
-    """One per MoE layer."""
-    mtp: tuple[str, ...] = ()
-    """Tensors of the multi-token-prediction layers, left out (`hf_families.mtp_layer_names`)."""
+    """One per MoE layer, then one per multi-token-prediction module."""
 
     @classmethod
     def of(cls, hf: dict[str, Any], cfg: ModelConfig, names: Container[str]) -> Plan:
+        """The plan of `cfg` (its `mtp_layers` as many as the source holds) over `names`."""
         fam = family_of(hf)
+        cfg = cfg.replace(mtp_layers=mtp_count(cfg, names))
         layouts = tuple(detect_layout(fam, names, cfg.dense_layers + i)
-                        for i in range(cfg.num_layers))
-        return cls(cfg, fam, layouts, tuple(mtp_layer_names(cfg, list(names))))
+                        for i in range(cfg.num_layers + cfg.mtp_layers))
+        return cls(cfg, fam, layouts)
 
     def dense_refs(self, layer: int) -> dict[str, Ref]:
-        return dense_refs(self.config, self.family, self.layouts[layer])
+        """MoE layer `layer`'s (from num_layers on: MTP module layer - num_layers's)."""
+        refs = mtp_refs if layer >= self.config.num_layers else dense_refs
+        return refs(self.config, self.family, self.layouts[layer])
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every HF tensor the conversion reads -> its expected shape."""
         shapes = {r.hf_name: r.hf_shape for r in global_refs(self.config).values()}
         for layer in range(self.config.dense_layers):
             shapes.update({r.hf_name: r.hf_shape for r in mlp_refs(self.config, layer).values()})
-        for layer, layout in enumerate(self.layouts):
+        for layer, layout in enumerate(self.layouts):  # the MTP modules' too
             shapes.update({r.hf_name: r.hf_shape for r in self.dense_refs(layer).values()})
             shapes.update(expert_tensors(self.config, layout))
         return shapes
@@ -316,7 +320,7 @@ class Plan:
 def _ignorable(name: str, plan: Plan) -> bool:
     cfg = plan.config
     return bool(IGNORED_TENSORS.search(name)) or (
-        cfg.tie_word_embeddings and name == "lm_head.weight") or name in plan.mtp
+        cfg.tie_word_embeddings and name == "lm_head.weight") or name in shared_copies(cfg)
 
 
 def _preview(names: list[str], limit: int = 8) -> str:
@@ -438,10 +442,8 @@ def convert_hf(
     expert_arrays(cfg, quantization)  # the int4 group must fit, before any reading
     with TensorSource(src, fmt) as source:
         plan = Plan.of(hf, cfg, source.tensors)
+        cfg = plan.config
         check_source(plan, source)
-        if plan.mtp:
-            print(f"convert: {len(plan.mtp)} tensors of the multi-token-prediction layers "
-                  f"(from {plan.mtp[0]!r}) are not converted (not supported yet)")
         provenance = {"format": "huggingface", "model_type": plan.family.name, "path": str(src)}
         if hf.get("eos_token_id") is not None:  # end-of-turn ids some models list only here
             provenance["eos_token_id"] = hf["eos_token_id"]
@@ -489,12 +491,16 @@ def _write_all(
         if opts is not None:
             mlp = quantize_dense(-1 - layer, mlp, opts, dense_log)
         writer.write_mlp_layer(layer, mlp)
-    for layer in tqdm(range(cfg.num_layers), desc="convert", unit="layer"):
+    # the MoE layers, then the MTP modules (their experts the layers past num_layers)
+    for layer in tqdm(range(len(plan.layouts)), desc="convert", unit="layer"):
         layout = plan.layouts[layer]
         dense = _load_dense(source, cfg, plan.dense_refs(layer))
         if opts is not None:
             dense = quantize_dense(layer, dense, opts, dense_log)
-        writer.write_layer_dense(layer, dense)
+        if layer < cfg.num_layers:
+            writer.write_layer_dense(layer, dense)
+        else:
+            writer.write_mtp_layer(layer - cfg.num_layers, dense)
         del dense  # else it lives on while the next layer's are read
         if opts is not None and opts.experts == "int4-rtn":
             records += _write_int4_experts(writer, source, cfg, layout, layer, np_dtype)

@@ -7,9 +7,10 @@ attention, YaRN, grouped sigmoid routing, shared experts, dense first layers). H
 config is the source of truth: every field whose math the model lacks is refused by name.
 
 Layers: HF layer i < `first_k_dense_replace` is dense-MLP layer i, a later one MoE layer
-i - first_k_dense_replace (`ModelConfig.dense_layers`). Layers past `num_hidden_layers` (the
-multi-token-prediction modules of DeepSeek-V3 and GLM-4.5) are not converted yet
-(`mtp_layer_names`).
+i - first_k_dense_replace (`ModelConfig.dense_layers`). The layers past `num_hidden_layers`
+that hold an `eh_proj` are the multi-token-prediction modules of DeepSeek-V3 and GLM-4.5
+(`ModelConfig.mtp_layers`, `model/mtp.py`); their copies of the embedding and the output head
+are the model's own and are not kept twice (`shared_copies`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from strata_jax.formats.checkpoint import (
     expert_shape,
     global_shapes,
     mlp_layer_shapes,
+    mtp_layer_shapes,
 )
 from strata_jax.formats.config import DTYPES, ModelConfig
 
@@ -392,14 +394,36 @@ def global_refs(cfg: ModelConfig) -> dict[str, Ref]:
 
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_HF = {  # under model.layers.N. of a multi-token-prediction module
+    "enorm": ("enorm.weight", "copy"),
+    "hnorm": ("hnorm.weight", "copy"),
+    "eh_proj": ("eh_proj.weight", "T"),
+    "head_norm": ("shared_head.norm.weight", "copy"),
+}
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-def mtp_layer_names(cfg: ModelConfig, names: Container[str] | list[str]) -> list[str]:
-    """The tensors of layers past the decoder's (DeepSeek-V3's and GLM-4.5's multi-token-
-    prediction modules), which the conversion leaves out (and says so)."""
-    out = []
-    for name in names:
-        m = _LAYER_INDEX.match(name)
-        if m and int(m.group(1)) >= cfg.total_layers:
-            out.append(name)
-    return out
+def mtp_count(cfg: ModelConfig, names: Container[str]) -> int:
+    """The multi-token-prediction modules the source holds: layers from the decoder's end on
+    that have an `eh_proj`."""
+    n = 0
+    while f"model.layers.{cfg.total_layers + n}.eh_proj.weight" in names:
+        n += 1
+    return n
+
+
+def mtp_refs(cfg: ModelConfig, fam: Family, layout: MoeLayout) -> dict[str, Ref]:
+    """Strata param -> HF tensor, for the MTP module at HF layer `layout.hf_layer`."""
+    base = f"model.layers.{layout.hf_layer}."
+    refs = dense_refs(cfg, fam, layout)
+    shapes = mtp_layer_shapes(cfg)
+    refs.update({name: Ref(base + suffix, how, shapes[name])
+                 for name, (suffix, how) in _MTP_HF.items()})
+    return refs
+
+
+def shared_copies(cfg: ModelConfig) -> set[str]:
+    """The MTP modules' copies of the embedding and the output head (DeepSeek-V3 shares them
+    with the model): left out, the model's own are used."""
+    return {f"model.layers.{cfg.total_layers + i}.{name}" for i in range(cfg.mtp_layers)
+            for name in _SHARED_COPIES}

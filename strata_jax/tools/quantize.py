@@ -173,6 +173,15 @@ def quantize_checkpoint(
             x = result.x
             records += result.records
             dense_log += result.dense_log
+        for index in range(cfg.mtp_layers):  # no calibration inputs of their own: RTN
+            layer = cfg.num_layers + index
+            result = quantize_layer(cfg.replace(dtype="float32"), reader, layer, None, opts)
+            writer.write_mtp_layer(index, result.dense)
+            for kind, arr in result.experts.items():
+                for e in range(cfg.num_experts):
+                    writer.write_expert(layer, e, kind, arr[e])
+            records += result.records
+            dense_log += result.dense_log
         report = QuantReport(
             str(src), str(dst), opts,
             cal.description if cal else "none (round-to-nearest only)",

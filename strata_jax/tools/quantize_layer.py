@@ -90,9 +90,12 @@ def quantize_layer(
     """Quantize one layer, fitting GPTQ to the inputs x [N, T, D] (None: round to nearest).
 
     `rows` (bool [N * T], None: all) marks the real tokens of right-padded sequences: only
-    they enter the Hessians and the routed token counts.
+    they enter the Hessians and the routed token counts. A `layer` past the MoE layers is
+    multi-token-prediction module layer - num_layers (rounded to nearest: x is None).
     """
-    state = _LayerState(layer, dict(reader.read_layer_dense(layer)))
+    mtp = layer - cfg32.num_layers
+    dense = reader.read_mtp_layer(mtp) if mtp >= 0 else reader.read_layer_dense(layer)
+    state = _LayerState(layer, dict(dense))
     experts = dict(reader.iter_layer_experts(layer))
     x_mid = _quantize_attention(cfg32, state, x, rows, opts)
     if x is None:
