@@ -167,6 +167,7 @@ class Engine:
             devices=[DeviceCounts(str(d), link) for d, link in zip(self.layout.devices, links,
                                                                    strict=True)])
         self._pending: step.StepOutput | None = None  # the last step's, not yet observed
+        self._pending_packed: jax.Array | None = None  # its record, `step.pack_record`
         self._pending_time = (0.0, False, 0)  # its dispatch time, timed?, live rows
         self._last_done = 0.0  # when the last observed step was seen finished
         self._request: list[int | None] = [None] * self.capacity  # each row's request id
@@ -280,11 +281,13 @@ class Engine:
         plan = self._sampled_plan if sampled else self.plan
         rows = (np.array(self._live), list(self._request))  # as dispatched, for the trace
         out, failed = self._run("decode", self._decode, plan, (), sync=self._disk_possible)
-        for a in (out.tokens, *jax.tree.leaves(out.record)):  # on their way to the host when
-            if isinstance(a, jax.Array):  # read a step later (a synced record is numpy already)
-                a.copy_to_host_async()
+        packed = None  # a synced record is numpy already
+        if isinstance(out.record.counts, jax.Array):  # one array on its way to the host,
+            packed = step.pack_record(out.record)  # read a step later
+            packed.copy_to_host_async()
+        out.tokens.copy_to_host_async()
         self._observe_pending()  # the previous step's record, while this one runs
-        self._pending, self._pending_rows = out, rows
+        self._pending, self._pending_rows, self._pending_packed = out, rows, packed
         self._pending_time = (t0, plan in self._compiled, sum(self._live))
         self._compiled.add(plan)
         self._end_step()
@@ -335,7 +338,7 @@ class Engine:
                 self.residency.pool = pool
             if not sync:
                 return out, failed
-            record = jax.device_get(out.record)
+            record = step.unpack_record(np.asarray(step.pack_record(out.record)), out.record)
             if done is not None:
                 record = _spliced(done, record, int(resume.layer))
             disk = np.argwhere(record.disk)
@@ -415,8 +418,10 @@ class Engine:
     def _observe_pending(self) -> None:
         if self._pending is None:
             return
-        record = jax.device_get(self._pending.record)  # waits for the step to finish
-        self._pending = None
+        record = self._pending.record  # numpy when synced; else one copy, when the step ends
+        if self._pending_packed is not None:
+            record = step.unpack_record(np.asarray(self._pending_packed), record)
+        self._pending = self._pending_packed = None
         done, (t0, timed, rows) = time.perf_counter(), self._pending_time
         if timed:  # from when the device could start it: its dispatch or the last step's end
             self.counters.step_done(done - max(t0, self._last_done), rows)

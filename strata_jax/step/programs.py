@@ -18,6 +18,7 @@ handling at all (a data-dependent loop costs a device->host sync of its trip cou
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from strata_jax.formats.config import ModelConfig
 from strata_jax.model.decoder import lm_head
@@ -83,6 +85,27 @@ class StepRecord:
     hosted: jax.Array
     issued: jax.Array
     disk: jax.Array
+
+
+@jax.jit
+def pack_record(record: StepRecord) -> jax.Array:
+    """The record as one int32 array: one copy to the host a step instead of one per field,
+    each with its own fixed cost (docs/design.md, "The engine")."""
+    return jnp.concatenate([jnp.ravel(a).astype(jnp.int32) for a in jax.tree.leaves(record)])
+
+
+def unpack_record(flat: np.ndarray, like: StepRecord) -> StepRecord:
+    """`pack_record`'s inverse on the host: numpy fields of `like`'s shapes and dtypes (read
+    from its device arrays' metadata, no transfer)."""
+    leaves, treedef = jax.tree.flatten(like)
+    fields, at = [], 0
+    for leaf in leaves:
+        n = math.prod(leaf.shape)
+        fields.append(np.asarray(flat[at:at + n]).reshape(leaf.shape).astype(leaf.dtype))
+        at += n
+    if at != flat.size:
+        raise ValueError(f"a packed record of {flat.size} values for fields of {at}")
+    return jax.tree.unflatten(treedef, fields)
 
 
 PER_DEVICE = ("hits", "prefetched", "fetched", "issued")

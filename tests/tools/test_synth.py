@@ -46,7 +46,8 @@ def _chunk_hashes(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("shape", "total", "rel"),
-    [("mixtral-8x7b", 46.7e9, 0.01), ("qwen3-30b-a3b", 30.5e9, 0.01), ("seed-125b", 125e9, 0.05)],
+    [("mixtral-8x7b", 46.7e9, 0.01), ("qwen3-30b-a3b", 30.5e9, 0.01), ("seed-125b", 125e9, 0.05),
+     ("deepseek-v3", 671e9, 0.005), ("glm-4.5-air", 106e9, 0.01), ("minimax-m2", 230e9, 0.01)],
 )
 def test_param_counts(shape: str, total: float, rel: float) -> None:
     assert synth.SHAPES[shape].param_counts()["total"] == pytest.approx(total, rel=rel)
@@ -213,3 +214,34 @@ def test_cli_rejects_bad_skew(tmp_path, capsys) -> None:
     assert main(["synth", "--shape", "tiny", "--skew", "0.1", str(tmp_path / "x")]) == 2
     assert "skew must be in" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_deepseek_shaped_model_is_written_as_synthetic_model_builds_it(tmp_path,
+                                                                        monkeypatch) -> None:
+    """The writer's lanes carry the dense-MLP layers and MLA's params: the checkpoint loads to
+    the model `synthetic_model` builds in memory, logits for logits."""
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config("deepseek_v3", dtype="float32", vocab_size=300)
+    monkeypatch.setitem(synth.SHAPES, "tiny-deepseek", cfg)
+    stats = synth.synthesize("tiny-deepseek", tmp_path / "ds", dtype="float32", skew=0.5,
+                             progress=False)
+    assert stats.bytes == synth.checkpoint_bytes(cfg.replace(router_bias=True))
+    written = strata_jax.load(tmp_path / "ds")
+    assert written.config.dense_layers == 1 and written.config.attention == "mla"
+    built = synth.synthetic_model(written.config, alpha=stats.alpha)
+    np.testing.assert_array_equal(strata_jax.logits(written, TOKENS),
+                                  strata_jax.logits(built, TOKENS))
+
+
+def test_plan_of_a_full_size_shape_counts_the_latent_cache(capsys) -> None:
+    """`strata plan --shape` plans a model no one has on disk; DeepSeek-V3's cache is the MLA
+    latent: 61 layers x (512 + 64) bf16 values a token."""
+    from strata_runtime.cli.main import main
+
+    assert main(["plan", "--shape", "deepseek-v3", "--experts", "int4", "--dense", "int8",
+                 "--hbm", "80GB", "--host-mem", "512GB", "--workspace", "8GB",
+                 "--max-len", "1024", "--batch-capacity", "4"]) == 0
+    out = capsys.readouterr().out
+    kv = 4 * 1024 * 61 * (512 + 64) * 2
+    assert f"{kv:,}" in out and "tier 1  pinned host" in out

@@ -296,8 +296,9 @@ def _programs_dispatched(fn) -> collections.Counter:
 ])  # fmt: skip
 def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, knobs, between_steps):
     """Engine.step dispatches the decode program once (a step that stalls on disk, again
-    from its layer) and nothing else but the tiers' moves, donated updates of the pool and
-    of tier 1 between steps (docs/design.md, "The engine"); the program itself moves nothing
+    from its layer) and nothing else but the packing of its record into one array, the
+    tiers' moves, donated updates of the pool and of tier 1 between steps (docs/design.md,
+    "The engine"); the program itself moves nothing
     to the host (its record is read a step later, or at once where a step may stall) and
     calls nothing on the host."""
     with _engine(ckpt, resident_experts=4, predictor="none", **knobs) as engine:
@@ -306,8 +307,9 @@ def test_one_program_per_engine_step_and_no_host_read_inside(ckpt, knobs, betwee
             engine.step()
         steps = 4
         dispatched = _programs_dispatched(lambda: [engine.step() for _ in range(steps)])
-        assert set(dispatched) <= {"decode_step"} | between_steps, dispatched
+        assert set(dispatched) <= {"decode_step", "pack_record"} | between_steps, dispatched
         assert dispatched["decode_step"] >= steps
+        assert dispatched["pack_record"] <= dispatched["decode_step"]
         program = step.PROGRAMS[engine.layout.staging > 0].decode
         text = program.lower(engine.cfg, engine.plan, engine.params, engine.residency.pool,
                              engine._tiers(), engine.state).as_text()
