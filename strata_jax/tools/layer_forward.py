@@ -143,6 +143,11 @@ def layer_params(reader: CheckpointReader, layer: int) -> tuple[Params, ExpertPo
     return lp, ExpertPool(**device_params(dict(reader.iter_layer_experts(layer))))
 
 
+def mlp_layer_params(reader: CheckpointReader, layer: int) -> Params:
+    """Dense-MLP layer `layer`'s params as the model uses them (fused qkv)."""
+    return fuse_qkv(device_params(reader.read_mlp_layer(layer)))
+
+
 def swiglu_hidden(x: np.ndarray, w1: np.ndarray, w3: np.ndarray) -> np.ndarray:
     """silu(x @ w1) * (x @ w3) in float32 (the down projection's input)."""
     gate = x @ w1

@@ -44,6 +44,7 @@ from strata_jax.formats.checkpoint import (
     numpy_dtype,
 )
 from strata_jax.model.moe import ExpertPool
+from strata_jax.tools.layer_forward import mlp_layer_params, mlp_outputs
 from strata_jax.tools.quantize import (
     HELDOUT_STREAM,
     SEQ_BATCH,
@@ -205,14 +206,18 @@ def bytes_table(ref: CheckpointReader, ckpt: CheckpointReader) -> tuple[BytesRow
         ) for r in (ref, ckpt)))
         for kind in EXPERT_KINDS
     ]  # fmt: skip
-    hbm = (g[0] + layers * d[0], g[1] + layers * d[1])
+    mlp = tuple(cfg.dense_layers * _spec_bytes(r.mlp_specs) for r in (ref, ckpt))
+    hbm = (g[0] + layers * d[0] + mlp[0], g[1] + layers * d[1] + mlp[1])
     off = (experts * e[0], experts * e[1])
+    mlp_row = ((BytesRow(f"dense-MLP layers (x{cfg.dense_layers})", HBM, *mlp),)
+               if cfg.dense_layers else ())
     return (
         BytesRow("per expert (w1+w3+w2)", OFFLOAD, *e),
         *per_kind,
         BytesRow("per layer dense", HBM, *d),
         BytesRow("embeddings/lm_head/norm", HBM, *g),
         BytesRow(f"dense layers (x{layers})", HBM, layers * d[0], layers * d[1]),
+        *mlp_row,
         BytesRow(f"experts (x{experts})", OFFLOAD, *off),
         BytesRow("tier total: HBM", HBM, *hbm),
         BytesRow("tier total: offload", OFFLOAD, *off),
@@ -273,6 +278,15 @@ def layer_expert_errors(
     return out
 
 
+def _through_mlp_layers(cfg, reader: CheckpointReader, x: np.ndarray) -> np.ndarray:
+    """x through the dense-MLP layers (`ModelConfig.dense_layers`, before the MoE layers,
+    with no experts to compare)."""
+    for layer in range(cfg.dense_layers):
+        lp = mlp_layer_params(reader, layer)
+        x = mlp_outputs(cfg, lp, attention_residuals(cfg, lp, x))
+    return x
+
+
 def compare_streamed(
     ref: CheckpointReader, ckpt: CheckpointReader, tokens: np.ndarray, min_tokens: int
 ) -> tuple[tuple[ExpertError, ...], float, float]:
@@ -287,6 +301,7 @@ def compare_streamed(
     x_q = np.asarray(g_q["embed"])[tokens]
     slots = jnp.arange(cfg.num_experts, dtype=jnp.int32)
     errors: list[ExpertError] = []
+    x_ref, x_q = _through_mlp_layers(cfg, ref, x_ref), _through_mlp_layers(cfg, ckpt, x_q)
     for layer in range(cfg.num_layers):
         lp_ref, pool_ref = layer_params(ref, layer)
         lp_q, pool_q = layer_params(ckpt, layer)

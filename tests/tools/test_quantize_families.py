@@ -73,3 +73,23 @@ def test_gptq_calibrates_through_the_dense_layers_and_mla(float_ckpt):
     tokens = np.arange(24)[None] % cfg.vocab_size
     la, lb = strata_jax.logits(a, tokens), strata_jax.logits(b, tokens)
     assert np.linalg.norm(la - lb) <= 0.6 * np.linalg.norm(la)
+
+
+def test_eval_quant_streams_through_the_dense_layers(float_ckpt):
+    """`strata eval quant`'s layer-by-layer comparison runs the dense-MLP layers first: its
+    KL and top-1 agreement are those of the two whole models' logits, and its byte table
+    counts the dense-MLP layers."""
+    from strata_jax.tools.quant_eval import bytes_table, compare_streamed, kl_top1
+
+    dst = float_ckpt.parent / "rtn-eval"
+    quantize_checkpoint(float_ckpt, dst, experts="int4-rtn", dense="int8", progress=False)
+    ref, got = CheckpointReader(float_ckpt), CheckpointReader(dst)
+    tokens = np.random.default_rng(3).integers(0, ref.config.vocab_size, (3, 12))
+    _, kl, top1 = compare_streamed(ref, got, tokens, min_tokens=1)
+    p = strata_jax.logits(strata_jax.load(float_ckpt), tokens)
+    q = strata_jax.logits(strata_jax.load(dst), tokens)
+    want_kl, want_top1 = kl_top1(p, q)
+    assert kl == pytest.approx(float(want_kl.mean()), rel=1e-3, abs=1e-6)
+    assert top1 == pytest.approx(float(want_top1.mean()))
+    rows = {r.component: r for r in bytes_table(ref, got)}
+    assert ("dense-MLP layers (x1)" in rows) == (ref.config.dense_layers == 1)
