@@ -15,18 +15,17 @@ _dequantize_one` multiplies in float32 and then casts to the output dtype) and o
 result equals torch's `w.to(float32) * scale` bit for bit; bfloat16 output is that float32
 result rounded to nearest even.
 
-Nothing here needs JAX or torch: `read_fp8_tensor` reads the two tensors' bytes straight from
-the safetensors file (safetensors' numpy framework cannot load float8: numpy has no such dtype)
-and dequantizes block-row by block-row into the output array, so memory stays one tensor.
+Nothing here needs JAX or torch: the converter's reader (`tools/hf_convert.TensorSource`) takes
+the two tensors' bytes straight from the safetensors file (safetensors' numpy framework cannot
+load float8: numpy has no such dtype) and `dequantize_block_fp8` works block-row by block-row
+into the output array, so memory stays one tensor.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -162,12 +161,6 @@ def is_scale_name(name: str) -> bool:
     return name.endswith(SCALE_SUFFIX)
 
 
-def is_fp8_weight(name: str, tensors: Collection[str]) -> bool:
-    """Whether tensor `name` is an FP8 weight: the shard index `tensors` (all tensor names of
-    the checkpoint) also holds its `<name>_scale_inv`."""
-    return not is_scale_name(name) and scale_name(name) in tensors
-
-
 # --------------------------------------------------------------------------- dequantization
 
 
@@ -245,56 +238,5 @@ def _out_dtype(out_dtype: Any, where: str) -> np.dtype:
 
 
 SAFETENSORS_DTYPES = {"F8_E4M3": E4M3, "F32": F32, "F8_E8M0": E8M0}
-"""The safetensors dtypes an FP8 weight and its scale may have, as numpy dtypes."""
-
-
-def read_fp8_tensor(
-    path: str | Path,
-    name: str,
-    fmt: Fp8Format,
-    out_dtype: Any = np.float32,
-    scale_path: str | Path | None = None,
-) -> np.ndarray:
-    """Read FP8 weight `name` and its `<name>_scale_inv` (from `scale_path`, default the same
-    file) and return it dequantized to `out_dtype`: the per-tensor unit of a conversion."""
-    weight = read_raw_tensor(Path(path), name)
-    scale = read_raw_tensor(Path(scale_path or path), scale_name(name))
-    return dequantize_block_fp8(weight, scale, fmt.block, out_dtype, name=name)
-
-
-def read_raw_tensor(path: Path, name: str) -> np.ndarray:
-    """Tensor `name` of safetensors file `path` in its stored dtype (F8_E4M3, F32 or F8_E8M0),
-    reading only its bytes."""
-    with open(path, "rb") as f:
-        entry, base = _header_entry(f, path, name)
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(
-                f"{path}: tensor {name!r} has dtype {entry['dtype']}; expected one of "
-                f"{', '.join(SAFETENSORS_DTYPES)}"
-            )
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(o) for o in entry["data_offsets"])
-        count = math.prod(shape)
-        if end - begin != count * dtype.itemsize:
-            raise ValueError(f"{path}: tensor {name!r}: byte range mismatches shape {shape}")
-        f.seek(base + begin)
-        data = f.read(end - begin)
-    if len(data) != end - begin:
-        raise ValueError(f"{path}: tensor {name!r}: file is truncated")
-    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
-
-
-def _header_entry(f: Any, path: Path, name: str) -> tuple[dict[str, Any], int]:
-    """Header entry of tensor `name` and the offset its data offsets count from."""
-    n = int.from_bytes(f.read(8), "little")
-    if not 0 < n <= path.stat().st_size - 8:
-        raise ValueError(f"{path}: not a safetensors file (header length {n})")
-    try:
-        header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: corrupt safetensors header ({e})") from e
-    entry = header.get(name) if name != "__metadata__" else None
-    if not isinstance(entry, dict):
-        raise KeyError(f"{path}: no tensor {name!r}")
-    return entry, 8 + n
+"""The safetensors dtypes an FP8 weight and its scale may have, as numpy dtypes (the reader is
+`tools/hf_convert.TensorSource`)."""

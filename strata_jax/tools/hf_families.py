@@ -15,7 +15,6 @@ are the model's own and are not kept twice (`shared_copies`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ from strata_jax.formats.checkpoint import (
     mtp_layer_shapes,
 )
 from strata_jax.formats.config import DTYPES, ModelConfig
+from strata_jax.model.routing import SigmoidRouting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,8 +218,8 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelC
         num_experts=int(_field(hf, *fam.experts_keys)),
         top_k=int(_field(hf, "num_experts_per_tok")),
         expert_intermediate_size=int(_field(hf, fam.intermediate_key)),
-        norm_topk_prob=True if fam.name in ("mixtral", "minimax_m2")
-        else bool(hf.get("norm_topk_prob", False)),
+        norm_topk_prob=True if fam.name == "mixtral"
+        else bool(hf.get("norm_topk_prob", False)),  # the sigmoid families': _sigmoid_fields
         qk_norm=qk_norm,
         attention_bias=_attention_bias(hf, fam),
         clip_qkv=None if clip is None else float(clip),
@@ -245,11 +245,12 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelC
 
 
 def _sigmoid_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
-    """Routing and shared-expert fields of the sigmoid-routed families."""
-    n_group = int(hf.get("n_group") or 1)
+    """Routing (as `SigmoidRouting.from_hf` reads it) and shared-expert fields of the
+    sigmoid-routed families."""
+    spec = SigmoidRouting.from_hf(hf)
     fields: dict[str, Any] = dict(
-        scoring="sigmoid", n_group=n_group, topk_group=int(hf.get("topk_group") or n_group),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
+        scoring="sigmoid", n_group=spec.n_group, topk_group=spec.topk_group,
+        routed_scaling_factor=spec.routed_scaling_factor, norm_topk_prob=spec.norm_topk_prob)
     shared = int(hf.get("n_shared_experts") or 0) if fam.shared_module == "shared_experts" else 0
     if shared:
         fields["shared_intermediate_size"] = shared * int(_field(hf, fam.intermediate_key))
@@ -393,7 +394,6 @@ def global_refs(cfg: ModelConfig) -> dict[str, Ref]:
     return {k: Ref(names[k], "copy", shape) for k, shape in global_shapes(cfg).items()}
 
 
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _MTP_HF = {  # under model.layers.N. of a multi-token-prediction module
     "enorm": ("enorm.weight", "copy"),
     "hnorm": ("hnorm.weight", "copy"),

@@ -146,7 +146,7 @@ def quantize_checkpoint(
         cal = calibration_tokens(src, spec, cfg, calib_len, mix_random, seed)
         x = np.asarray(globals_["embed"], np.float32)[cal.tokens]
         rows = None if cal.valid.all() else cal.valid.reshape(-1)
-    bar = tqdm(range(cfg.num_layers), desc="quantize", unit="layer",
+    bar = tqdm(range(cfg.num_layers + cfg.mtp_layers), desc="quantize", unit="layer",
                disable=None if progress is None else not progress)  # fmt: skip
     records: list[ExpertQuant] = []
     dense_log: list[tuple[int, str, str]] = []  # dense-MLP layer i logged as layer -1 - i
@@ -158,25 +158,20 @@ def quantize_checkpoint(
     ):  # fmt: skip
         writer.write_globals(globals_)
         del globals_
+        cfg32 = cfg.replace(dtype="float32")
         for layer in range(cfg.dense_layers):
-            result = quantize_mlp_layer(cfg.replace(dtype="float32"), reader, layer, x, opts,
-                                        rows)
+            result = quantize_mlp_layer(cfg32, reader, layer, x, opts, rows)
             writer.write_mlp_layer(layer, result.dense)
             x, dense_log = result.x, dense_log + result.dense_log
-        for layer in bar:
-            result = quantize_layer(cfg.replace(dtype="float32"), reader, layer, x, opts, rows)
-            warn_expert_fallbacks(cfg, result.records, opts)
-            writer.write_layer_dense(layer, result.dense)
-            for kind, arr in result.experts.items():
-                for e in range(cfg.num_experts):
-                    writer.write_expert(layer, e, kind, arr[e])
-            x = result.x
-            records += result.records
-            dense_log += result.dense_log
-        for index in range(cfg.mtp_layers):  # no calibration inputs of their own: RTN
-            layer = cfg.num_layers + index
-            result = quantize_layer(cfg.replace(dtype="float32"), reader, layer, None, opts)
-            writer.write_mtp_layer(index, result.dense)
+        for layer in bar:  # the MoE layers, then the MTP modules (no calibration inputs of
+            mtp = layer - cfg.num_layers  # their own: rounded to nearest)
+            result = quantize_layer(cfg32, reader, layer, None if mtp >= 0 else x, opts, rows)
+            if mtp >= 0:
+                writer.write_mtp_layer(mtp, result.dense)
+            else:
+                warn_expert_fallbacks(cfg, result.records, opts)
+                writer.write_layer_dense(layer, result.dense)
+                x = result.x
             for kind, arr in result.experts.items():
                 for e in range(cfg.num_experts):
                     writer.write_expert(layer, e, kind, arr[e])

@@ -9,7 +9,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from strata_jax.formats import fp8
@@ -236,18 +235,24 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return path
 
 
+def _source(path: Path, tensors: dict[str, torch.Tensor], fmt: Fp8Format | None):
+    """The converter's reader over a one-file checkpoint of `tensors` (the one safetensors
+    reader: `tools/hf_convert.TensorSource`)."""
+    from strata_jax.tools.hf_convert import TensorSource
+
+    path.mkdir()
+    _write(path / "model.safetensors", tensors)
+    return TensorSource(path, fmt)
+
+
 def test_tensor_names(tmp_path):
     _, q, s = _case((64, 40))
-    path = _write(tmp_path / "shard.safetensors", {
-        NAME: q, fp8.scale_name(NAME): s,
-        "model.norm.weight": torch.ones(40, dtype=torch.bfloat16) * 1.5,
-    })
-    with safe_open(str(path), "pt") as f:
-        names = set(f.keys())
+    norm = torch.ones(40, dtype=torch.bfloat16) * 1.5
+    source = _source(tmp_path / "ck", {NAME: q, fp8.scale_name(NAME): s,
+                                       "model.norm.weight": norm}, Fp8Format(block=(128, 128)))
     assert fp8.scale_name(NAME) == NAME + "_scale_inv"
-    assert fp8.is_fp8_weight(NAME, names)
-    assert not fp8.is_fp8_weight("model.norm.weight", names)
-    assert not fp8.is_fp8_weight(fp8.scale_name(NAME), names)
+    assert source.read(NAME).dtype == np.float32  # an FP8 weight: read dequantized
+    assert source.read("model.norm.weight").dtype == BF16  # no scale: as stored
     assert fp8.is_scale_name(fp8.scale_name(NAME)) and not fp8.is_scale_name(NAME)
 
 
@@ -255,40 +260,31 @@ def test_tensor_names(tmp_path):
 def test_read_from_safetensors(tmp_path, shape):
     w, q, s = _case(shape, seed=8)
     other = "model.layers.3.mlp.experts.8.down_proj.weight"
-    path = _write(tmp_path / "shard.safetensors", {
+    source = _source(tmp_path / "ck", {
         NAME: q, fp8.scale_name(NAME): s, other: q.flip(0), fp8.scale_name(other): s.flip(0) * 2,
-    })
-    fmt = Fp8Format.from_hf(DEEPSEEK_V3)
-    got = fp8.read_fp8_tensor(path, NAME, fmt)
+    }, Fp8Format.from_hf(DEEPSEEK_V3))
+    got = source.read(NAME)
     np.testing.assert_array_equal(got, _reference(q, s, (128, 128)))
-    bf16 = fp8.read_fp8_tensor(path, NAME, fmt, out_dtype="bfloat16")
-    np.testing.assert_array_equal(bf16.view(np.uint16), got.astype(BF16).view(np.uint16))
-
-
-def test_read_scale_from_another_shard(tmp_path):
-    _, q, s = _case((300, 200), seed=9)
-    weights = _write(tmp_path / "a.safetensors", {NAME: q})
-    scales = _write(tmp_path / "b.safetensors", {fp8.scale_name(NAME): s})
-    fmt = Fp8Format(block=(128, 128))
-    got = fp8.read_fp8_tensor(weights, NAME, fmt, scale_path=scales)
-    np.testing.assert_array_equal(got, _reference(q, s, (128, 128)))
-    with pytest.raises(KeyError, match="no tensor.*_scale_inv"):
-        fp8.read_fp8_tensor(weights, NAME, fmt)
+    np.testing.assert_array_equal(source.read(other),
+                                  _reference(q.flip(0), s.flip(0) * 2, (128, 128)))
 
 
 def test_read_errors(tmp_path):
     _, q, s = _case((300, 200), seed=10)
     fmt = Fp8Format(block=(128, 128))
-    bad = _write(tmp_path / "bad.safetensors", {NAME: q, fp8.scale_name(NAME): s[:2]})
-    with pytest.raises(ValueError, match=rf"{NAME}: weight_scale_inv has shape \(2, 2\)"):
-        fp8.read_fp8_tensor(bad, NAME, fmt)
-    bf = _write(tmp_path / "bf16.safetensors", {NAME: q.to(torch.bfloat16),
-                                                 fp8.scale_name(NAME): s})
-    with pytest.raises(ValueError, match=f"tensor '{NAME}' has dtype BF16"):
-        fp8.read_fp8_tensor(bf, NAME, fmt)
-    with pytest.raises(KeyError, match="no tensor 'missing.weight'"):
-        fp8.read_fp8_tensor(bad, "missing.weight", fmt)
-    junk = tmp_path / "junk.safetensors"
-    junk.write_bytes(b"\xff" * 64)
+    bad = _source(tmp_path / "bad", {NAME: q, fp8.scale_name(NAME): s[:2]}, fmt)
+    with pytest.raises(ValueError, match=r"_scale_inv' in model.safetensors has shape \(2, 2\)"):
+        bad.read(NAME)
+    bf = _source(tmp_path / "bf16", {NAME: q.to(torch.bfloat16), fp8.scale_name(NAME): s}, fmt)
+    with pytest.raises(ValueError, match=f"tensor '{NAME}' in model.safetensors has dtype BF16"):
+        bf.read(NAME)
+    alone = _source(tmp_path / "alone", {NAME: q}, fmt)
+    with pytest.raises(ValueError, match="block scales .*_scale_inv' are missing"):
+        alone.read(NAME)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"\xff" * 64)
+    from strata_jax.tools.hf_convert import TensorSource
+
     with pytest.raises(ValueError, match="not a safetensors file"):
-        fp8.read_fp8_tensor(junk, NAME, fmt)
+        TensorSource(junk, fmt)
