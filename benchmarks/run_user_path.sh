@@ -16,6 +16,15 @@
 #                           and 64-token chunks (the old default)
 #   PARTS="processes"       the int4 3 GiB B=16 row in PROC_RUNS fresh processes without a
 #                           compilation cache, then once with STRATA_XLA_AUTOTUNE=1
+#   PARTS="gputests"        the GPU tests of the expert paths, the prefill chunks and the step
+#   PARTS="exact16"         bf16 dense + int4, B=16, resident and at HBM_OFF, fresh processes
+#                           (tokens only): offloading must not change them
+#   PARTS="pprofile"        benchmarks/prefill_profile.py: a 2K prompt's kernels, int8 dense, HBM_OFF
+#   PARTS="prefill8k"       an 8,192-token prompt: int4+int8 at HBM_OFF, bf16 dense + int4 resident
+#   PARTS="deepseek"        `strata synth --shape deepseek-v3 --layers DS_LAYERS` (3 dense layers
+#                           + DS_LAYERS MoE layers of 256 experts), its int4-rtn + int8 copy, and
+#                           its rows resident and offloaded at DS_HBM, B=1 and B=16
+#   PARTS="mla"             benchmarks/mla_decode.py (the latent cache's read rate, a diagnostic)
 source "$(dirname "$0")/device_env.sh"
 BUDGET_S=${BUDGET_S:-570}
 PARTS=${PARTS:-"prep kernels"}
@@ -112,6 +121,42 @@ if [[ $PARTS == *processes* ]]; then
   done
   STRATA_XLA_AUTOTUNE=1 STRATA_COMPILE_CACHE=off row "int4 $HBM_OFF B=16, autotuned" 150 "${CK}_bf" \
     $B16 --hbm "$HBM_OFF"
+fi
+if [[ $PARTS == *gputests* ]]; then
+  echo "== t=${SECONDS}s: GPU tests"
+  timeout -k 10 "${TESTS_S:-240}" python3 -m pytest -q -p no:warnings -rfE tests/model/test_moe.py \
+    tests/ops/test_expert_kernels.py tests/ops/test_mla_kernel.py tests/runtime/engine/test_prefill_chunk.py ${MORE_TESTS:-} \
+    2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
+fi
+if [[ $PARTS == *exact16* ]]; then
+  STRATA_COMPILE_CACHE=off row "bf16+int4 resident B=16 (exact)" 120 "${CK}_bf" $B16 --repeats 1
+  STRATA_COMPILE_CACHE=off row "bf16+int4 $HBM_OFF B=16 (exact)" 120 "${CK}_bf" $B16 --repeats 1 \
+    --hbm "$HBM_OFF"
+fi
+if [[ $PARTS == *pprofile* ]]; then
+  echo "== t=${SECONDS}s: prefill profile"
+  timeout -k 5 150 python3 -m benchmarks.prefill_profile "${CK}_i8" --hbm "$HBM_OFF" --out "$OUT" \
+    2>&1 | grep -v "^[WI]0" | tail -20 | cut -c1-200
+fi
+if [[ $PARTS == *prefill8k* ]]; then
+  P8K="--prompts 1 --prompt-len 8192 --new 8 --batch-capacity 1 --max-len 8256 --repeats 2"
+  row "prefill 8K int4+int8 $HBM_OFF" 150 "${CK}_i8" $P8K --hbm "$HBM_OFF"
+  row "prefill 8K bf16+int4 resident" 150 "${CK}_bf" $P8K
+fi
+if [[ $PARTS == *deepseek* ]]; then
+  DS=${DS:-/tmp/strata_ds${DS_LAYERS:-1}}
+  [[ -f $DS/config.json ]] || strata synth --shape deepseek-v3 --layers "${DS_LAYERS:-1}" --skew 0.7 "$DS"
+  [[ -f ${DS}_i8/config.json ]] || strata quantize "$DS" "${DS}_i8" --experts int4-rtn --dense int8
+  echo "deepseek prep done at t=${SECONDS}s"; du -sh "$DS" "${DS}_i8"
+  rm -rf "$DS"  # the bf16 copy: the disk holds one
+  row "deepseek-v3 int4+int8 resident B=1" 120 "${DS}_i8" $B1
+  row "deepseek-v3 int4+int8 ${DS_HBM:-6GiB} B=1" 120 "${DS}_i8" $B1 --hbm "${DS_HBM:-6GiB}"
+  row "deepseek-v3 int4+int8 resident B=16" 120 "${DS}_i8" $B16
+  row "deepseek-v3 int4+int8 ${DS_HBM:-6GiB} B=16" 120 "${DS}_i8" $B16 --hbm "${DS_HBM:-6GiB}"
+fi
+if [[ $PARTS == *mla* ]]; then
+  echo "== t=${SECONDS}s: MLA decode"
+  timeout -k 5 "${MLA_S:-150}" python3 -m benchmarks.mla_decode --batch 1,16 --seq 4096,32768 --out "$OUT/mla_decode.jsonl" 2>&1 | grep -v "^[WI]0" | tail -30
 fi
 [[ -f $OUT/user_path.jsonl ]] && python3 -c "import json
 for l in open('$OUT/user_path.jsonl'):

@@ -39,6 +39,7 @@ from strata_jax.ops.layers import (
     rope_tables,
     yarn_mscale,
 )
+from strata_jax.ops.mla_kernel import mla_decode, use_mla_kernel
 
 if TYPE_CHECKING:
     from strata_jax.step.plan import StepPlan
@@ -52,22 +53,28 @@ def resident_slot_table(cfg: ModelConfig) -> jax.Array:
     return ids.reshape(cfg.num_layers, cfg.num_experts)
 
 
-def linear(x: jax.Array, lp: Params, name: str) -> jax.Array:
-    """x @ lp[name]; an int8 matrix carries a per-output-channel scale applied after the dot
-    (`int8_kernel.int8_linear`: a kernel that dequantizes in registers at decode rows)."""
+def linear(x: jax.Array, lp: Params, name: str, plus: jax.Array | None = None) -> jax.Array:
+    """x @ lp[name] (+ `plus`: a residual or a bias); an int8 matrix carries a
+    per-output-channel scale applied after the dot (`int8_kernel.int8_linear`: a kernel that
+    dequantizes in registers at decode rows). A float matrix's dot and `plus` are summed in
+    float32 and rounded once: XLA may fold an add into the GEMM (rounding once) in one program
+    and not in another, so rounding twice would make the bits depend on the fusion
+    (docs/design.md, "The step")."""
     w = lp[name]
     scale = lp.get(f"{name}_scale")
-    if scale is None:
+    if scale is not None:  # the scale's multiply keeps any add out of the GEMM
+        y = int8_linear(x, w, scale)
+        return y if plus is None else plus + y
+    if plus is None:
         return x @ w
-    return int8_linear(x, w, scale)
+    y = einsum_f32("...i,io->...o", x, w) + plus.astype(jnp.float32)
+    return y.astype(jnp.result_type(x.dtype, plus.dtype))
 
 
 def project_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
     """q [B,T,Hq,hd], k/v [B,T,Hkv,hd] with the family's q/k norm and RoPE applied."""
     b, t, _ = h.shape
-    qkv = linear(h, lp, "wqkv")
-    if cfg.attention_bias:
-        qkv = qkv + lp["bqkv"]
+    qkv = linear(h, lp, "wqkv", lp["bqkv"] if cfg.attention_bias else None)
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     if cfg.qk_norm == "full":
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_eps), rms_norm(k, lp["k_norm"], cfg.rms_eps)
@@ -113,16 +120,24 @@ def mla_scale(cfg: ModelConfig) -> float:
 
 
 def attend_mla(cfg: ModelConfig, lp: Params, q, latent: jax.Array, k_rope: jax.Array,
-               mask: jax.Array) -> jax.Array:
+               mask: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
     """Attention over the latent cache with the up-projections absorbed (docs/design.md,
     "MLA"): q_nope through W_uk scores the latent [B,S,1,r] directly, and the latent that the
     probabilities mix goes through W_uv once per query, so no per-head key or value is ever
-    made. Returns [B, T, H * v_head_dim]."""
+    made. Returns [B, T, H * v_head_dim]. `lengths` [B] (one token a row, the mask's
+    `arange(S) < lengths`): the fused decode kernel where it runs (`mla_kernel`: the latent
+    read once)."""
     q_nope, q_rope = q
     b, t, heads, _ = q_nope.shape
     r, dn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
     wkv_b = lp["wkv_b"].reshape(r, heads, dn + cfg.v_head_dim)
     q_lat = einsum_f32("bthn,rhn->bthr", q_nope, wkv_b[..., :dn]).astype(latent.dtype)
+    if lengths is not None and use_mla_kernel(b, heads, r, k_rope.shape[-1], latent.shape[1],
+                                              latent.dtype):
+        mixed = mla_decode(q_lat[:, 0], q_rope[:, 0], latent[:, :, 0], k_rope[:, :, 0],
+                           lengths, mla_scale(cfg))[:, None].astype(latent.dtype)
+        out = jnp.einsum("bthr,rhv->bthv", mixed, wkv_b[..., dn:])
+        return out.reshape(b, t, heads * cfg.v_head_dim)
     scores = (einsum_f32("bthr,bsr->bhts", q_lat, latent[:, :, 0])
               + einsum_f32("bthd,bsd->bhts", q_rope, k_rope[:, :, 0]))
     scores = jnp.where(mask[:, None], scores * mla_scale(cfg), NEG_INF)
@@ -140,10 +155,11 @@ def project(cfg: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
 
 
 def attend_cached(cfg: ModelConfig, lp: Params, q, k: jax.Array, v: jax.Array,
-                  mask: jax.Array) -> jax.Array:
-    """The family's attention of q over the cache arrays k, v [B, S, ...] (before wo)."""
+                  mask: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+    """The family's attention of q over the cache arrays k, v [B, S, ...] (before wo);
+    `lengths`: see `attend_mla`."""
     if cfg.attention == "mla":
-        return attend_mla(cfg, lp, q, k, v, mask)
+        return attend_mla(cfg, lp, q, k, v, mask, lengths)
     return attend(q, k, v, mask)
 
 
@@ -175,10 +191,10 @@ def force_routing(cfg: ModelConfig, routing: Routing, forced: jax.Array) -> Rout
     return Routing(experts, weights.astype(routing.weights.dtype), routing.logits)
 
 
-def dense_mlp(lp: Params, x: jax.Array) -> jax.Array:
-    """The residual SwiGLU MLP of a dense-MLP layer (`ModelConfig.dense_layers`)."""
-    gate, up = linear(x, lp, "ffn_w1"), linear(x, lp, "ffn_w3")
-    return linear(jax.nn.silu(gate) * up, lp, "ffn_w2")
+def dense_mlp(lp: Params, h: jax.Array, x: jax.Array) -> jax.Array:
+    """x plus the SwiGLU MLP of h (x normed) of a dense-MLP layer (`ModelConfig.dense_layers`)."""
+    gate, up = linear(h, lp, "ffn_w1"), linear(h, lp, "ffn_w3")
+    return linear(jax.nn.silu(gate) * up, lp, "ffn_w2", x)
 
 
 def moe_block(
@@ -197,10 +213,10 @@ def with_shared(cfg: ModelConfig, lp: Params, h: jax.Array, out: jax.Array) -> j
     if not cfg.has_shared_expert:
         return out
     gate, up = linear(h, lp, "shared_w1"), linear(h, lp, "shared_w3")
+    if not cfg.shared_gate:
+        return linear(jax.nn.silu(gate) * up, lp, "shared_w2", out)
     shared = linear(jax.nn.silu(gate) * up, lp, "shared_w2")
-    if cfg.shared_gate:
-        shared = jax.nn.sigmoid(h @ lp["shared_gate"][:, None]) * shared
-    return out + shared
+    return out + jax.nn.sigmoid(h @ lp["shared_gate"][:, None]) * shared
 
 
 def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
@@ -213,7 +229,7 @@ def causal_attention(cfg, lp, x, positions):
     """The attention half of a layer over a whole prefix (residual included), with its k, v
     (MLA: the latent and the rope key)."""
     o, k, v = attention_heads(cfg, lp, x, positions)
-    return x + linear(o, lp, "wo"), k, v
+    return linear(o, lp, "wo", x), k, v
 
 
 def attention_heads(cfg, lp, x, positions):
@@ -260,7 +276,8 @@ def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, l
         own = jnp.minimum(row, k_all.shape[1] - 1)
         kc, vc = k_all[layer, own], v_all[layer, own]
     mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]
-    return x + linear(attend_cached(cfg, lp, q, kc, vc, mask), lp, "wo"), k_all, v_all
+    lengths = positions[:, 0] + 1 if t == 1 else None  # a decode step (or riders)
+    return linear(attend_cached(cfg, lp, q, kc, vc, mask, lengths), lp, "wo", x), k_all, v_all
 
 
 # --- experts from the tiers (docs/design.md, "The step") ---------------------------------------

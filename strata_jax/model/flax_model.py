@@ -229,7 +229,7 @@ class MLPLayer(nn.Module):
                 lambda p: jnp.where(inputs.resume[0] >= 0, k_all.shape[2], p), positions)
         x, positions = jax.lax.optimization_barrier((x, positions))
         x, k_all, v_all = _attention(cfg, lp, x, positions, k_all, v_all, layer, inputs.row)
-        x = x + dense_mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_eps))
+        x = dense_mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_eps), x)
         return (jax.lax.optimization_barrier(x), k_all, v_all), None
 
 

@@ -99,17 +99,23 @@ def routed_outputs(
     """Each pick's expert output [N, K, D] float32, for the experts marked in `take` [E] (bool);
     other picks are zero.
 
+    Where no Pallas kernel takes the shape (the CPU; prefill-sized N on the GPU), the picks
+    are sorted by expert and each taken expert multiplies its own rows (`_sorted_outputs`), so
+    the work follows the picks, not N x experts.
     One layer's experts may then be computed in several passes over different pool contents
     and merged exactly (each pick is filled by exactly one pass): every expert's output comes
     from the same compiled code whatever else shares its pass. `row_chunks` (default: what
-    `expert_kernels.use_row_chunks` says) has each expert multiply only the rows routed to it;
+    the kernels' choice) has each Pallas call multiply only the rows routed to its expert;
     `int4_tiles` (default `int4_kernel.int4_tiles_for`) tiles the Mosaic int4 kernel, where it runs.
     """
     n, d = x.shape
-    if row_chunks is None:
-        row_chunks = expert_kernels.use_row_chunks(n, d, pool.intermediate_size, pool.quantized,
-                                                   x.dtype)
-    outputs = _chunked_outputs if row_chunks else _dense_outputs
+    if row_chunks is None and not expert_kernels.use_pallas(n, d, pool.intermediate_size,
+                                                            pool.quantized, x.dtype):
+        outputs = _sorted_outputs
+    elif row_chunks is None:
+        outputs = _chunked_outputs if n > expert_kernels.ROW_TILE else _dense_outputs
+    else:
+        outputs = _chunked_outputs if row_chunks else _dense_outputs
     picked = outputs(x, routing, pool, slot_of_expert, take, int4_tiles)
     return jnp.where(take[routing.experts][..., None], picked, 0.0)
 
@@ -134,6 +140,52 @@ def _chunked_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
     outputs = ordered_sum(
         expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid, int4_tiles), 1)
     return outputs[chunks.pick_chunk, chunks.pick_row]
+
+
+SORTED_ROWS = 128
+"""Rows of each dot of `_sorted_outputs`: one shape for every program, so a pick's bits do not
+depend on the other rows of its tile or on how many tokens the program has (a prefill chunk,
+a decode step, a row riding along); large enough that a tile's dot is not bound by reading
+the expert's weights again."""
+
+
+def _sorted_outputs(x, routing, pool, slot_of_expert, take, int4_tiles=None):
+    """Picks sorted by expert (token order within one); each taken expert's weights
+    dequantized once, then its rows multiplied SORTED_ROWS at a time in a loop as long as its
+    pick count (docs/design.md, "Prefill"). Experts not taken or not picked cost nothing."""
+    n, k = routing.experts.shape
+    e, d = slot_of_expert.shape[0], x.shape[1]
+    slot_of_expert, flat = jnp.asarray(slot_of_expert), jnp.asarray(routing.experts).reshape(-1)
+    pool = jax.tree.map(jnp.asarray, pool)  # indexed by traced slots in the loop
+    key = jnp.where(take[flat], flat, e)
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=e + 1)[:e]
+    starts = jnp.cumsum(counts) - counts
+    r = SORTED_ROWS
+    rows = jnp.concatenate([x[order // k], jnp.zeros((r, d), x.dtype)])
+
+    def expert(i, out):
+        def run(out):
+            slot = slot_of_expert[i][None]
+            w1, w3, w2 = jax.lax.optimization_barrier(  # dequantized once, not per tile
+                tuple(pool.dense_weights(kind, slot, x.dtype)[0] for kind in ("w1", "w3", "w2")))
+
+            def tile(t, out):
+                at = starts[i] + t * r
+                y = expert_kernels.swiglu_xla(jax.lax.dynamic_slice_in_dim(rows, at, r),
+                                              w1, w3, w2)
+                mine = (t * r + jnp.arange(r)) < counts[i]  # the rest: the next experts'
+                old = jax.lax.dynamic_slice_in_dim(out, at, r)
+                return jax.lax.dynamic_update_slice_in_dim(
+                    out, jnp.where(mine[:, None], y, old), at, 0)
+
+            return jax.lax.fori_loop(0, -(-counts[i] // r), tile, out)
+
+        return jax.lax.cond(counts[i] > 0, run, lambda out: out, out)
+
+    out = jax.lax.fori_loop(0, e, expert, jnp.zeros((n * k + r, d), jnp.float32))
+    picked = jnp.zeros((n * k, d), jnp.float32).at[order].set(out[:n * k])
+    return picked.reshape(n, k, d)
 
 
 class RowChunks(NamedTuple):

@@ -173,6 +173,13 @@ def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
     return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
 
 
+def swiglu_xla(x, w1, w3, w2):
+    """One expert's SwiGLU of rows x [R, D] [float32 out], the arithmetic of
+    `grouped_swiglu_xla` for weights already in x's dtype."""
+    h = jax.nn.silu(x @ w1) * (x @ w3)
+    return einsum_f32("nf,fd->nd", h, w2)
+
+
 FLOAT_TILES = FloatTiles()
 """Tuned on the H200 for Mixtral-8x7B experts: benchmarks/archive/NOTES.md."""
 MIN_SPLIT_STEPS = 16  # shorter split-K loops spend their time filling the load pipeline

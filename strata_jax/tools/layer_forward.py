@@ -64,7 +64,7 @@ def mlp_norm(cfg: ModelConfig, lp: Params, x: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _mlp(cfg: ModelConfig, lp: Params, x_mid: jax.Array) -> jax.Array:
-    return x_mid + mdl.dense_mlp(lp, rms_norm(x_mid, lp["mlp_norm"], cfg.rms_eps))
+    return mdl.dense_mlp(lp, rms_norm(x_mid, lp["mlp_norm"], cfg.rms_eps), x_mid)
 
 
 def mlp_outputs(cfg: ModelConfig, lp: Params, x_mid: np.ndarray) -> np.ndarray:

@@ -94,7 +94,9 @@ def _loss(cfg: ModelConfig, w: Tree, frozen: Tree, tokens: jax.Array) -> jax.Arr
     """Mean next-token cross-entropy of sequences [B, T]."""
     params, pool = _model_args(cfg, w, frozen)
     tiers = step.resident_tiers(mdl.resident_slot_table(cfg))
-    logits, _ = step.forward_pass(cfg, step.StepPlan(), params, pool, tiers, tokens[:, :-1])
+    # every expert over every token: differentiable (the sorted path's loops are not)
+    plan = step.StepPlan(row_chunks=False)
+    logits, _ = step.forward_pass(cfg, plan, params, pool, tiers, tokens[:, :-1])
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
