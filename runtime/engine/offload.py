@@ -276,7 +276,7 @@ class Engine:
     def step(self) -> StepResult:
         """Dispatch the decode of one token for every live row; `read` gives the tokens."""
         self._check_open()
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), self.counters.wait_s
         sampled = any(not g for g, on in zip(self._greedy, self._live, strict=True) if on)
         plan = self._sampled_plan if sampled else self.plan
         rows = (np.array(self._live), list(self._request))  # as dispatched, for the trace
@@ -291,6 +291,8 @@ class Engine:
         self._pending_time = (t0, plan in self._compiled, sum(self._live))
         self._compiled.add(plan)
         self._end_step()
+        if self._pending_time[1]:  # a compiling call's host time is its compilation
+            self.counters.host_s += time.perf_counter() - t0 - (self.counters.wait_s - waited)
         return StepResult(out.tokens, failed, out.logits)
 
     def read(self, result: StepResult) -> np.ndarray:
@@ -420,7 +422,10 @@ class Engine:
             return
         record = self._pending.record  # numpy when synced; else one copy, when the step ends
         if self._pending_packed is not None:
-            record = step.unpack_record(np.asarray(self._pending_packed), record)
+            t0 = time.perf_counter()
+            packed = np.asarray(self._pending_packed)  # waits for the step to end
+            self.counters.wait_s += time.perf_counter() - t0
+            record = step.unpack_record(packed, record)
         self._pending = self._pending_packed = None
         done, (t0, timed, rows) = time.perf_counter(), self._pending_time
         if timed:  # from when the device could start it: its dispatch or the last step's end

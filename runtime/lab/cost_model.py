@@ -14,7 +14,7 @@ One decode step of B live rows takes, in seconds,
     p         = h * t_copy + t_unused         the prefetches
     m         = min(d, p)
     base      = max(d + m, t_host) + max(max(t_hbm, t_compute), p - m) + overhead
-    step      = base * (1 + rerun) + t_admit + t_disk
+    step      = max(base * (1 + rerun) + t_admit + t_disk, t_engine)
 
 and tok/s = B / step. `dense_read` and `expert_read` are the rates at which the model's decode step
 without its experts and its expert kernel read their weights at decode rows (the profile's; a plain
@@ -32,7 +32,8 @@ layers ran again). A step that routes to an expert found only on disk waits for 
 overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled layer: `rerun` is the
 share of a step's layers run again, per step. The binding resource is the one busy longest: hbm
 (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the
-link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two. Not
+link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two, or the
+engine (t_engine: its own host time a step, measured by the run, `EngineStats.host_s`). Not
 modelled: the KV cache read (pass it in `extra_hbm_bytes`) and the gaps between the step's kernels,
 both held by a measured `dense_read` (`strata_runtime.lab.kernel_rates.dense_kernel_gbps`), host
 round trips (`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split
@@ -196,12 +197,14 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
             misses: float, admissions: float = 0.0, hidden: float = 0.0,
             hosted: float = 0.0, disk_loads: float = 0.0, rerun: float = 0.0,
             unused: float = 0.0,
-            extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0) -> Prediction:
+            extra_hbm_bytes: float = 0.0, overhead_s: float = 0.0,
+            engine_s: float = 0.0) -> Prediction:
     """Decode tok/s by the module docstring's formula; `routed`, `misses` (copied), `hosted`
     (computed on the host), `unused` (prefetches issued that no layer used), `admissions`,
     `disk_loads` (read from disk in a stall) are experts per step, `hidden` the share of the
     copied misses prefetched in time, `rerun` the share of a step's layers run again after
-    stalls."""
+    stalls, `engine_s` the engine's own host seconds a step (it dispatches the next step while
+    the device runs this one: the longer of the two paces the loop)."""
     if batch <= 0 or not 0.0 <= hidden <= 1.0 or rerun < 0 or unused < 0:
         raise ValueError(f"need batch > 0, 0 <= hidden <= 1, rerun >= 0 and unused >= 0, got "
                          f"{batch}, {hidden}, {rerun}, {unused}")
@@ -225,8 +228,9 @@ def predict(hw: HardwareProfile, model: ModelCost, *, batch: float, routed: floa
     base = (max(demand + shared, terms["t_host"])
             + max(terms["t_hbm"], terms["t_compute"], ahead - shared) + overhead_s)
     busy_link = terms["t_copy"] + terms["t_unused"]
-    step = base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"]
-    busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"],
+    terms["t_engine"] = engine_s
+    step = max(base * (1.0 + rerun) + terms["t_admit"] + terms["t_disk"], engine_s)
+    busy = {"hbm": terms["t_hbm"], "compute": terms["t_compute"], "engine": engine_s,
             "host-compute": terms["t_host"], "disk": terms["t_disk"],
             link_name(hw.pcie_gbps, hw.host_read_gbps): busy_link + terms["t_admit"]}
     return Prediction(tok_s=batch / step, step_s=step, binding=max(busy, key=busy.get),
@@ -329,6 +333,7 @@ def _decode_inputs(c: Counts, sizes: Sizes, hw: HardwareProfile,
             "admissions": d.admissions / steps, "disk_loads": disk / steps,
             "unused": max(d.issued - d.prefetched, 0) / steps,
             "rerun": d.resumed_layers / (layers * steps) if disk else 0.0,
+            "engine_s": c.host_s / c.decode_steps,
             "hidden": d.prefetched / need if need else 0.0,
             # a measured dense rate has the attention's cache reads in it already
             "extra_hbm_bytes": 0.0 if hw.dense_read_gbps else float(sizes.kv_bytes)}

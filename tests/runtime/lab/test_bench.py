@@ -62,7 +62,11 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
         assert set(FINGERPRINT) <= r["fingerprint"].keys()
         assert r["fingerprint"]["gpu"] == ("cpu" if jax.default_backend() == "cpu"
                                            else jax.devices()[0].device_kind)
-        assert r["predicted"]["binding"] in ("hbm", "compute", "pcie", "host-read", "disk")
+        predicted = r["predicted"]
+        assert predicted["binding"] in ("hbm", "compute", "pcie", "host-read", "disk", "engine")
+        # the engine's own host time a step (measured) paces the loop where it is the longer
+        assert predicted["inputs"]["engine_s"] > 0
+        assert predicted["step_ms"] >= 1e3 * predicted["inputs"]["engine_s"] * (1 - 1e-9)
         decode = r["counts"]["decode"] if r["kind"] == "repeat" else None
         if decode is not None and decode["disk_loads"]:  # the decode steps' own load rate
             inputs = r["predicted"]["inputs"]

@@ -263,8 +263,14 @@ def test_the_cost_formula_by_hand():
     # they land after 20 ms, then the layer reads (1.2 ms); step = 21.2 + 4 = 25.2 ms
     assert p.terms == pytest.approx({"t_hbm": 1.2e-3, "t_compute": 1.6e-4, "t_copy": 0.02,
                                      "t_host": 0.0, "t_unused": 0.0, "t_admit": 0.004,
-                                     "t_disk": 0.0})
+                                     "t_disk": 0.0, "t_engine": 0.0})
     assert p.step_s == pytest.approx(0.0252) and p.tok_s == pytest.approx(8 / 0.0252)
+    # an engine whose host work takes 30 ms a step paces the loop; at 10 ms it hides
+    slow_engine = predict(ROUND, MODEL, batch=8, routed=40, misses=10, admissions=2,
+                          hidden=0.5, engine_s=0.03)
+    assert slow_engine.step_s == pytest.approx(0.03) and slow_engine.binding == "engine"
+    assert predict(ROUND, MODEL, batch=8, routed=40, misses=10, admissions=2, hidden=0.5,
+                   engine_s=0.01).step_s == pytest.approx(0.0252)
     # a quarter prefetched: 15 ms of demand copies land after 20 ms, the layer reads (1.2 ms)
     # beside nothing left of the prefetches
     assert predict(ROUND, MODEL, batch=8, routed=40, misses=10, hidden=0.25).step_s == (
