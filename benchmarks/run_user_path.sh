@@ -87,9 +87,9 @@ if [[ $PARTS == *int8ab* || $PARTS == *rows* ]]; then
   row "int8+int4 resident B=1" 90 "${CK}_i8" $B1
   STRATA_INT8_KERNEL=0 row "int8+int4 resident B=1, XLA int8" 90 "${CK}_i8" $B1
 fi
-if [[ $PARTS == *short-prefill* ]]; then  # the int8 checkpoint only
+if [[ $PARTS == *short-prefill* ]]; then  # the int8 checkpoint only, offloaded and resident
   row "prefill 2K int4+int8 $HBM_OFF" 120 "${CK}_i8" $P2K --hbm "$HBM_OFF"
-  row "prefill 2K int4+int8 $HBM_OFF chunk 64" 120 "${CK}_i8" $P2K --hbm "$HBM_OFF" --prefill-chunk 64
+  row "prefill 2K int4+int8 resident" 120 "${CK}_i8" $P2K  # the same tokens as offloaded
 fi
 if [[ $PARTS == *short-processes* ]]; then
   for run in 1 2; do
