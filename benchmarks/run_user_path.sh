@@ -110,12 +110,12 @@ if [[ $PARTS == *rows* ]]; then
       2>&1 | grep -v "^[WI]0" | tail -4
   fi
 fi
-if [[ $PARTS == *prefill* ]]; then
+if [[ " $PARTS " == *" prefill "* ]]; then  # the word alone (not short-prefill)
   row "prefill 2K int4 $HBM_OFF" 120 "${CK}_bf" $P2K --hbm "$HBM_OFF"
   row "prefill 2K int4 $HBM_OFF chunk 64" 120 "${CK}_bf" $P2K --hbm "$HBM_OFF" --prefill-chunk 64
   row "prefill 2K bf16 8GiB" 150 "$CK" $P2K --hbm 8GiB
 fi
-if [[ $PARTS == *processes* ]]; then
+if [[ " $PARTS " == *" processes "* ]]; then  # the word alone (not short-processes)
   for run in $(seq "${PROC_RUNS:-2}"); do
     STRATA_COMPILE_CACHE=off row "int4 $HBM_OFF B=16, fresh process $run" 150 "${CK}_bf" $B16 --hbm "$HBM_OFF"
   done

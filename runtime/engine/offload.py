@@ -280,7 +280,9 @@ class Engine:
         sampled = any(not g for g, on in zip(self._greedy, self._live, strict=True) if on)
         plan = self._sampled_plan if sampled else self.plan
         rows = (np.array(self._live), list(self._request))  # as dispatched, for the trace
+        t1 = time.perf_counter()
         out, failed = self._run("decode", self._decode, plan, (), sync=self._disk_possible)
+        dispatch = time.perf_counter() - t1  # the program call (blocking where it syncs)
         packed = None  # a synced record is numpy already
         if isinstance(out.record.counts, jax.Array):  # one array on its way to the host,
             packed = step.pack_record(out.record)  # read a step later
@@ -292,7 +294,9 @@ class Engine:
         self._compiled.add(plan)
         self._end_step()
         if self._pending_time[1]:  # a compiling call's host time is its compilation
-            self.counters.host_s += time.perf_counter() - t0 - (self.counters.wait_s - waited)
+            self.counters.dispatch_s += dispatch
+            self.counters.host_s += (time.perf_counter() - t0 - dispatch
+                                     - (self.counters.wait_s - waited))
         return StepResult(out.tokens, failed, out.logits)
 
     def read(self, result: StepResult) -> np.ndarray:

@@ -115,8 +115,10 @@ class EngineStats:
     decode_steps: int = 0  # timed decode steps (the compiling call of each plan left out)
     decode_tokens: int = 0
     decode_s: float = 0.0  # wall time of the timed decode steps
-    host_s: float = 0.0  # the engine's own host time in its timed decode steps, waits left out
-    wait_s: float = 0.0  # ... and the time they waited for a step's record
+    host_s: float = 0.0  # the engine's own host work in its timed decode steps: the program
+    # call and the waits for a step's record left out
+    dispatch_s: float = 0.0  # ... the program calls (a call blocks while its program syncs)
+    wait_s: float = 0.0  # ... the waits for a step's record
     recent_steps: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     compile_s: float = 0.0
     prefill_s: float = 0.0
@@ -196,6 +198,8 @@ class EngineStats:
             "compile_s": self.compile_s,
             "host_ms_per_step": (1e3 * self.host_s / self.decode_steps
                                  if self.decode_steps else None),
+            "dispatch_ms_per_step": (1e3 * self.dispatch_s / self.decode_steps
+                                     if self.decode_steps else None),
             "wait_ms_per_step": (1e3 * self.wait_s / self.decode.calls
                                  if self.decode.calls else None),
             "prefill_tok_s": self.prefill_tokens / self.prefill_s if self.prefill_s else None,

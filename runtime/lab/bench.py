@@ -328,6 +328,8 @@ def _summary(bench: _Bench, facts: EngineFacts, warm: _Warm, build_s: float,
                                 if total.decode_s > 0 else None),
         "engine_host_ms_per_step": (1e3 * total.host_s / total.decode_steps
                                     if total.decode_steps else None),
+        "engine_dispatch_ms_per_step": (1e3 * total.dispatch_s / total.decode_steps
+                                        if total.decode_steps else None),
         "routed_gbps": routed_gbps(total, sizes),
         "bound": b, "predicted": pooled(run_prediction(total, sizes, hw, facts.cfg.num_layers)),
         "expert_read_gbps": hw.expert_read_gbps or None,
@@ -420,8 +422,8 @@ def _run_lines(s: dict[str, Any]) -> list[str]:
         f"ms of prefill per prompt; {_f(s.get('prefill_h2d_MB_per_token'))} MB copied to the "
         "device per prompt token",
         f"step ms p50 / p99 (every timed decode step):  {_f(s['step_ms_p50'])} / "
-        f"{_f(s['step_ms_p99'])}; the engine's own host time {_f(s['engine_host_ms_per_step'])}"
-        " ms a step",
+        f"{_f(s['step_ms_p99'])}; the engine's own host work {_f(s['engine_host_ms_per_step'])}"
+        f" ms a step, its program call {_f(s['engine_dispatch_ms_per_step'])} ms",
         f"hit rates: tier 0 {_f(s['tier0_hit_rate'], '.3f')}, prefetched "
         f"{_f(s['prefetch_hit_rate'], '.3f')}",
         f"per program call (decode step or prefill chunk): HBM {per['hbm_GB']:.4g} GB, "

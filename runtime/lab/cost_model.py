@@ -33,7 +33,9 @@ overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled laye
 share of a step's layers run again, per step. The binding resource is the one busy longest: hbm
 (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the
 link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two, or the
-engine (t_engine: its own host time a step, measured by the run, `EngineStats.host_s`). Not
+engine (t_engine: its own host work a step, the program call and the waits left out, measured
+by the run, `EngineStats.host_s`; a program call that blocks while its program syncs is not in
+it, and a row whose `engine_dispatch_ms_per_step` nears its step time names that). Not
 modelled: the KV cache read (pass it in `extra_hbm_bytes`) and the gaps between the step's kernels,
 both held by a measured `dense_read` (`strata_runtime.lab.kernel_rates.dense_kernel_gbps`), host
 round trips (`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split

@@ -28,7 +28,9 @@ class Counts:
     decode_tokens: int = 0
     decode_s: float = 0.0
     host_s: float = 0.0
-    """The engine's own host time in its decode steps (`EngineStats.host_s`)."""
+    """The engine's own host work in its decode steps (`EngineStats.host_s`)."""
+    dispatch_s: float = 0.0
+    """... its calls of the decode program (`EngineStats.dispatch_s`)."""
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     swaps: int = 0
@@ -46,6 +48,7 @@ class Counts:
         c = counters
         return cls(wall_s=wall_s, new_tokens=new_tokens, decode_steps=c.decode_steps,
                    decode_tokens=c.decode_tokens, decode_s=c.decode_s, host_s=c.host_s,
+                   dispatch_s=c.dispatch_s,
                    prefill_tokens=c.prefill_tokens, prefill_s=c.prefill_s, swaps=c.swaps,
                    read_ahead=c.read_ahead,
                    decode=dataclasses.replace(c.decode), prefill=dataclasses.replace(c.prefill),
