@@ -32,6 +32,29 @@ def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
     return float(np.median(wall_times(fn, reps, warmup)))
 
 
+def host_event_times(fn, top: int = 20) -> dict[str, dict[str, float]]:
+    """The host-side events of one call of `fn()` from a profiler trace (XLA's and PjRt's
+    annotations: program launches, transfers, waits; not the GPU's kernels): name -> count and
+    total microseconds, longest first. Where the host blocks shows as a long event."""
+    fn()
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        fn()
+    path = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
+    trace = json.load(gzip.open(path))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e.get("args", {}).get("name", "").upper()}
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu:
+            entry = totals.setdefault(e["name"][:80], [0, 0.0])
+            entry[0] += 1
+            entry[1] += float(e.get("dur", 0))
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return {name: {"count": c, "us": t} for name, (c, t) in ranked}
+
+
 def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
     """GPU kernels that `fn()` runs, from a profiler trace: name -> launches and device
     microseconds per call of `fn`, slowest first (the device time without dispatch gaps)."""

@@ -3,8 +3,9 @@
 On one engine built from a checkpoint: (a) `Engine.generate` of one prompt, ms per generated
 token; (b) the engine's own decode program called back to back on the engine's state, params,
 pool and tiers, with no scheduler, records or policy (what the step benchmark times), ms per
-step; (c) a cProfile of (a), the functions with the most own time. (a) - (b) is the engine's
-cost per token.
+step; (c) a cProfile of (a), the functions with the most own time; (d) the host-side events
+of a profiler trace of (a) (launches, transfers, waits: where the host blocks). (a) - (b) is
+the engine's cost per token.
 
     python -m benchmarks.engine_overhead CKPT [--new 128] [--hbm SIZE] [--out DIR]
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import jax
 
+from benchmarks.common import host_event_times
 from strata_runtime.engine.config import EngineConfig
 from strata_runtime.engine.offload import Engine
 from strata_runtime.lab.bench import hardware_fingerprint
@@ -62,6 +64,7 @@ def main() -> None:
         prof.enable()
         engine.generate(prompt, args.new)
         prof.disable()
+        host = host_event_times(lambda: engine.generate(prompt, 32))
         engine.generate(prompt, 4)  # a live row for the raw program's steps
         program_ms = _program_ms(engine, args.new)
     text = io.StringIO()
@@ -72,6 +75,9 @@ def main() -> None:
            "fingerprint": hardware_fingerprint()}
     print(json.dumps({k: v for k, v in row.items() if k != "fingerprint"}))
     print(text.getvalue())
+    print("host events of a 32-token generate (profiler trace), longest first:")
+    for name, e in host.items():
+        print(f"  {e['us'] / 1e3:9.2f} ms  x{e['count']:<5g} {name}")
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "engine_overhead.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -80,7 +80,7 @@ if [[ $PARTS == *overhead* ]]; then  # the engine against its own program at one
   for ck in "${CK}_bf" "${CK}_i8"; do
     [[ -f $ck/config.json ]] || continue
     timeout -k 5 150 python3 -m benchmarks.engine_overhead "$ck" --out "$OUT" 2>&1 \
-      | grep -v "^[WI]0" | head -24 | cut -c1-160
+      | grep -v "^[WI]0" | head -60 | cut -c1-160
   done
 fi
 if [[ $PARTS == *int8ab* || $PARTS == *rows* ]]; then
