@@ -150,9 +150,9 @@ if [[ $PARTS == *deepseek* ]]; then
   echo "deepseek prep done at t=${SECONDS}s"; du -sh "$DS" "${DS}_i8"
   rm -rf "$DS"  # the bf16 copy: the disk holds one
   row "deepseek-v3 int4+int8 resident B=1" 120 "${DS}_i8" $B1
-  row "deepseek-v3 int4+int8 ${DS_HBM:-6GiB} B=1" 120 "${DS}_i8" $B1 --hbm "${DS_HBM:-6GiB}"
+  row "deepseek-v3 int4+int8 ${DS_HBM:-8GiB} B=1" 120 "${DS}_i8" $B1 --hbm "${DS_HBM:-8GiB}"
   row "deepseek-v3 int4+int8 resident B=16" 120 "${DS}_i8" $B16
-  row "deepseek-v3 int4+int8 ${DS_HBM:-6GiB} B=16" 120 "${DS}_i8" $B16 --hbm "${DS_HBM:-6GiB}"
+  row "deepseek-v3 int4+int8 ${DS_HBM:-8GiB} B=16" 120 "${DS}_i8" $B16 --hbm "${DS_HBM:-8GiB}"
 fi
 if [[ $PARTS == *mla* ]]; then
   echo "== t=${SECONDS}s: MLA decode"
