@@ -79,3 +79,39 @@ def test_chunked_outputs_are_bit_identical_to_dense_on_gpu(quantized):
     dense = routed_outputs(*args, row_chunks=False)
     chunked = routed_outputs(*args, row_chunks=True)
     np.testing.assert_array_equal(np.asarray(chunked), np.asarray(dense))
+
+
+def _swiglu64(x, w1, w3, w2):
+    gate, up = x @ w1, x @ w3
+    return (gate / (1 + np.exp(-gate)) * up) @ w2
+
+
+def test_sorted_outputs_match_float64_and_split_into_passes_exactly():
+    """The XLA path for any token count (`moe._sorted_outputs`, what the CPU and GPU prefill
+    chunks run): every taken pick equals a float64 reference, experts with more picks than a
+    tile (SORTED_ROWS) included, untaken picks are zero, and two passes over complementary
+    `take` masks sum to the one-pass result bit for bit (what an offloaded layer relies on)."""
+    from strata_jax.model.moe import SORTED_ROWS
+
+    rng = np.random.default_rng(3)
+    n, k, e, d, f = 300, 2, 4, 32, 48  # 600 picks over 4 experts: several tiles each
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    w1, w3 = (rng.normal(size=(e + 1, d, f)).astype(np.float32) / 6 for _ in range(2))
+    w2 = rng.normal(size=(e + 1, f, d)).astype(np.float32) / 6
+    experts = _picks(4, n, k, e)
+    assert np.bincount(experts.ravel(), minlength=e).max() > SORTED_ROWS
+    slot_of_expert = np.array([4, 0, 2, 1], np.int32)
+    pool = ExpertPool(w1, w3, w2)
+    routing = Routing(jnp.asarray(experts), None, None)
+    whole = np.asarray(routed_outputs(x, routing, pool, slot_of_expert, jnp.ones(e, bool)))
+    x64 = x.astype(np.float64)
+    for t in range(0, n, 7):
+        for j in range(k):
+            s = slot_of_expert[experts[t, j]]
+            want = _swiglu64(x64[t], *(w.astype(np.float64)[s] for w in (w1, w3, w2)))
+            np.testing.assert_allclose(whole[t, j], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    take = np.array([True, False, True, False])
+    first = np.asarray(routed_outputs(x, routing, pool, slot_of_expert, jnp.asarray(take)))
+    second = np.asarray(routed_outputs(x, routing, pool, slot_of_expert, jnp.asarray(~take)))
+    assert np.all(first[~take[experts]] == 0) and np.all(second[take[experts]] == 0)
+    np.testing.assert_array_equal(first + second, whole)
