@@ -446,8 +446,9 @@ class Engine:
         """Heat, and the cache policy: experts copied on demand take cache slots (admissions
         count in `phase`, the record's)."""
         counts = np.asarray(record.counts)
-        for layer in range(self.cfg.num_layers):
-            self.heat.observe(layer, counts[layer])
+        self.heat.observe_all(counts)
+        if self.layout.resident:  # every expert has its slot: nothing to admit
+            return
         routed = [(int(layer), int(e)) for layer, e in np.argwhere(counts > 0)]
         heat = self.heat.current()
         for share in self.shares:  # each device admits its own experts

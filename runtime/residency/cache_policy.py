@@ -137,6 +137,11 @@ class HeatEstimate:
         self._step[layer] += counts
         self.counts[layer] += counts
 
+    def observe_all(self, counts: np.ndarray) -> None:
+        """Add one step's routing counts [layers, experts] of every layer."""
+        self._step += counts
+        self.counts += counts
+
     def end_step(self) -> None:
         self.heat = self.current()
         self._step[:] = 0
