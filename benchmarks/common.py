@@ -32,32 +32,9 @@ def median_time(fn, reps: int = 10, warmup: int = 1) -> float:
     return float(np.median(wall_times(fn, reps, warmup)))
 
 
-def host_event_times(fn, top: int = 20) -> dict[str, dict[str, float]]:
-    """The host-side events of one call of `fn()` from a profiler trace (XLA's and PjRt's
-    annotations: program launches, transfers, waits; not the GPU's kernels): name -> count and
-    total microseconds, longest first. Where the host blocks shows as a long event."""
-    fn()
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        fn()
-    path = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
-    trace = json.load(gzip.open(path))
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in e.get("args", {}).get("name", "").upper()}
-    totals: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") not in gpu:
-            entry = totals.setdefault(e["name"][:80], [0, 0.0])
-            entry[0] += 1
-            entry[1] += float(e.get("dur", 0))
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
-    return {name: {"count": c, "us": t} for name, (c, t) in ranked}
-
-
-def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
-    """GPU kernels that `fn()` runs, from a profiler trace: name -> launches and device
-    microseconds per call of `fn`, slowest first (the device time without dispatch gaps)."""
+def _traced_events(fn, reps: int) -> tuple[list[dict], set]:
+    """The complete events of `reps` calls of `fn()` (after one untimed call) from a profiler
+    trace, and the ids of the GPU processes among them."""
     fn()
     trace_dir = tempfile.mkdtemp()
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -68,14 +45,34 @@ def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in e.get("args", {}).get("name", "").upper()}
+    return [e for e in events if e.get("ph") == "X"], gpu
+
+
+def _ranked(events: list[dict], width: int, reps: int) -> dict[str, dict[str, float]]:
+    """Events summed by name (cut to `width`): name -> count and microseconds per rep, the
+    longest first."""
     totals: dict[str, list[float]] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            entry = totals.setdefault(e["name"][:60], [0, 0.0])
-            entry[0] += 1
-            entry[1] += float(e.get("dur", 0))
+        entry = totals.setdefault(e["name"][:width], [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(e.get("dur", 0))
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])
     return {name: {"count": c / reps, "us": t / reps} for name, (c, t) in ranked}
+
+
+def host_event_times(fn, top: int = 20) -> dict[str, dict[str, float]]:
+    """The host-side events of one call of `fn()` from a profiler trace (XLA's and PjRt's
+    annotations: program launches, transfers, waits; not the GPU's kernels): name -> count and
+    total microseconds, longest first. Where the host blocks shows as a long event."""
+    events, gpu = _traced_events(fn, 1)
+    return dict(list(_ranked([e for e in events if e.get("pid") not in gpu], 80, 1).items())[:top])
+
+
+def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
+    """GPU kernels that `fn()` runs, from a profiler trace: name -> launches and device
+    microseconds per call of `fn`, slowest first (the device time without dispatch gaps)."""
+    events, gpu = _traced_events(fn, reps)
+    return _ranked([e for e in events if e.get("pid") in gpu], 60, reps)
 
 
 def hbm_bandwidth() -> dict[str, float]:
