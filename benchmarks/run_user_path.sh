@@ -152,6 +152,7 @@ if [[ $PARTS == *deepseek* ]]; then
   row "deepseek-v3 int4+int8 resident B=1" 120 "${DS}_i8" $B1
   row "deepseek-v3 int4+int8 ${DS_HBM:-8GiB} B=1" 120 "${DS}_i8" $B1 --hbm "${DS_HBM:-8GiB}"
   row "deepseek-v3 int4+int8 resident B=16" 120 "${DS}_i8" $B16
+  STRATA_MLA_KERNEL=0 row "deepseek-v3 int4+int8 resident B=16, XLA MLA" 120 "${DS}_i8" $B16
   row "deepseek-v3 int4+int8 ${DS_HBM:-8GiB} B=16" 120 "${DS}_i8" $B16 --hbm "${DS_HBM:-8GiB}"
 fi
 if [[ $PARTS == *mla* ]]; then
