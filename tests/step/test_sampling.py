@@ -12,6 +12,10 @@ from strata_jax.step import sampling
 from strata_jax.step.sampling import SamplingParams
 from tests.helpers import random_model, tiny_config
 
+# the model tests' family and shape: one set of compiled programs (prefill, greedy and sampled
+# decode) serves all three
+MODEL, SHAPE = "mixtral", {"batch_capacity": 4, "max_len": 32}
+
 
 def rows_of(settings: list[SamplingParams], vocab: int, seen=None) -> sampling.SamplerRows:
     rows = sampling.greedy_rows(len(settings), vocab)
@@ -147,11 +151,11 @@ def test_repetition_penalty_as_transformers_defines_it():
 def test_greedy_with_penalty_matches_a_reference_loop():
     """Penalized greedy decoding through the step equals a numpy loop over the full forward's
     logits (the penalty over prompt and generated tokens)."""
-    cfg = tiny_config("qwen3_moe")
+    cfg = tiny_config(MODEL)
     m = random_model(cfg, seed=4)
     prompt, new, penalty = [3, 9, 3, 27, 8], 6, 1.8
     got = api.generate(m, [prompt], new, sampling=SamplingParams(repetition_penalty=penalty),
-                       max_len=32)[0]
+                       **SHAPE)[0]
     seq = list(prompt)
     for _ in range(new):  # the causal forward of the sequence padded to one length
         padded = seq + [0] * (len(prompt) + new - len(seq))
@@ -161,31 +165,29 @@ def test_greedy_with_penalty_matches_a_reference_loop():
         x = np.where(hit, np.where(x > 0, x / penalty, x * penalty), x)
         seq.append(int(np.argmax(x)))
     assert got == seq[len(prompt):]
-    assert got != api.generate(m, [prompt], new, max_len=32)[0]  # the penalty changed tokens
+    assert got != api.generate(m, [prompt], new, **SHAPE)[0]  # the penalty changed tokens
 
 
 def test_a_seeded_request_gives_its_tokens_whatever_shares_the_batch():
-    cfg = tiny_config("mixtral")
+    cfg = tiny_config(MODEL)
     m = random_model(cfg, seed=5)
     mine = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
     others = [SamplingParams(temperature=0.5, seed=7), sampling.GREEDY,
               SamplingParams(temperature=1.5, top_k=3)]
-    shape = {"batch_capacity": 4, "max_len": 32}
-    alone = api.generate(m, [[1, 2, 3]], 10, sampling=mine, **shape)[0]
+    alone = api.generate(m, [[1, 2, 3]], 10, sampling=mine, **SHAPE)[0]
     batch = api.generate(m, [[9, 9], [5], [1, 2, 3], [4, 4, 4, 4]], 10,
-                         sampling=[others[0], others[1], mine, others[2]], **shape)
+                         sampling=[others[0], others[1], mine, others[2]], **SHAPE)
     assert batch[2] == alone
     other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=1235)
-    assert api.generate(m, [[1, 2, 3]], 10, sampling=other_seed, **shape)[0] != alone
+    assert api.generate(m, [[1, 2, 3]], 10, sampling=other_seed, **SHAPE)[0] != alone
 
 
 def test_stop_ids_end_a_request_and_bad_settings_are_refused():
-    cfg = tiny_config("mixtral")
+    cfg = tiny_config(MODEL)
     m = random_model(cfg, seed=6)
-    full = api.generate(m, [[1, 2, 3]], 8, max_len=32)[0]
+    full = api.generate(m, [[1, 2, 3]], 8, **SHAPE)[0]
     stop = full[3]
-    out = api.generate(m, [[1, 2, 3]], 8, sampling=SamplingParams(stop_ids={stop}),
-                       max_len=32)[0]
+    out = api.generate(m, [[1, 2, 3]], 8, sampling=SamplingParams(stop_ids={stop}), **SHAPE)[0]
     assert out == full[: full.index(stop) + 1]
     for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"min_p": 1.5},
                 {"repetition_penalty": 0}, {"stop": ("",)}):

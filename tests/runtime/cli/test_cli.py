@@ -236,7 +236,8 @@ def test_sampling_flags(text_ckpt, tmp_path):
 def test_generate_through_the_engine(text_ckpt, tmp_path, capsys):
     heat = tmp_path / "heat.json"
     argv = ["generate", str(text_ckpt), "--prompt", "Four score", "--max-new-tokens", "4",
-            "--ignore-eos", "--hbm", "1GiB", "--predictor", "none", "--record-heat", str(heat)]
+            "--ignore-eos", "--hbm", "1GiB", "--predictor", "none", "--record-heat", str(heat),
+            "--workspace", "64MiB"]  # fixed: the measured workspace is test_plan_prints_...'s
     doc = run_json(argv, tmp_path / "e.json")
     want = strata_jax.generate(strata_jax.load(text_ckpt),
                                [load_tokenizer(text_ckpt).encode("Four score")], 4)

@@ -116,7 +116,8 @@ def test_engine_matches_the_resident_api_queues_any_number_and_samples_per_row(c
     # test_budgets_are_bit_identical_to_unlimited[next-gate-lfru]
     with _engine(ckpt, resident_experts=4) as engine:
         assert engine.generate(prompts, 6, sampling=settings) == ref
-    assert ref[0] != strata_jax.generate(model, prompts[:1], 6, **SHAPE)[0]
+    assert prompts[3] == prompts[0] and settings[3] == GREEDY  # the sampler changed the tokens
+    assert ref[0] != ref[3]
 
 
 def test_a_request_does_not_depend_on_its_batch(ckpt):
@@ -126,7 +127,8 @@ def test_a_request_does_not_depend_on_its_batch(ckpt):
 
 
 def test_bad_requests_are_named_and_fail_alone(ckpt):
-    with _engine(ckpt, resident_experts=3) as engine:
+    # the programs of test_budgets_are_bit_identical_to_unlimited[next-gate-lfru] at 4 experts
+    with _engine(ckpt, resident_experts=4) as engine:
         good = engine.generate([[1, 5, 2]], 4)[0]
         for prompts, new, message in (
             ([[1, 5, 2], [2, 300]], 4, "request 1: token id 300 is outside"),
@@ -240,9 +242,14 @@ def test_corrupt_chunk_fails_only_the_requests_that_need_it(ckpt, reference, tmp
     target.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"expert {expert} of layer {layer}"):
         _engine(bad)  # resident: no miss path to fail its requests alone
-    # on disk, in tier 1, or among the pinned (left out of its slot: a miss on disk)
-    for knobs in (dict(resident_experts=0, host_experts=0), dict(resident_experts=0), pinning):
+    # on disk, in tier 1, or among the pinned (left out of its slot: a miss on disk); the first
+    # two are the layouts (and programs) of test_experts_only_on_disk_give_the_same_bits and of
+    # test_budgets_are_bit_identical_to_unlimited[next-gate-lfru] at 4 experts, whose pinned
+    # experts leave the broken one out
+    on_disk, in_tier1 = dict(resident_experts=2, host_experts=0), dict(resident_experts=4)
+    for knobs in (on_disk, in_tier1, pinning):
         with _engine(bad, **knobs) as engine:
+            assert knobs is pinning or (layer, expert) not in engine.shares[0].pinned
             results = engine.generate_results(PROMPTS, 6)
             for i, r in enumerate(results):
                 if (layer, expert) in touched[i]:

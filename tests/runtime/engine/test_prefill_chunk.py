@@ -18,7 +18,8 @@ from tests.helpers import tiny_config, write_checkpoint
 
 SHAPE = {"batch_capacity": 2, "max_len": 160}
 PROMPTS = [[(7 * i + 3) % 97 for i in range(130)], [(5 * i + 1) % 97 for i in range(41)]]
-NEW = 5
+NEW = 12  # every test's tokens: the riding rows decode through the 5 programs of a prompt
+KEEP_PROGRAMS = True  # engines of one layout share their programs (tests/runtime/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,11 @@ def resident(ckpt):
     return strata_jax.generate(strata_jax.load(ckpt), PROMPTS, NEW, **SHAPE)
 
 
-OFFLOADED = {"hbm_budget": "1GiB", "resident_experts": 6}  # 6 of 16 experts in HBM slots
+# 6 of 16 experts in HBM slots. No hbm_budget: with an explicit chunk and resident_experts the
+# layout is the same, and a budget only adds the ledger's abstract compiles of every chunk's
+# programs (the ledger's choice of chunk: test_the_ledger_halves_..., its workspace:
+# tests/runtime/residency/test_workspace.py)
+OFFLOADED = {"resident_experts": 6}
 
 
 @pytest.mark.parametrize("chunk", [8, 32, 256])
@@ -80,21 +85,19 @@ def test_the_ledger_halves_the_default_chunk_until_its_workspace_fits(ckpt):
 
 @pytest.mark.parametrize("knobs", [OFFLOADED, {**OFFLOADED, "host_experts": 0}],
                          ids=["tier1", "disk"])
-def test_a_running_row_rides_along_a_long_prompts_chunks(ckpt, knobs):
+def test_a_running_row_rides_along_a_long_prompts_chunks(ckpt, resident, knobs):
     """A row decodes inside each of a 130-token prompt's 5 prefill programs (copies and disk
     stalls included): both requests keep the resident API's tokens."""
-    new = 12
-    expected = strata_jax.generate(strata_jax.load(ckpt), PROMPTS, new, **SHAPE)
     config = EngineConfig(prefill_chunk=32, **knobs, **SHAPE)
     with Engine(CheckpointReader(ckpt), config) as engine:
         sched = Scheduler(engine)
-        running = sched.submit(PROMPTS[1], new)
+        running = sched.submit(PROMPTS[1], NEW)
         sched.step()
         sched.step()
-        joining = sched.submit(PROMPTS[0], new)
+        joining = sched.submit(PROMPTS[0], NEW)
         sched.run()
         stats = engine.stats()
-    assert [joining.tokens, running.tokens] == expected
+    assert [joining.tokens, running.tokens] == resident
     assert stats["ridden_tokens"] == 5  # one per program of the joining prompt
     if "host_experts" in knobs:
         assert stats["by_phase"]["prefill"]["totals"]["disk_loads"] > 0

@@ -96,26 +96,30 @@ def _reference(ckpt: Path) -> tuple[list[float], float, list[str]]:
     greedy generations of `strata_jax.generate` cut at the task's stop strings."""
     model = strata_jax.load(ckpt)
     lm = StrataLM(str(ckpt), batch_capacity=4, max_len=128)
-    lls, right = [], 0
-    for question, choices, answer in QUESTIONS:
-        scores = []
-        for choice in choices:
-            context, continuation = lm._encode_pair(question, " " + choice)
-            tokens = np.array([context + continuation], np.int32)
-            logits = strata_jax.logits(model, tokens)[0].astype(np.float64)
-            shifted = logits - logits.max(-1, keepdims=True)
-            logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-            at = np.arange(len(context) - 1, len(context) - 1 + len(continuation))
-            scores.append(float(logp[at, continuation].sum()))
-        lls += scores
-        right += int(np.argmax(scores) == answer)
-    tok, texts = model.tokenizer, []
-    for prompt, _ in GEN:
-        ids = tok.encode(prompt, add_special_tokens=False)
-        params = SamplingParams(stop=("\n", "."), stop_ids=tok.eos_ids)
-        new = strata_jax.generate(model, [ids], 6, sampling=params, batch_capacity=4,
-                                  max_len=128)[0]
-        texts.append(cut_at_stop(tok.decode(new), ("\n", ".")))
+    pairs = [lm._encode_pair(question, " " + choice)
+             for question, choices, _ in QUESTIONS for choice in choices]
+    # every sequence in one causal forward, padded to one length (one program, not one per
+    # length): a position's logits do not depend on the tokens after it
+    width = max(len(c) + len(t) for c, t in pairs)
+    tokens = np.array([c + t + [0] * (width - len(c) - len(t)) for c, t in pairs], np.int32)
+    logits = strata_jax.logits(model, tokens).astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    lls = []
+    for row, (context, continuation) in enumerate(pairs):
+        at = np.arange(len(context) - 1, len(context) - 1 + len(continuation))
+        lls.append(float(logp[row, at, continuation].sum()))
+    right, first = 0, 0
+    for _, choices, answer in QUESTIONS:
+        right += int(np.argmax(lls[first:first + len(choices)]) == answer)
+        first += len(choices)
+    # the generations in one batch: a request's tokens do not depend on its batch
+    # (tests/step/test_step.py::test_generate_is_batch_invariant)
+    tok = model.tokenizer
+    ids = [tok.encode(prompt, add_special_tokens=False) for prompt, _ in GEN]
+    params = SamplingParams(stop=("\n", "."), stop_ids=tok.eos_ids)
+    new = strata_jax.generate(model, ids, 6, sampling=params, batch_capacity=4, max_len=128)
+    texts = [cut_at_stop(tok.decode(n), ("\n", ".")) for n in new]
     return lls, right / len(QUESTIONS), texts
 
 
@@ -126,8 +130,10 @@ def test_native_resident_and_offloaded_and_served_agree(setup, tmp_path):
     assert native["results"]["strata_mc"]["acc,none"] == pytest.approx(acc)
     np.testing.assert_allclose(_loglikelihoods(native), lls, rtol=1e-4, atol=1e-4)
     assert _generations(native) == texts
-    offloaded = _evaluate("strata", f"checkpoint={ckpt},{SHAPE},hbm=1GiB,resident_experts=3",
-                          manager)
+    # a fixed workspace: the ledger's own measurement (abstract compiles of the step programs)
+    # is tests/runtime/residency/test_workspace.py's
+    offloaded = _evaluate("strata", f"checkpoint={ckpt},{SHAPE},hbm=1GiB,workspace=64MiB,"
+                          "resident_experts=3", manager)
     assert _loglikelihoods(offloaded) == _loglikelihoods(native)
     assert _generations(offloaded) == texts
     with _server(ckpt, tmp_path) as base:
