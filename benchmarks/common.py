@@ -75,6 +75,28 @@ def device_kernel_times(fn, reps: int = 5) -> dict[str, dict[str, float]]:
     return _ranked([e for e in events if e.get("pid") in gpu], 60, reps)
 
 
+def device_gaps(fn, threshold_us: float = 20.0, top: int = 12) -> dict:
+    """Where the GPU waits during one call of `fn()` (a profiler trace): its kernels and copies
+    merged into busy intervals; `span_ms` first start to last end, `busy_ms`, `idle_ms` and
+    `gaps` (idle stretches over `threshold_us`), and the `largest` of them with the events on
+    either side (a gap before a program's first kernel is the host launching it late)."""
+    events, gpu = _traced_events(fn, 1)
+    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"][:60])
+                    for e in events if e.get("pid") in gpu and e.get("dur"))
+    if not device:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "largest": []}
+    busy, gaps, end, last = 0.0, [], device[0][0], device[0][2]
+    for start, stop, name in device:
+        if start - end > threshold_us:
+            gaps.append({"us": start - end, "after": last, "before": name})
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    return {"span_ms": (end - device[0][0]) / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms": sum(g["us"] for g in gaps) / 1e3, "gaps": len(gaps),
+            "largest": sorted(gaps, key=lambda g: -g["us"])[:top]}
+
+
 def hbm_bandwidth() -> dict[str, float]:
     """Copy (read + write) and read-only (reduction) bandwidth over a 4 GiB array, GB/s: each
     the higher of the best wall time of 20 calls and the mean device kernel time of 10 (no

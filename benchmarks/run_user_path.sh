@@ -12,11 +12,13 @@
 #                           dense, the int8 rows also with STRATA_INT8_KERNEL=0 (XLA's path);
 #                           then the step benchmark's int4 8 GiB B=1 row (the engine's cost)
 #   PARTS="overhead"        benchmarks/engine_overhead.py at one row, resident, both checkpoints
+#   PARTS="xlaflags"        the same, int8 checkpoint, under XLA's command-buffer flags (off,
+#                           the smallest graph 1, while loops and conditionals captured)
 #   PARTS="prefill"         a 2,048-token prompt: int4 3 GiB and bf16 8 GiB, the ledger's chunk
 #                           and 64-token chunks (the old default)
 #   PARTS="processes"       the int4 3 GiB B=16 row in PROC_RUNS fresh processes without a
 #                           compilation cache, then once with STRATA_XLA_AUTOTUNE=1
-#   PARTS="gputests"        the GPU tests of the expert paths, the prefill chunks and the step
+#   PARTS="gputests"        the GPU tests of the expert paths and the MLA kernel (beside prep)
 #   PARTS="exact16"         bf16 dense + int4, B=16, resident and at HBM_OFF, fresh processes
 #                           (tokens only): offloading must not change them
 #   PARTS="pprofile"        benchmarks/prefill_profile.py: a 2K prompt's kernels, int8 dense, HBM_OFF
@@ -75,12 +77,28 @@ if [[ $PARTS == *kernels* ]]; then
   timeout -k 10 "${INT8_S:-240}" python3 -m benchmarks.int8_dense --out "$OUT" 2>&1 \
     | grep -v "^[WI]0" | tail -60
 fi
+if [[ $PARTS == *gputests* ]]; then  # beside "prep" (no checkpoint needed)
+  echo "== t=${SECONDS}s: GPU tests"
+  timeout -k 10 "${TESTS_S:-240}" python3 -m pytest -q -p no:warnings -rfE tests/model/test_moe.py \
+    tests/ops/test_expert_kernels.py tests/ops/test_mla_kernel.py ${MORE_TESTS:-} \
+    2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
+fi
 if [[ -n ${PREP:-} ]]; then wait "$PREP"; cat "$OUT/prep_log.txt" | tail -5; fi
 if [[ $PARTS == *overhead* ]]; then  # the engine against its own program at one row
   for ck in "${CK}_bf" "${CK}_i8"; do
     [[ -f $ck/config.json ]] || continue
     timeout -k 5 150 python3 -m benchmarks.engine_overhead "$ck" --out "$OUT" 2>&1 \
-      | grep -v "^[WI]0" | head -60 | cut -c1-160
+      | grep -v "^[WI]0" | head -75 | cut -c1-200
+  done
+fi
+if [[ $PARTS == *xlaflags* ]]; then  # the engine at one row under XLA's command-buffer flags
+  for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1" \
+      "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"; do
+    left=$((BUDGET_S - SECONDS - 10)); ((left < 50)) && break
+    echo "== t=${SECONDS}s: XLA_FLAGS='$flags'"
+    XLA_FLAGS="$flags" timeout -k 5 $((left < 120 ? left : 120)) python3 -m \
+      benchmarks.engine_overhead "${CK}_i8" --new 64 --out "$OUT" 2>&1 \
+      | grep -v "^[WI]0" | head -4 | cut -c1-200
   done
 fi
 if [[ $PARTS == *int8ab* || $PARTS == *rows* ]]; then
@@ -122,12 +140,6 @@ if [[ " $PARTS " == *" processes "* ]]; then  # the word alone (not short-proces
   STRATA_XLA_AUTOTUNE=1 STRATA_COMPILE_CACHE=off row "int4 $HBM_OFF B=16, autotuned" 150 "${CK}_bf" \
     $B16 --hbm "$HBM_OFF"
 fi
-if [[ $PARTS == *gputests* ]]; then
-  echo "== t=${SECONDS}s: GPU tests"
-  timeout -k 10 "${TESTS_S:-240}" python3 -m pytest -q -p no:warnings -rfE tests/model/test_moe.py \
-    tests/ops/test_expert_kernels.py tests/ops/test_mla_kernel.py tests/runtime/engine/test_prefill_chunk.py ${MORE_TESTS:-} \
-    2>&1 | grep -v "^[WI]0" | tail -15 | cut -c1-300
-fi
 if [[ $PARTS == *exact16* ]]; then
   STRATA_COMPILE_CACHE=off row "bf16+int4 resident B=16 (exact)" 120 "${CK}_bf" $B16 --repeats 1
   STRATA_COMPILE_CACHE=off row "bf16+int4 $HBM_OFF B=16 (exact)" 120 "${CK}_bf" $B16 --repeats 1 \
@@ -135,7 +147,8 @@ if [[ $PARTS == *exact16* ]]; then
 fi
 if [[ $PARTS == *pprofile* ]]; then
   echo "== t=${SECONDS}s: prefill profile"
-  timeout -k 5 150 python3 -m benchmarks.prefill_profile "${CK}_i8" --hbm "$HBM_OFF" --out "$OUT" \
+  left=$((BUDGET_S - SECONDS - 10))
+  timeout -k 5 $((left < 150 ? left : 150)) python3 -m benchmarks.prefill_profile "${CK}_i8" --hbm "$HBM_OFF" --out "$OUT" \
     2>&1 | grep -v "^[WI]0" | tail -20 | cut -c1-200
 fi
 if [[ $PARTS == *prefill8k* ]]; then
