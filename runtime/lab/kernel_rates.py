@@ -21,8 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from strata_jax.formats.config import ModelConfig
-from strata_jax.model.decoder import cached_attention, copy_in, lm_head, route_layer, with_shared
+from strata_jax.model.decoder import (
+    cached_attention,
+    copy_in,
+    dense_mlp,
+    lm_head,
+    route_layer,
+    with_shared,
+)
 from strata_jax.ops.expert_kernels import grouped_swiglu
+from strata_jax.ops.layers import rms_norm
 from strata_jax.ops.pool import ExpertPool
 from strata_runtime.engine.stats import PhaseCounts
 from strata_runtime.lab.ceilings import CHAIN, best_seconds, chained_seconds
@@ -51,10 +59,17 @@ def expert_kernel_gbps(pool: ExpertPool, hidden: int, dtype, rows: int, experts:
 
 
 def _step_without_experts(cfg: ModelConfig, positions: jax.Array, unroll: bool):
-    """The decode step's dense work, made of the model's own functions (`model.decoder`):
-    each layer's attention over the cache, routing and shared expert, the layers scanned, then
-    the lm head. The model's layer (`flax_model.DecoderLayer`, `decoder.tiered_moe`) always
-    serves the routed experts, so the composition is restated here without them."""
+    """The decode step's dense work, made of the model's own functions (`model.decoder`): the
+    dense-MLP layers (`ModelConfig.dense_layers`: attention and MLP), then each MoE layer's
+    attention over the cache, routing and shared expert, the layers scanned, then the lm head.
+    The model's layer (`flax_model.DecoderLayer`, `decoder.tiered_moe`) always serves the
+    routed experts, so the composition is restated here without them."""
+    def mlp_layer(carry, xs):
+        x, k_all, v_all = carry
+        lp, li = xs
+        x, k_all, v_all = cached_attention(cfg, lp, x, positions, k_all, v_all, li, None)
+        return (dense_mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_eps), x), k_all, v_all), None
+
     def layer(carry, xs):
         x, k_all, v_all = carry
         lp, li = xs
@@ -64,6 +79,10 @@ def _step_without_experts(cfg: ModelConfig, positions: jax.Array, unroll: bool):
         return (x, k_all, v_all), routing.experts
 
     def step(x, k_all, v_all, p):
+        if cfg.dense_layers:
+            (x, k_all, v_all), _ = jax.lax.scan(
+                mlp_layer, (x, k_all, v_all), (p["mlp_layers"], jnp.arange(cfg.dense_layers)),
+                unroll=unroll)
         (x, k_all, v_all), experts = jax.lax.scan(
             layer, (x, k_all, v_all), (p["layers"], jnp.arange(cfg.num_layers) + cfg.dense_layers),
             unroll=unroll)

@@ -24,7 +24,7 @@ from strata_runtime.lab.cost_model import (
 from strata_runtime.lab.counting import Counts, Sizes, device_figures
 from strata_runtime.lab.fingerprint import hardware_fingerprint
 from strata_runtime.lab.kernel_rates import dense_kernel_gbps, expert_kernel_gbps, step_link
-from tests.helpers import random_arrays, tiny_config, write_checkpoint
+from tests.helpers import random_arrays, random_mlp_layers, tiny_config, write_checkpoint
 
 FINGERPRINT = ("gpu", "device_kind", "jax", "jaxlib", "host_cores", "numa_nodes",
                "pinned_h2d_gbps", "pcie_gen", "git", "python")
@@ -177,14 +177,17 @@ def test_expert_kernel_rate_counts_the_slots_it_reads_chained_in_one_program(mon
     np.testing.assert_allclose(np.asarray(timed[0]), x, rtol=1e-3, atol=5e-4)  # f32, 8 deep
 
 
-def test_dense_rate_runs_the_models_decode_without_its_experts(monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_dense_rate_runs_the_models_decode_without_its_experts(monkeypatch, family):
     """The dense rate's program is the model's own step without its experts: its logits and
     routing equal the resident model's forward of the same one-token rows where every expert
-    gives zeros (random dense weights, zero expert weights), and its bytes are the dense
-    params but the embedding table, as `counting.Sizes` counts them."""
-    cfg = tiny_config("qwen2_moe")
+    gives zeros (random dense weights, zero expert weights; DeepSeek's dense-MLP layers and
+    latent attention included), and its bytes are the dense params but the embedding table,
+    as `counting.Sizes` counts them."""
+    cfg = tiny_config(family)
     g, layers, experts = random_arrays(cfg)
-    params = api.from_arrays(cfg, g, layers, experts).params
+    mlp = random_mlp_layers(cfg)
+    params = api.from_arrays(cfg, g, layers, experts, mlp).params
     assert dense_kernel_gbps(cfg, params, rows=3, cache_len=8, unroll=False) > 0  # timed
     timed = []
     monkeypatch.setattr(kernel_rates, "best_seconds",
@@ -193,7 +196,8 @@ def test_dense_rate_runs_the_models_decode_without_its_experts(monkeypatch):
     assert dense_kernel_gbps(cfg, params, rows=3, cache_len=8, unroll=True) == dense / 1e9
     logits, routed = (np.asarray(a) for a in timed[0])
     ids = np.random.default_rng(0).integers(cfg.vocab_size, size=3)[:, None]
-    silent = api.from_arrays(cfg, g, layers, {k: np.zeros_like(v) for k, v in experts.items()})
+    silent = api.from_arrays(cfg, g, layers, {k: np.zeros_like(v) for k, v in experts.items()},
+                             mlp)
     np.testing.assert_allclose(logits, api.logits(silent, ids), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(routed, api.routing(silent, ids))
 
