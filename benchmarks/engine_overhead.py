@@ -31,9 +31,10 @@ from strata_runtime.engine.config import EngineConfig
 from strata_runtime.engine.offload import Engine
 from strata_runtime.lab.bench import hardware_fingerprint
 
-VARIANTS = ("plain", "keywords", "record", "read_behind", "engine_step")
+VARIANTS = ("plain", "plain_sync", "keywords", "record", "read_behind", "engine_step")
 """The raw loop's variants, each adding one thing the engine does around its program call
-(so the one that costs shows as a jump): the call alone; with the engine's keyword arguments
+(so the one that costs shows as a jump): the call alone; the call then a wait for its
+tokens (no step queued behind another); with the engine's keyword arguments
 (`resume=None, forced=None`); the record packed and both it and the tokens copied to the
 host asynchronously; those read one step behind (the scheduler's pipelining); the engine's
 own `step` and `read` (heat, policy, counters; no scheduler)."""
@@ -48,10 +49,15 @@ def _program_ms(engine: Engine, steps: int, variant: str = "plain") -> float:
     args = (engine.cfg, engine.plan, engine.params)
     keywords = {} if variant == "plain" else {"resume": None, "forced": None}
     state, behind = engine.state, None
+    calls = []
 
     def one(state, behind):
+        t0 = time.perf_counter()
         state, out, pool = program(*args, engine.residency.pool, engine._tiers(), state,
                                    **keywords)
+        calls.append(time.perf_counter() - t0)
+        if variant == "plain_sync":
+            jax.block_until_ready(out.tokens)
         if pool is not None:
             engine.residency.pool = pool
         if variant in ("record", "read_behind"):
@@ -71,7 +77,13 @@ def _program_ms(engine: Engine, steps: int, variant: str = "plain") -> float:
         state, out, behind = one(state, behind)
     jax.block_until_ready(out.tokens)
     engine.state = state
+    CALL_MS[variant] = 1e3 * float(np.mean(calls[3:]))
     return 1e3 * (time.perf_counter() - t0) / steps
+
+
+CALL_MS: dict[str, float] = {}
+"""Per variant: the mean host time of the program call alone, ms (where it exceeds the
+device's step, the host's launch binds)."""
 
 
 def _engine_step_ms(engine: Engine, steps: int) -> float:
@@ -116,11 +128,12 @@ def main() -> None:
     row = {"checkpoint": args.ckpt, "hbm": args.hbm, "new": args.new,
            "engine_ms_per_token": engine_ms, "program_ms_per_step": program_ms,
            "engine_over_program": engine_ms / program_ms, "variants_ms_per_step": variants,
+           "call_ms": CALL_MS,
            "device_gaps": {k: v for k, v in gaps.items() if k != "largest"},
            "fingerprint": hardware_fingerprint()}
     print(json.dumps({k: v for k, v in row.items() if k != "fingerprint"}))
-    print("the raw loop's variants, ms per step:",
-          ", ".join(f"{k} {v:.3f}" for k, v in variants.items()))
+    print("the raw loop's variants, ms per step (the call alone):", ", ".join(
+        f"{k} {v:.3f} ({CALL_MS.get(k, float('nan')):.3f})" for k, v in variants.items()))
     print("device of a 32-token generate: busy {busy_ms:.2f} ms of {span_ms:.2f} ms, {gaps} "
           "gaps over 20 us ({idle_ms:.2f} ms idle); the largest:".format(**gaps))
     for g in gaps["largest"]:

@@ -19,7 +19,7 @@ from strata_jax.batching.resident import ResidentEngine
 from strata_jax.batching.scheduler import Scheduler
 from strata_jax.batching.scoring import loglikelihood
 from strata_jax.batching.text import cut_at_stop
-from strata_jax.formats.checkpoint import EXPERT_KINDS, CheckpointReader, expert_shape
+from strata_jax.formats.checkpoint import CheckpointReader, expert_arrays
 from strata_jax.formats.config import F32_PARAMS, ModelConfig
 from strata_jax.model import decoder as mdl
 from strata_jax.model import mtp as mtp_model
@@ -88,8 +88,8 @@ def init_params(config: ModelConfig, key: jax.Array, dense: str = "none") -> dic
     `dense`: "none" or "int8" (int8 matrices with per-channel scales). Experts are no params:
     the one-token forward that `init` traces reads a single zero expert slot."""
     dtype = jnp.dtype(config.dtype)
-    pool = ExpertPool(**{k: jnp.zeros((1, *expert_shape(config, k)), dtype)
-                         for k in EXPERT_KINDS})
+    pool = ExpertPool(**{k: jnp.zeros((1, *shape), dtype)
+                         for k, (shape, _) in expert_arrays(config).items()})
     tiers = step.resident_tiers(jnp.zeros((config.num_layers, config.num_experts), jnp.int32))
     model = MoEModel(config, step.StepPlan(), dense)
     return jax.jit(model.init)(key, jnp.zeros((1, 1), jnp.int32), pool, tiers)

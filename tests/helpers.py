@@ -9,6 +9,7 @@ from strata_jax.formats.checkpoint import (
     EXPERT_KINDS,
     CheckpointWriter,
     dense_layer_shapes,
+    expert_bias_shapes,
     expert_shape,
     global_shapes,
     mlp_layer_shapes,
@@ -42,6 +43,12 @@ def tiny_config(family: str = "mixtral", **changes) -> ModelConfig:
                                   ("original_max_position_embeddings", 16)),
                     scoring="sigmoid", n_group=3, topk_group=2, routed_scaling_factor=2.5,
                     shared_intermediate_size=16, dense_layers=1, dense_intermediate_size=40)
+    elif family == "gpt_oss":
+        base.update(attention_bias=True, o_bias=True, attention_sinks=True, sliding_window=3,
+                    sliding_layers=(0,), scoring="topk_softmax", router_bias=True,
+                    expert_bias=True, swiglu_limit=1.0,
+                    rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 4.0),
+                                  ("original_max_position_embeddings", 8), ("truncate", False)))
     base.update(changes)
     return ModelConfig(**base)
 
@@ -65,6 +72,9 @@ def random_arrays(cfg: ModelConfig, seed: int = 0, scale: float = 0.3):
         .astype(np.float32)
         for k in EXPERT_KINDS
     }
+    for k, shape in expert_bias_shapes(cfg).items():
+        experts[k] = rng.normal(0, scale, (cfg.num_layers, cfg.num_experts, *shape)).astype(
+            np.float32)
     return g, layers, experts
 
 

@@ -9,6 +9,7 @@ Layout (see checkpoints/README.md):
     DST/dense/mtp_NNNN/      orbax: multi-token-prediction module NNNN's dense params; its
                              experts are the expert arrays' layer num_layers + NNNN
     DST/experts/{w1,w3,w2}/  zarr3 [layer, expert, in, out], chunk = one (layer, expert)
+    DST/experts/{b1,b3,b2}/  biased experts only (GPT-OSS): zarr3 [layer, expert, out]
 
 A writer fills `DST.partial-<pid>` and swaps it into place only after the manifest is
 written (`safe_write`), so a killed conversion never leaves a directory that `read_*` accepts
@@ -45,6 +46,7 @@ from strata_jax.formats.quant import GROUP as INT4_GROUP
 FORMAT = "strata"
 FORMAT_VERSION = 2  # 2: int4 experts packed output-major in K pairs (1: group half-split)
 EXPERT_KINDS = ("w1", "w3", "w2")
+EXPERT_BIASES = ("b1", "b3", "b2")  # the biases of EXPERT_KINDS (`ModelConfig.expert_bias`)
 GLOBAL_NAMES = ("embed", "lm_head", "final_norm")
 CONFIG_FILE, MANIFEST_FILE = "config.json", "manifest.json"
 REWRITE = "re-create the checkpoint with the command that wrote it (convert, synth, quantize)"
@@ -92,6 +94,15 @@ def numpy_dtype(name: str) -> np.dtype:
 def expert_shape(cfg: ModelConfig, kind: str) -> tuple[int, int]:
     d, f = cfg.hidden_size, cfg.expert_intermediate_size
     return (f, d) if kind == "w2" else (d, f)
+
+
+def expert_bias_shapes(cfg: ModelConfig) -> dict[str, tuple[int]]:
+    """The biases of one expert (`ModelConfig.expert_bias`; none otherwise): each weight's
+    output width."""
+    if not cfg.expert_bias:
+        return {}
+    return {b: (expert_shape(cfg, w)[1],) for b, w in zip(EXPERT_BIASES, EXPERT_KINDS,
+                                                           strict=True)}
 
 
 FLOAT = {"dense": "none", "experts": "none"}
@@ -151,9 +162,12 @@ def check_quantization(quant: dict[str, str]) -> None:
 
 
 def expert_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
-    """Stored arrays of one expert: w1/w3/w2 in the model dtype, or packed int4 + scales."""
+    """Stored arrays of one expert: w1/w3/w2 in the model dtype, or packed int4 + scales; the
+    biases of biased experts in the model dtype, never quantized."""
+    biases = {b: (shape, cfg.dtype) for b, shape in expert_bias_shapes(cfg).items()}
     if quant["experts"] == "none":
-        return {kind: (expert_shape(cfg, kind), cfg.dtype) for kind in EXPERT_KINDS}
+        return {**{kind: (expert_shape(cfg, kind), cfg.dtype) for kind in EXPERT_KINDS},
+                **biases}
     specs: dict[str, ArraySpec] = {}
     for kind in EXPERT_KINDS:
         k, n = expert_shape(cfg, kind)
@@ -163,7 +177,7 @@ def expert_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, 
             )
         specs[kind] = ((n, k // 2), "uint8")  # output-major K pairs (quant.pack_int4)
         specs[f"{kind}_scale"] = ((k // INT4_GROUP, n), "bfloat16")
-    return specs
+    return {**specs, **biases}
 
 
 def dense_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:

@@ -8,9 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3",
+            "gpt_oss")
 QK_NORMS = ("none", "head", "full")
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 ATTENTIONS = ("gqa", "mla")
 DTYPES = ("float32", "bfloat16")
 
@@ -20,8 +21,9 @@ class ModelConfig:
     """Shape and math switches of a decoder-only MoE transformer.
 
     `qk_norm`: "head" normalizes each head's q/k over head_dim (Qwen3-MoE), "full" normalizes
-    the whole q/k projection (OLMoE). `router_bias` adds a learned-free per-expert bias to the
-    router logits; only synthetic models use it, to make expert popularity long-tailed.
+    the whole q/k projection (OLMoE). `router_bias` adds a per-expert bias to the router
+    logits: GPT-OSS's learned one, or a synthetic model's, which makes expert popularity
+    long-tailed.
     `max_position`: the model's context, the longest sequence it was made for (Hugging Face's
     `max_position_embeddings`; None: not known), what `max_len` defaults to where a budget
     allows (`runtime/residency/ledger.py` `default_max_len`).
@@ -31,9 +33,20 @@ class ModelConfig:
     SwiGLU MLP of width `dense_intermediate_size` come before them (DeepSeek's and GLM's
     `first_k_dense_replace`), so the decoder has `total_layers` layers.
 
-    Routing: "softmax" scores (Mixtral, Qwen, OLMoE) or "sigmoid" scores chosen with a
+    Routing: "softmax" scores (Mixtral, Qwen, OLMoE), "sigmoid" scores chosen with a
     per-expert correction bias within the `topk_group` best of `n_group` groups and weighted
-    by `routed_scaling_factor` (DeepSeek-V3, GLM-4.5, MiniMax-M2: `model/routing.py`).
+    by `routed_scaling_factor` (DeepSeek-V3, GLM-4.5, MiniMax-M2: `model/routing.py`), or
+    "topk_softmax": the top-k logits, weighted by their own softmax (GPT-OSS).
+
+    GPT-OSS's switches: `o_bias` (wo has a bias, `bo`; `attention_bias` covers q/k/v),
+    `attention_sinks` (a learned logit per head, `sinks`, joins each softmax's denominator and
+    mixes no value), `sliding_window` with `sliding_layers` (the decoder layers, counted over
+    `total_layers`, whose queries see only the last `sliding_window` positions, themselves
+    included; the cache keeps every position: a mask, `decoder.cached_attention`),
+    `expert_bias` (each expert carries biases `b1`, `b3` [F] and `b2` [D] beside its weights)
+    and `swiglu_limit` (None: silu(gate) * up; a limit: the clamped form `(up + 1) * gate *
+    sigmoid(swiglu_alpha * gate)` with gate clamped above at the limit and up to +-limit,
+    `expert_kernels.Glu`).
 
     Attention: "gqa", or "mla" (DeepSeek's multi-head latent attention: q through the
     optional `q_lora_rank` bottleneck, the cache holding the `kv_lora_rank` latent and the
@@ -85,6 +98,13 @@ class ModelConfig:
     rope_interleave: bool = False
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     mtp_layers: int = 0
+    o_bias: bool = False
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -114,11 +134,34 @@ class ModelConfig:
             items = (self.rope_scaling.items() if isinstance(self.rope_scaling, dict)
                      else self.rope_scaling)
             object.__setattr__(self, "rope_scaling", tuple(sorted((str(k), v) for k, v in items)))
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        """`sliding_layers` as a sorted tuple (JSON gives a list) of layers that exist, and a
+        window wherever a layer slides."""
+        layers = tuple(sorted({int(i) for i in self.sliding_layers}))
+        object.__setattr__(self, "sliding_layers", layers)
+        if layers and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError(f"sliding_layers={layers} need sliding_window > 0, got "
+                             f"{self.sliding_window!r}")
+        if layers and not 0 <= layers[0] <= layers[-1] < self.total_layers:
+            raise ValueError(f"sliding_layers={layers} must lie in [0, total_layers="
+                             f"{self.total_layers})")
+        if self.attention == "mla" and layers:
+            raise ValueError("sliding-window attention is implemented for attention='gqa'")
 
     @property
     def total_layers(self) -> int:
         """Decoder layers: the dense-MLP ones first, then the MoE ones."""
         return self.dense_layers + self.num_layers
+
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each decoder layer's attention window (0: the whole prefix), or None where no layer
+        slides."""
+        if not self.sliding_layers:
+            return None
+        return tuple(self.sliding_window if i in self.sliding_layers else 0
+                     for i in range(self.total_layers))
 
     @property
     def rope_dim(self) -> int:
@@ -192,7 +235,10 @@ class ModelConfig:
         per_layer = sum(math.prod(s) for s in dense_layer_shapes(self).values())
         mlp_layer = sum(math.prod(s) for s in mlp_layer_shapes(self).values())
         embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        routed = self.num_layers * self.num_experts * 3 * d * self.expert_intermediate_size
+        per_expert = 3 * d * self.expert_intermediate_size
+        if self.expert_bias:
+            per_expert += 2 * self.expert_intermediate_size + d
+        routed = self.num_layers * self.num_experts * per_expert
         dense = self.num_layers * per_layer + self.dense_layers * mlp_layer + embed + d
         return {"dense": dense, "routed": routed, "total": dense + routed}
 
@@ -224,6 +270,10 @@ def attention_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
     extra: dict[str, tuple[int, ...]] = {}
     if cfg.attention_bias:
         extra.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.o_bias:
+        extra["bo"] = (d,)
+    if cfg.attention_sinks:
+        extra["sinks"] = (cfg.num_heads,)
     if cfg.qk_norm == "head":
         extra.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
     elif cfg.qk_norm == "full":

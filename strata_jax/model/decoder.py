@@ -26,7 +26,15 @@ from strata_jax.model.moe import (
     route,
     routed_outputs,
 )
-from strata_jax.model.routing import SigmoidRouting, route_sigmoid, sigmoid_weights
+from strata_jax.model.routing import (
+    SigmoidRouting,
+    route_sigmoid,
+    route_topk_softmax,
+    sigmoid_weights,
+    topk_softmax_weights,
+)
+from strata_jax.ops import expert_kernels
+from strata_jax.ops.expert_kernels import Glu
 from strata_jax.ops.int4_kernel import Int4Tiles
 from strata_jax.ops.int8_kernel import int8_linear
 from strata_jax.ops.layers import (
@@ -53,21 +61,28 @@ def resident_slot_table(cfg: ModelConfig) -> jax.Array:
     return ids.reshape(cfg.num_layers, cfg.num_experts)
 
 
-def linear(x: jax.Array, lp: Params, name: str, plus: jax.Array | None = None) -> jax.Array:
-    """x @ lp[name] (+ `plus`: a residual or a bias); an int8 matrix carries a
-    per-output-channel scale applied after the dot (`int8_kernel.int8_linear`: a kernel that
-    dequantizes in registers at decode rows). A float matrix's dot and `plus` are summed in
-    float32 and rounded once: XLA may fold an add into the GEMM (rounding once) in one program
-    and not in another, so rounding twice would make the bits depend on the fusion
-    (docs/design.md, "The step")."""
+def linear(x: jax.Array, lp: Params, name: str, plus: jax.Array | None = None,
+           bias: jax.Array | None = None) -> jax.Array:
+    """x @ lp[name] (+ `plus`: a residual or a bias; + `bias`: a bias besides a residual); an
+    int8 matrix carries a per-output-channel scale applied after the dot
+    (`int8_kernel.int8_linear`: a kernel that dequantizes in registers at decode rows). A
+    float matrix's dot and what is added are summed in float32 and rounded once: XLA may fold
+    an add into the GEMM (rounding once) in one program and not in another, so rounding twice
+    would make the bits depend on the fusion (docs/design.md, "The step")."""
+    if bias is not None and plus is None:
+        plus, bias = bias, None
     w = lp[name]
     scale = lp.get(f"{name}_scale")
     if scale is not None:  # the scale's multiply keeps any add out of the GEMM
         y = int8_linear(x, w, scale)
+        if bias is not None:
+            y = y + bias
         return y if plus is None else plus + y
     if plus is None:
         return x @ w
     y = einsum_f32("...i,io->...o", x, w) + plus.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
     return y.astype(jnp.result_type(x.dtype, plus.dtype))
 
 
@@ -160,7 +175,27 @@ def attend_cached(cfg: ModelConfig, lp: Params, q, k: jax.Array, v: jax.Array,
     `lengths`: see `attend_mla`."""
     if cfg.attention == "mla":
         return attend_mla(cfg, lp, q, k, v, mask, lengths)
-    return attend(q, k, v, mask)
+    return attend(q, k, v, mask, lp["sinks"] if cfg.attention_sinks else None)
+
+
+def attention_mask(cfg: ModelConfig, positions: jax.Array, length: int,
+                   layer: jax.Array | int) -> jax.Array:
+    """[B, T, length] bool: the cache positions each query at `positions` [B, T] sees: every
+    one up to its own, and in a sliding layer (`ModelConfig.sliding_layers`; `layer` over
+    `total_layers`) only the last `sliding_window` of them, as transformers masks them."""
+    seen = jnp.arange(length)[None, None, :]
+    at = positions[:, :, None]
+    mask = seen <= at
+    windows = cfg.layer_windows()
+    if windows is None:
+        return mask
+    window = jnp.asarray(windows, jnp.int32)[layer]
+    return mask & ((window == 0) | (seen > at - window))
+
+
+def out_projection(cfg: ModelConfig, lp: Params, o: jax.Array, x: jax.Array) -> jax.Array:
+    """x + o @ wo (+ GPT-OSS's `bo`), summed in float32 and rounded once (`linear`)."""
+    return linear(o, lp, "wo", x, lp["bo"] if cfg.o_bias else None)
 
 
 def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, Routing]:
@@ -173,6 +208,10 @@ def route_layer(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, 
         experts, weights = route_sigmoid(logits, lp["router_correction"],
                                          SigmoidRouting.of(cfg))
         return h, Routing(experts, weights, logits)
+    if cfg.scoring == "topk_softmax":  # GPT-OSS: the router's bias is learned
+        logits = linear(h, lp, "router", lp["router_bias"]).astype(jnp.float32)
+        experts, weights = route_topk_softmax(logits, cfg.top_k)
+        return h, Routing(experts, weights.astype(h.dtype), logits)
     return h, route(h, lp["router"], cfg.top_k, cfg.norm_topk_prob, lp.get("router_bias"))
 
 
@@ -185,6 +224,9 @@ def force_routing(cfg: ModelConfig, routing: Routing, forced: jax.Array) -> Rout
     if cfg.scoring == "sigmoid":
         weights = sigmoid_weights(routing.logits, experts, SigmoidRouting.of(cfg))
         return Routing(experts, weights, routing.logits)
+    if cfg.scoring == "topk_softmax":
+        weights = topk_softmax_weights(routing.logits, experts)
+        return Routing(experts, weights.astype(routing.weights.dtype), routing.logits)
     weights = jnp.take_along_axis(jax.nn.softmax(routing.logits, axis=-1), experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / ordered_sum(weights, -1, keepdims=True)
@@ -203,9 +245,22 @@ def moe_block(
 ) -> tuple[jax.Array, jax.Array]:
     """Residual MoE FFN (routed + optional gated shared expert); also the selected experts.
     `row_chunks`, `int4_tiles`: see `moe.routed_outputs`."""
+    check_pool(cfg, pool)
     h, routing = route_layer(cfg, lp, x)
-    out = apply_experts(h, routing, pool, slot_row, row_chunks, int4_tiles)
+    out = apply_experts(h, routing, pool, slot_row, row_chunks, int4_tiles, Glu.of(cfg))
     return x + with_shared(cfg, lp, h, out).reshape(x.shape), routing.experts
+
+
+def check_pool(cfg: ModelConfig, pool: ExpertPool) -> None:
+    """ValueError unless `pool` holds what `cfg`'s experts need: their biases exactly where
+    the model has them (a pool without them would compute other experts, silently)."""
+    if cfg.expert_bias != pool.biased:
+        have = "carries" if pool.biased else "lacks"
+        raise ValueError(
+            f"{cfg.family}: the expert pool {have} expert biases (b1, b3, b2) but "
+            f"ModelConfig.expert_bias={cfg.expert_bias}; a pool of dequantized experts made on "
+            "the host (EngineConfig dequant='host') does not carry them yet: use "
+            "dequant='device'")
 
 
 def with_shared(cfg: ModelConfig, lp: Params, h: jax.Array, out: jax.Array) -> jax.Array:
@@ -225,19 +280,26 @@ def lm_head(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     return einsum_f32("...d,vd->...v", h, w)
 
 
-def causal_attention(cfg, lp, x, positions):
+def causal_attention(cfg, lp, x, positions, layer=None):
     """The attention half of a layer over a whole prefix (residual included), with its k, v
-    (MLA: the latent and the rope key)."""
-    o, k, v = attention_heads(cfg, lp, x, positions)
-    return linear(o, lp, "wo", x), k, v
+    (MLA: the latent and the rope key); `layer`: see `attention_heads`."""
+    o, k, v = attention_heads(cfg, lp, x, positions, layer)
+    return out_projection(cfg, lp, o, x), k, v
 
 
-def attention_heads(cfg, lp, x, positions):
-    """Causal attention of a whole prefix before wo: (wo's input [B, T, Q], k, v)."""
+def attention_heads(cfg, lp, x, positions, layer=None):
+    """Causal attention of a whole prefix before wo: (wo's input [B, T, Q], k, v). `layer`:
+    the decoder layer (over `total_layers`), which a model with sliding layers needs."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q, k, v = project(cfg, lp, h, positions)
     t = x.shape[1]
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
+    if cfg.layer_windows() is None:
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (x.shape[0], t, t))
+    elif layer is None:
+        raise ValueError(f"{cfg.family}: layers {cfg.sliding_layers} attend over a sliding "
+                         "window; attention_heads needs the layer")
+    else:
+        mask = attention_mask(cfg, positions, t, layer)
     return attend_cached(cfg, lp, q, k, v, mask), k, v
 
 
@@ -260,7 +322,8 @@ def fuse_qkv(lp: Params) -> Params:
 def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, layer, row):
     """Write the chunk's cache entries into the stacked cache (`ModelConfig.cache_shapes`;
     chunk row b into cache row `row[b]`, or row b when `row` is None) at `positions` [B, T]
-    (out of range: dropped) and attend over layer `layer`'s cache; residual included. Returns
+    (out of range: dropped) and attend over layer `layer`'s cache (a sliding layer over the
+    last `sliding_window` positions of it: `attention_mask`); residual included. Returns
     (x, k_all, v_all)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
     q, k, v = project(cfg, lp, h, positions)
@@ -275,9 +338,10 @@ def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, l
     else:  # a padding row (past the capacity) reads the last row, and its output is dropped
         own = jnp.minimum(row, k_all.shape[1] - 1)
         kc, vc = k_all[layer, own], v_all[layer, own]
-    mask = jnp.arange(kc.shape[1])[None, None, :] <= positions[:, :, None]
+    mask = attention_mask(cfg, positions, kc.shape[1], layer)
     lengths = positions[:, 0] + 1 if t == 1 else None  # a decode step (or riders)
-    return linear(attend_cached(cfg, lp, q, kc, vc, mask, lengths), lp, "wo", x), k_all, v_all
+    o = attend_cached(cfg, lp, q, kc, vc, mask, lengths)
+    return out_projection(cfg, lp, o, x), k_all, v_all
 
 
 # --- experts from the tiers (docs/design.md, "The step") ---------------------------------------
@@ -332,18 +396,18 @@ def _own(plan: StepPlan, owner_row: jax.Array | None) -> jax.Array | bool:
     return owner_row == jax.lax.axis_index(plan.expert_axis)
 
 
-def _resident_experts(plan: StepPlan, h, routing, pool, page_row):
+def _resident_experts(plan: StepPlan, h, routing, pool, page_row, glu: Glu):
     """Every pick from its slot; over an expert axis, each device's own experts' picks (the
     others are -1 in its page row), joined by a sum in which each pick has one term."""
     picks = routed_outputs(h, routing, pool, jnp.maximum(page_row, 0), page_row >= 0,
-                           plan.row_chunks, plan.int4_tiles)
+                           plan.row_chunks, plan.int4_tiles, glu)
     if plan.expert_axis is not None:
         picks = jax.lax.psum(picks, plan.expert_axis)
     return combine_routed(routing, picks).astype(h.dtype)
 
 
 def _offload_picks(plan: StepPlan, h, routing, pool, host, slot_of, missing, host_row, half,
-                   after=None):
+                   glu: Glu, after=None):
     """The layer's picks [N, k, D] float32 in passes: pass p copies the p-th group of
     `staging` misses into staging half `half` and computes them (pass 0 also every expert
     that already has a slot); each pick is filled by exactly one pass, so the sum is the
@@ -366,7 +430,8 @@ def _offload_picks(plan: StepPlan, h, routing, pool, host, slot_of, missing, hos
         staged = _slot_row(ids, real, base, e)
         take = (staged >= 0) | ((p == 0) & (slot_of >= 0))
         row = jnp.maximum(jnp.where(staged >= 0, staged, slot_of), 0)
-        out = routed_outputs(h, routing, pool, row, take, plan.row_chunks, plan.int4_tiles)
+        out = routed_outputs(h, routing, pool, row, take, plan.row_chunks, plan.int4_tiles,
+                             glu)
         return pool, jnp.where(take[routing.experts][..., None], out, picks)
 
     picks = jnp.zeros((*routing.experts.shape, h.shape[-1]), jnp.float32)
@@ -404,6 +469,8 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     "fetch"); `forced` [N, k]: replayed picks (`force_routing`; None: the router's).
     Returns (x, pool, the layer's `step.StepRecord` fields)."""
     page_row, host_row, owner_row = rows
+    check_pool(cfg, pool)
+    glu = Glu.of(cfg)
     h, routing = route_layer(cfg, lp, x)
     if forced is not None:
         routing = force_routing(cfg, routing, forced)
@@ -413,7 +480,7 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     zero = jnp.zeros((), jnp.int32)
     fields = {"counts": counts, "experts": routing.experts, "hits": hits}
     if plan.staging == 0:
-        out = _resident_experts(plan, h, routing, pool, page_row)
+        out = _resident_experts(plan, h, routing, pool, page_row, glu)
         fields.update(prefetched=zero, fetched=zero, hosted=zero, issued=zero,
                       disk=jnp.zeros_like(present))
         return x + with_shared(cfg, lp, h, out).reshape(x.shape), pool, fields
@@ -424,6 +491,10 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     missing = mine & (slot_of < 0)
     disk = missing & (host_row < 0)
     prefetched = jnp.sum(mine & (page_row < 0) & (pre_slot >= 0), dtype=jnp.int32)
+    if plan.miss != "fetch" and not expert_kernels.plain(pool, glu):
+        raise ValueError(f"{cfg.family}: StepPlan.miss={plan.miss!r} computes misses in the host "
+                         "kernel, which knows neither expert biases nor another gate yet: use "
+                         "miss='fetch'")
     if plan.miss != "fetch" and host_work is None:
         raise ValueError(f"StepPlan.miss={plan.miss!r} needs Tiers.host_work (misses.HostWork: "
                          "the registered tier-1 views and the rates)")
@@ -433,7 +504,8 @@ def tiered_moe(cfg: ModelConfig, plan: StepPlan, lp: Params, x, pool, host, rows
     if plan.miss != "fetch":
         ticket = misses.host_submit(host_work, hosted, host_row, h, routing.experts, token_live)
     picks, pool, fetched = _offload_picks(plan, h, routing, pool, host, slot_of,
-                                          missing & ~disk & ~hosted, host_row, half, ticket)
+                                          missing & ~disk & ~hosted, host_row, half, glu,
+                                          ticket)
     if ticket is not None:
         picks = misses.host_collect(ticket, hosted, routing.experts, picks)
     issued = jnp.sum(pre_ids >= 0, dtype=jnp.int32)

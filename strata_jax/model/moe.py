@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.ops import expert_kernels
+from strata_jax.ops.expert_kernels import SWIGLU, Glu
 from strata_jax.ops.int4_kernel import Int4Tiles
 from strata_jax.ops.layers import ordered_sum
 from strata_jax.ops.pool import ExpertPool
@@ -75,6 +76,7 @@ def apply_experts(
     slot_of_expert: jax.Array,
     row_chunks: bool | None = None,
     int4_tiles: Int4Tiles | None = None,
+    glu: Glu = SWIGLU,
 ) -> jax.Array:
     """Weighted sum of the selected experts' SwiGLU outputs, reading each active expert once.
 
@@ -83,7 +85,7 @@ def apply_experts(
     several passes (the offload runtime's staging) gives the same bits.
     """
     take = jnp.ones(slot_of_expert.shape, jnp.bool_)
-    picks = routed_outputs(x, routing, pool, slot_of_expert, take, row_chunks, int4_tiles)
+    picks = routed_outputs(x, routing, pool, slot_of_expert, take, row_chunks, int4_tiles, glu)
     return combine_routed(routing, picks).astype(x.dtype)
 
 
@@ -95,6 +97,7 @@ def routed_outputs(
     take: jax.Array,
     row_chunks: bool | None = None,
     int4_tiles: Int4Tiles | None = None,
+    glu: Glu = SWIGLU,
 ) -> jax.Array:
     """Each pick's expert output [N, K, D] float32, for the experts marked in `take` [E] (bool);
     other picks are zero.
@@ -107,38 +110,41 @@ def routed_outputs(
     from the same compiled code whatever else shares its pass. `row_chunks` (default: what
     the kernels' choice) has each Pallas call multiply only the rows routed to its expert;
     `int4_tiles` (default `int4_kernel.int4_tiles_for`) tiles the Mosaic int4 kernel, where it runs.
+    Biased experts and another `glu` (GPT-OSS) take the sorted XLA path: no kernel knows them.
     """
     n, d = x.shape
-    if row_chunks is None and not expert_kernels.use_pallas(n, d, pool.intermediate_size,
-                                                            pool.quantized, x.dtype):
+    if row_chunks is None and not (
+            expert_kernels.plain(pool, glu) and expert_kernels.use_pallas(
+                n, d, pool.intermediate_size, pool.quantized, x.dtype)):
         outputs = _sorted_outputs
     elif row_chunks is None:
         outputs = _chunked_outputs if n > expert_kernels.ROW_TILE else _dense_outputs
     else:
         outputs = _chunked_outputs if row_chunks else _dense_outputs
-    picked = outputs(x, routing, pool, slot_of_expert, take, int4_tiles)
+    picked = outputs(x, routing, pool, slot_of_expert, take, int4_tiles, glu)
     return jnp.where(take[routing.experts][..., None], picked, 0.0)
 
 
-def _dense_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
+def _dense_outputs(x, routing, pool, slot_of_expert, take, int4_tiles, glu=SWIGLU):
     """Every active expert applied to all N rows; picks read out of [C, N, D]."""
     n, num_experts = x.shape[0], slot_of_expert.shape[0]
     capacity = expert_capacity(n, routing.experts.shape[-1], num_experts)
     ids, valid = active_experts(routing.experts, num_experts, capacity, take)
-    outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid, int4_tiles)
+    outputs = expert_kernels.grouped_swiglu(x, slot_of_expert[ids], pool, valid, int4_tiles,
+                                            glu)
     per_expert = ordered_sum(outputs, 1)
     position = jnp.argmax(routing.experts[:, :, None] == ids[None, None, :], axis=-1)
     return per_expert[position, jnp.arange(n)[:, None]]
 
 
-def _chunked_outputs(x, routing, pool, slot_of_expert, take, int4_tiles):
+def _chunked_outputs(x, routing, pool, slot_of_expert, take, int4_tiles, glu=SWIGLU):
     """Each expert applied to its own rows only, in chunks of ROW_TILE rows."""
     chunks = chunk_picks(routing.experts, take, slot_of_expert.shape[0],
                         expert_kernels.ROW_TILE)
     rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[chunks.rows]
     slots = slot_of_expert[jnp.minimum(chunks.expert, slot_of_expert.shape[0] - 1)]
     outputs = ordered_sum(
-        expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid, int4_tiles), 1)
+        expert_kernels.grouped_swiglu(rows, slots, pool, chunks.valid, int4_tiles, glu), 1)
     return outputs[chunks.pick_chunk, chunks.pick_row]
 
 
@@ -149,7 +155,7 @@ a decode step, a row riding along); large enough that a tile's dot is not bound 
 the expert's weights again."""
 
 
-def _sorted_outputs(x, routing, pool, slot_of_expert, take, int4_tiles=None):
+def _sorted_outputs(x, routing, pool, slot_of_expert, take, int4_tiles=None, glu=SWIGLU):
     """Picks sorted by expert (token order within one); each taken expert's weights
     dequantized once, then its rows multiplied SORTED_ROWS at a time in a loop as long as its
     pick count (docs/design.md, "Prefill"). Experts not taken or not picked cost nothing."""
@@ -169,11 +175,13 @@ def _sorted_outputs(x, routing, pool, slot_of_expert, take, int4_tiles=None):
             slot = slot_of_expert[i][None]
             w1, w3, w2 = jax.lax.optimization_barrier(  # dequantized once, not per tile
                 tuple(pool.dense_weights(kind, slot, x.dtype)[0] for kind in ("w1", "w3", "w2")))
+            biases = pool.biases(slot, x.dtype)
+            biases = None if biases is None else tuple(b[0] for b in biases)
 
             def tile(t, out):
                 at = starts[i] + t * r
                 y = expert_kernels.swiglu_xla(jax.lax.dynamic_slice_in_dim(rows, at, r),
-                                              w1, w3, w2)
+                                              w1, w3, w2, biases, glu)
                 mine = (t * r + jnp.arange(r)) < counts[i]  # the rest: the next experts'
                 old = jax.lax.dynamic_slice_in_dim(out, at, r)
                 return jax.lax.dynamic_update_slice_in_dim(

@@ -1,5 +1,5 @@
 """Sigmoid, bias-corrected, group-limited routing: the MoE gate of DeepSeek-V3, GLM-4.5 and
-MiniMax-M2.
+MiniMax-M2; and GPT-OSS's top-k-then-softmax (`route_topk_softmax`).
 
 Each expert's score is the sigmoid of its router logit. Experts are *chosen* by score plus a
 per-expert correction bias (`e_score_correction_bias`), but *weighted* by the unbiased score.
@@ -140,3 +140,17 @@ def group_mask(biased: jax.Array, spec: SigmoidRouting) -> jax.Array:
     _, kept = jax.lax.top_k(rating, spec.topk_group)
     keep = jnp.any(kept[:, :, None] == jnp.arange(spec.n_group)[None, None, :], axis=1)
     return jnp.repeat(keep, size, axis=-1)
+
+
+def route_topk_softmax(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """GPT-OSS's routing: the `top_k` largest logits [N, E] (float32) choose the experts int32
+    [N, k], and the softmax over those k alone weights them, float32 [N, k]."""
+    values, experts = jax.lax.top_k(logits.astype(jnp.float32), top_k)
+    return experts.astype(jnp.int32), jax.nn.softmax(values, axis=-1)
+
+
+def topk_softmax_weights(logits: jax.Array, experts: jax.Array) -> jax.Array:
+    """float32 [N, k] weights of `experts` [N, k] (the router's, or replayed from a trace): the
+    softmax over their logits, bit for bit `route_topk_softmax`'s for the router's own picks."""
+    return jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1),
+                          axis=-1)

@@ -3,7 +3,9 @@
 All compute, for each active slot c, y[c] = (silu(x @ w1[s_c]) * (x @ w3[s_c])) @ w2[s_c],
 reading each slot's weights straight out of the pool (no gathered copy of the experts): a
 Triton kernel for float pools, the Mosaic GPU kernel of `int4_kernel` for packed int4 pools on
-Hopper, and XLA (dequantize + einsum) everywhere else, on the CPU in particular.
+Hopper, and XLA (dequantize + einsum) everywhere else, on the CPU in particular. Experts with
+biases or another gate (GPT-OSS: `Glu`) take the XLA path on every backend: the kernels know
+neither yet.
 """
 
 from __future__ import annotations
@@ -16,9 +18,45 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from strata_jax.formats.config import ModelConfig
 from strata_jax.ops import int4_kernel
 from strata_jax.ops.layers import einsum_f32
 from strata_jax.ops.pool import ExpertPool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Glu:
+    """The gate between an expert's up and down projections (static under jit)."""
+
+    limit: float | None = None
+    """None: SwiGLU, silu(gate) * up. A limit: GPT-OSS's clamped form, gate clamped above at
+    the limit and up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    alpha: float = 1.702
+    """The sigmoid's gain in the clamped form."""
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> Glu:
+        """The gate of `cfg`'s experts (`ModelConfig.swiglu_limit`)."""
+        if cfg.swiglu_limit is None:
+            return SWIGLU
+        return cls(limit=float(cfg.swiglu_limit), alpha=float(cfg.swiglu_alpha))
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        if self.limit is None:
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+SWIGLU = Glu()
+"""silu(gate) * up: every family's but GPT-OSS's."""
+
+
+def plain(pool: ExpertPool, glu: Glu) -> bool:
+    """Whether the kernels take these experts: no biases, the plain SwiGLU gate."""
+    return not pool.biased and glu == SWIGLU
+
 
 PALLAS_MAX_ROWS = 32  # decode shapes; larger row counts take the XLA path
 ROW_TILE = 16  # fewest rows a Triton dot takes; above it, experts get their own rows
@@ -163,21 +201,32 @@ def grouped_swiglu_pallas(x, slots, pool: ExpertPool, tiles: FloatTiles = FloatT
     return partial[:, :, :n0]
 
 
-def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None):
-    """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N)."""
+def grouped_swiglu_xla(x, slots, pool: ExpertPool, valid=None, glu: Glu = SWIGLU):
+    """Same contract (with split_k = 1) via a gather of the active slots and einsums (any N);
+    biased pools add their biases, `glu` gates."""
     w1, w3, w2 = (pool.dense_weights(kind, slots, x.dtype) for kind in ("w1", "w3", "w2"))
     rows = "cnd" if x.ndim == 3 else "nd"
     gate = jnp.einsum(f"{rows},cdf->cnf", x, w1)
     up = jnp.einsum(f"{rows},cdf->cnf", x, w3)
-    y = einsum_f32("cnf,cfd->cnd", jax.nn.silu(gate) * up, w2)[:, None]
+    biases = pool.biases(slots, x.dtype)
+    if biases is not None:
+        gate, up = gate + biases[0][:, None], up + biases[1][:, None]
+    y = einsum_f32("cnf,cfd->cnd", glu(gate, up), w2)
+    if biases is not None:
+        y = y + biases[2].astype(jnp.float32)[:, None]
+    y = y[:, None]
     return y if valid is None else jnp.where(valid[:, None, None, None], y, 0.0)
 
 
-def swiglu_xla(x, w1, w3, w2):
+def swiglu_xla(x, w1, w3, w2, biases=None, glu: Glu = SWIGLU):
     """One expert's SwiGLU of rows x [R, D] [float32 out], the arithmetic of
-    `grouped_swiglu_xla` for weights already in x's dtype."""
-    h = jax.nn.silu(x @ w1) * (x @ w3)
-    return einsum_f32("nf,fd->nd", h, w2)
+    `grouped_swiglu_xla` for weights (and `biases` (b1, b3, b2), or None) already in x's
+    dtype."""
+    gate, up = x @ w1, x @ w3
+    if biases is not None:
+        gate, up = gate + biases[0], up + biases[1]
+    y = einsum_f32("nf,fd->nd", glu(gate, up), w2)
+    return y if biases is None else y + biases[2].astype(jnp.float32)
 
 
 FLOAT_TILES = FloatTiles()
@@ -218,14 +267,15 @@ def use_row_chunks(n: int, d: int, f: int, quantized: bool = False, dtype=jnp.bf
     return n > ROW_TILE and use_pallas(n, d, f, quantized, dtype)
 
 
-def grouped_swiglu(x, slots, pool: ExpertPool, valid=None, int4_tiles=None):
+def grouped_swiglu(x, slots, pool: ExpertPool, valid=None, int4_tiles=None,
+                   glu: Glu = SWIGLU):
     """Partial sums [C, S, N, D] float32 for the active slots (sum over S gives each slot's
-    output; zeros where `valid` [C] is false), by the path `use_pallas` picks. x is [N, D],
-    or [C, N, D] with each entry's own rows. `int4_tiles`: the Mosaic int4 kernel's tiles
-    (default `int4_kernel.int4_tiles_for`)."""
+    output; zeros where `valid` [C] is false), by the path `use_pallas` picks (XLA for
+    biased experts or another `glu`). x is [N, D], or [C, N, D] with each entry's own rows.
+    `int4_tiles`: the Mosaic int4 kernel's tiles (default `int4_kernel.int4_tiles_for`)."""
     d, f = x.shape[-1], pool.intermediate_size
-    if not use_pallas(x.shape[-2], d, f, pool.quantized, x.dtype):
-        return grouped_swiglu_xla(x, slots, pool, valid)
+    if not plain(pool, glu) or not use_pallas(x.shape[-2], d, f, pool.quantized, x.dtype):
+        return grouped_swiglu_xla(x, slots, pool, valid, glu)
     if pool.quantized:
         return int4_kernel.grouped_swiglu_int4(x, slots, pool, valid, int4_tiles)
     return grouped_swiglu_pallas(x, slots, pool, tiles=float_tiles_for(d, f), valid=valid)

@@ -109,11 +109,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array,
     return out if dim == x.shape[-1] else jnp.concatenate([out, x[..., dim:]], axis=-1)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention.
 
-    q [B, T, Hq, hd]; k, v [B, S, Hkv, hd]; mask [B, T, S] (True = may attend).
-    Returns [B, T, Hq * hd].
+    q [B, T, Hq, hd]; k, v [B, S, Hkv, hd]; mask [B, T, S] (True = may attend); `sinks` [Hq]:
+    a learned logit per head that joins the softmax's denominator and mixes no value
+    (GPT-OSS's attention sinks; None: none). Returns [B, T, Hq * hd].
     """
     b, t, hq, hd = q.shape
     hkv = k.shape[2]
@@ -121,6 +123,18 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     scores = einsum_f32("btkgh,bskh->bkgts", qg, k)
     scores = scores * (hd**-0.5)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    else:
+        probs = _softmax_with_sinks(scores, sinks.reshape(hkv, hq // hkv)).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, hq * hd)
+
+
+def _softmax_with_sinks(scores: jax.Array, sinks: jax.Array) -> jax.Array:
+    """softmax over the last axis of scores [B, Hkv, G, T, S] with one more logit per head,
+    sinks [Hkv, G], in the denominator; float32."""
+    sink = sinks.astype(jnp.float32)[None, :, :, None, None]
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores - top)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))

@@ -18,7 +18,8 @@ class ExpertPool(NamedTuple):
     input dim, output-major K-pair nibbles, see docs/quantization.md): w1/w3 uint8 [S, F, D/2],
     w2 uint8 [S, D, F/2], and bf16 scales *_scale [S, in/128, out]. Packed weights may also be
     tile-major, [S, out/r, in/b, r, b/2] (`tile_major`): the same bytes, each r x b tile that
-    one step of the int4 kernel reads stored contiguously.
+    one step of the int4 kernel reads stored contiguously. Biased experts (GPT-OSS,
+    `ModelConfig.expert_bias`) add b1/b3 [S, F] (gate/up) and b2 [S, D] (down), unquantized.
     """
 
     w1: jax.Array
@@ -27,10 +28,24 @@ class ExpertPool(NamedTuple):
     w1_scale: jax.Array | None = None
     w3_scale: jax.Array | None = None
     w2_scale: jax.Array | None = None
+    b1: jax.Array | None = None
+    b3: jax.Array | None = None
+    b2: jax.Array | None = None
 
     @property
     def quantized(self) -> bool:
         return self.w1_scale is not None
+
+    @property
+    def biased(self) -> bool:
+        """Whether the experts carry biases (b1, b3, b2)."""
+        return self.b1 is not None
+
+    def biases(self, slots: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """(b1, b3, b2) of `slots` as [C, F], [C, F], [C, D] in `dtype`; None if unbiased."""
+        if not self.biased:
+            return None
+        return tuple(getattr(self, k)[slots].astype(dtype) for k in ("b1", "b3", "b2"))
 
     @property
     def num_slots(self) -> int:

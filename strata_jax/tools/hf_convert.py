@@ -1,6 +1,6 @@
 """Convert a Hugging Face MoE checkpoint (config.json + safetensors) into the Strata format.
 
-Supported `model_type`s: mixtral, qwen2_moe, qwen3_moe, olmoe. The whole source is checked
+Supported `model_type`s: `hf_families.FAMILIES`. The whole source is checked
 (config fields, tensor names and shapes, read from the safetensors headers) before anything is
 written; then tensors are streamed one layer at a time into a `CheckpointWriter`, and the
 tokenizer files the source has (`tokenizer.TOKENIZER_FILES`) are copied beside them.
@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from strata_jax.formats import fp8, quant
 from strata_jax.formats.checkpoint import (
+    EXPERT_BIASES,
     EXPERT_KINDS,
     FLOAT,
     INT8_MATRICES,
@@ -378,7 +379,11 @@ def _load(source: TensorSource, ref: Ref, dtype: np.dtype) -> np.ndarray:
 def iter_experts(
     source: TensorSource, cfg: ModelConfig, layout: MoeLayout, dtype: np.dtype
 ) -> Iterator[tuple[int, str, np.ndarray]]:
-    """(expert, kind, [in, out] array) for one layer, one expert weight at a time."""
+    """(expert, kind, [in, out] array) for one layer, one expert weight at a time (biased
+    experts: then their biases, `EXPERT_BIASES`)."""
+    if layout.style == "interleaved":
+        yield from _interleaved_experts(source, cfg, layout, dtype)
+        return
     if layout.style == "fused":
         f = cfg.expert_intermediate_size
         gate_up = source.read(f"{layout.prefix}experts.gate_up_proj")
@@ -392,6 +397,24 @@ def iter_experts(
         for kind, hf_kind in zip(EXPERT_KINDS, layout.split_names, strict=True):
             name = f"{layout.prefix}experts.{e}.{hf_kind}.weight"
             yield e, kind, _cast(source.read(name).T, dtype)
+
+
+def _interleaved_experts(
+    source: TensorSource, cfg: ModelConfig, layout: MoeLayout, dtype: np.dtype
+) -> Iterator[tuple[int, str, np.ndarray]]:
+    """GPT-OSS's experts: gate_up_proj [E, D, 2F] holds gate and up in alternate columns
+    (their biases likewise), down_proj [E, F, D]: already [in, out]."""
+    gate_up = source.read(f"{layout.prefix}experts.gate_up_proj")
+    gate_up_bias = source.read(f"{layout.prefix}experts.gate_up_proj_bias")
+    down = source.read(f"{layout.prefix}experts.down_proj")
+    down_bias = source.read(f"{layout.prefix}experts.down_proj_bias")
+    for e in range(cfg.num_experts):
+        yield e, "w1", _cast(np.ascontiguousarray(gate_up[e, :, 0::2]), dtype)
+        yield e, "w3", _cast(np.ascontiguousarray(gate_up[e, :, 1::2]), dtype)
+        yield e, "w2", _cast(np.ascontiguousarray(down[e]), dtype)
+        yield e, "b1", _cast(np.ascontiguousarray(gate_up_bias[e, 0::2]), dtype)
+        yield e, "b3", _cast(np.ascontiguousarray(gate_up_bias[e, 1::2]), dtype)
+        yield e, "b2", _cast(np.ascontiguousarray(down_bias[e]), dtype)
 
 
 def read_hf_config(src: Path) -> dict[str, Any]:
@@ -542,6 +565,9 @@ def _write_int4_experts(
     """
     errors: dict[int, dict[str, float]] = {}
     for e, kind, w in iter_experts(source, cfg, layout, np.dtype(np.float32)):
+        if kind in EXPERT_BIASES:  # biases stay floats
+            writer.write_expert(layer, e, kind, _cast(w, dtype))
+            continue
         stored = np.asarray(_cast(w, dtype), np.float32)
         q = quant.quantize_int4_rtn(stored, name=f"layer {layer} expert {e} {kind}")
         writer.write_expert(layer, e, kind, q.packed)

@@ -2,9 +2,12 @@
 
 Supported: mixtral, qwen2_moe, qwen3_moe, olmoe (softmax routing, GQA), glm4_moe (GQA with
 partial rotary, sigmoid routing with groups, shared experts, dense first layers), minimax_m2
-(GQA with full q/k norm and partial rotary, sigmoid routing) and deepseek_v3 (multi-head latent
-attention, YaRN, grouped sigmoid routing, shared experts, dense first layers). Hugging Face's
-config is the source of truth: every field whose math the model lacks is refused by name.
+(GQA with full q/k norm and partial rotary, sigmoid routing), deepseek_v3 (multi-head latent
+attention, YaRN, grouped sigmoid routing, shared experts, dense first layers) and gpt_oss
+(attention sinks, sliding-window layers, q/k/v/o biases, YaRN, a biased top-k-then-softmax
+router, biased experts with the clamped SwiGLU, their gate and up interleaved in one
+transposed `gate_up_proj`). Hugging Face's config is the source of truth: every field whose
+math the model lacks is refused by name.
 
 Layers: HF layer i < `first_k_dense_replace` is dense-MLP layer i, a later one MoE layer
 i - first_k_dense_replace (`ModelConfig.dense_layers`). The layers past `num_hidden_layers`
@@ -57,6 +60,10 @@ class Family:
     """The correction bias' tensor under the MoE module."""
     shared_module: str = "shared_expert"
     """The shared expert's module under the MoE module."""
+    router: str = "gate"
+    """The router's module under the MoE module."""
+    default_rope: tuple[tuple[str, Any], ...] = ()
+    """The rope parameters transformers assumes where config.json names none."""
 
 
 _PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -86,6 +93,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            intermediate_key="moe_intermediate_size", moe_prefixes=("mlp",),
            split_names=_PROJ_NAMES, qk_norm="none", rope_theta=1e4, rms_eps=1e-6,
            sigmoid=True, shared_module="shared_experts"),
+    Family(name="gpt_oss", experts_keys=("num_local_experts", "num_experts"),
+           intermediate_key="intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="none", rope_theta=150000.0, rms_eps=1e-5,
+           router="router", default_rope=(
+               ("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
+               ("beta_slow", 1.0), ("truncate", False),
+               ("original_max_position_embeddings", 4096))),
 )}
 
 
@@ -140,6 +154,12 @@ def _check_supported(hf: dict[str, Any], fam: Family) -> None:
         _reject(scoring != "sigmoid", "scoring_func", scoring, "MiniMax-M2 routes by sigmoid")
         bias = hf.get("use_routing_bias", True)
         _reject(not bias, "use_routing_bias", bias, "the correction bias is always read")
+    if fam.name == "gpt_oss":
+        types = hf.get("layer_types") or []
+        odd = sorted(set(types) - {"sliding_attention", "full_attention"})
+        _reject(bool(odd), "layer_types", odd, "sliding and full attention are implemented")
+        _reject(len(types) not in (0, hf.get("num_hidden_layers")), "layer_types", types,
+                "one entry per layer")
     if fam.name == "deepseek_v3":
         scoring = hf.get("scoring_func", "sigmoid")
         _reject(scoring != "sigmoid", "scoring_func", scoring, "DeepSeek-V3 routes by sigmoid")
@@ -150,7 +170,7 @@ def _check_supported(hf: dict[str, Any], fam: Family) -> None:
 def _rope(hf: dict[str, Any], fam: Family) -> tuple[float, tuple[tuple[str, float], ...] | None]:
     """(rope_theta, YaRN's fields or None) from transformers-5 `rope_parameters` or the older
     top-level fields and `rope_scaling`."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    params = (hf.get("rope_parameters") or hf.get("rope_scaling") or dict(fam.default_rope))
     if not isinstance(params, dict):
         raise ValueError(f"config.json: rope_parameters={params!r} is not a mapping")
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -241,7 +261,28 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelC
         fields.update(_sigmoid_fields(hf, fam))
     if fam.name == "deepseek_v3":
         fields.update(_mla_fields(hf))
+    if fam.name == "gpt_oss":
+        fields.update(_gpt_oss_fields(hf))
     return ModelConfig(**fields)
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's switches: attention sinks, sliding layers (transformers' alternation, sliding
+    first, where `layer_types` is absent), o bias with the q/k/v ones, the biased router and
+    experts, the clamped SwiGLU."""
+    layers = int(_field(hf, "num_hidden_layers"))
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                      for i in range(layers)]
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = hf.get("sliding_window")
+    _reject(bool(sliding) and not window, "sliding_window", window,
+            "layer_types names sliding layers, which need a window")
+    return dict(scoring="topk_softmax", router_bias=True, attention_sinks=True,
+                o_bias=bool(hf.get("attention_bias", True)),
+                attention_bias=bool(hf.get("attention_bias", True)),
+                sliding_window=int(window) if sliding else None, sliding_layers=sliding,
+                expert_bias=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
 def _sigmoid_fields(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
@@ -293,7 +334,9 @@ class MoeLayout:
     """Where one layer's router and experts live: module prefix and expert storage style."""
 
     prefix: str  # e.g. "model.layers.3.mlp."
-    style: str  # "split": one tensor per (expert, kind); "fused": gate_up_proj + down_proj
+    style: str  # "split": one tensor per (expert, kind); "fused": gate_up_proj + down_proj;
+    # "interleaved": GPT-OSS's [E, in, out] gate_up_proj (gate, up alternating) + down_proj,
+    # each with its bias
     split_names: tuple[str, str, str]
     hf_layer: int  # the HF layer index (MoE layers come after the dense-MLP ones)
 
@@ -308,6 +351,8 @@ _LAYER_HF = {  # under model.layers.N.
     "bq": ("self_attn.q_proj.bias", "copy"),
     "bk": ("self_attn.k_proj.bias", "copy"),
     "bv": ("self_attn.v_proj.bias", "copy"),
+    "bo": ("self_attn.o_proj.bias", "copy"),
+    "sinks": ("self_attn.sinks", "copy"),
     "q_norm": ("self_attn.q_norm.weight", "copy"),
     "k_norm": ("self_attn.k_norm.weight", "copy"),
     "wq_a": ("self_attn.q_a_proj.weight", "T"),
@@ -326,7 +371,8 @@ def _moe_hf(fam: Family) -> dict[str, tuple[str, str]]:
     """Strata param -> (tensor under the MoE module, how) of the family's MoE params."""
     shared = fam.shared_module
     return {
-        "router": ("gate.weight", "T"),
+        "router": (f"{fam.router}.weight", "T"),
+        "router_bias": (f"{fam.router}.bias", "copy"),
         "router_correction": (fam.correction, "copy"),
         "shared_w1": (f"{shared}.gate_proj.weight", "T"),
         "shared_w3": (f"{shared}.up_proj.weight", "T"),
@@ -339,15 +385,29 @@ def detect_layout(fam: Family, names: Container[str], hf_layer: int) -> MoeLayou
     """Pick the MoE module prefix and expert style present for HF layer `hf_layer`."""
     base = f"model.layers.{hf_layer}."
     prefix = next(
-        (f"{base}{p}." for p in fam.moe_prefixes if f"{base}{p}.gate.weight" in names),
+        (f"{base}{p}." for p in fam.moe_prefixes if f"{base}{p}.{fam.router}.weight" in names),
         f"{base}{fam.moe_prefixes[0]}.",
     )
+    if fam.name == "gpt_oss":
+        _refuse_mxfp4(prefix, names)
+        return MoeLayout(prefix, "interleaved", fam.split_names, hf_layer)
     if f"{prefix}experts.gate_up_proj" in names:
         return MoeLayout(prefix, "fused", fam.split_names, hf_layer)
     for split in (fam.split_names, _W_NAMES, _PROJ_NAMES):
         if f"{prefix}experts.0.{split[0]}.weight" in names:
             return MoeLayout(prefix, "split", split, hf_layer)
     return MoeLayout(prefix, "split", fam.split_names, hf_layer)
+
+
+def _refuse_mxfp4(prefix: str, names: Container[str]) -> None:
+    """GPT-OSS as released stores its experts in MXFP4 (`*_blocks` + `*_scales`), which no
+    conversion reads yet (issue 51, point 2)."""
+    blocks = f"{prefix}experts.gate_up_proj_blocks"
+    if blocks in names:
+        raise ValueError(
+            f"tensor {blocks!r}: MXFP4 experts are not supported yet; dequantize them first "
+            "(transformers: from_pretrained(..., quantization_config=Mxfp4Config("
+            "dequantize=True)), then save_pretrained)")
 
 
 def dense_refs(cfg: ModelConfig, fam: Family, layout: MoeLayout) -> dict[str, Ref]:
@@ -376,6 +436,13 @@ def mlp_refs(cfg: ModelConfig, hf_layer: int) -> dict[str, Ref]:
 def expert_tensors(cfg: ModelConfig, layout: MoeLayout) -> dict[str, tuple[int, ...]]:
     """HF expert tensor names of one layer -> their expected HF shapes."""
     d, f, n = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+    if layout.style == "interleaved":
+        return {
+            f"{layout.prefix}experts.gate_up_proj": (n, d, 2 * f),
+            f"{layout.prefix}experts.gate_up_proj_bias": (n, 2 * f),
+            f"{layout.prefix}experts.down_proj": (n, f, d),
+            f"{layout.prefix}experts.down_proj_bias": (n, d),
+        }
     if layout.style == "fused":
         return {
             f"{layout.prefix}experts.gate_up_proj": (n, 2 * f, d),

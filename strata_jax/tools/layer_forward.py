@@ -22,6 +22,7 @@ from strata_jax.formats.checkpoint import CheckpointReader
 from strata_jax.formats.config import ModelConfig
 from strata_jax.model import decoder as mdl
 from strata_jax.model.moe import ExpertPool
+from strata_jax.ops.expert_kernels import SWIGLU, Glu
 from strata_jax.ops.layers import rms_norm
 
 SEQ_BATCH = 16  # calibration sequences per jitted forward call
@@ -73,16 +74,18 @@ def mlp_outputs(cfg: ModelConfig, lp: Params, x_mid: np.ndarray) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def attention_out(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """wo's input [B, T, Q] for residual stream x (the model's own attention)."""
-    return mdl.attention_heads(cfg, lp, x, positions)[0]
+def attention_out(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array,
+                  layer: int | None = None) -> jax.Array:
+    """wo's input [B, T, Q] for residual stream x (the model's own attention); `layer`: the
+    decoder layer (over `total_layers`), whose window a model with sliding layers needs."""
+    return mdl.attention_heads(cfg, lp, x, positions, layer)[0]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
 def _attention_residual(
-    cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array
+    cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, layer: int | None = None
 ) -> jax.Array:
-    return mdl.causal_attention(cfg, lp, x, positions)[0]
+    return mdl.causal_attention(cfg, lp, x, positions, layer)[0]
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -113,9 +116,11 @@ def batched(fn: Callable[[np.ndarray, jax.Array], Any], x: np.ndarray) -> Any:
     return np.concatenate(outs)
 
 
-def attention_residuals(cfg: ModelConfig, lp: Params, x: np.ndarray) -> np.ndarray:
-    """x + attention(x) [N, T, D]: a layer's first half, `model.causal_attention`."""
-    return batched(lambda xb, pos: _attention_residual(cfg, lp, xb, pos), x)
+def attention_residuals(cfg: ModelConfig, lp: Params, x: np.ndarray,
+                        layer: int | None = None) -> np.ndarray:
+    """x + attention(x) [N, T, D]: a layer's first half, `model.causal_attention` (`layer`:
+    see `attention_out`)."""
+    return batched(lambda xb, pos: _attention_residual(cfg, lp, xb, pos, layer), x)
 
 
 def moe_inputs(cfg: ModelConfig, lp: Params, x_mid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,10 +153,17 @@ def mlp_layer_params(reader: CheckpointReader, layer: int) -> Params:
     return fuse_qkv(device_params(reader.read_mlp_layer(layer)))
 
 
-def swiglu_hidden(x: np.ndarray, w1: np.ndarray, w3: np.ndarray) -> np.ndarray:
-    """silu(x @ w1) * (x @ w3) in float32 (the down projection's input)."""
-    gate = x @ w1
-    return (gate * scipy.special.expit(gate)) * (x @ w3)
+def swiglu_hidden(x: np.ndarray, w1: np.ndarray, w3: np.ndarray,
+                  biases: tuple[np.ndarray, np.ndarray] | None = None,
+                  glu: Glu = SWIGLU) -> np.ndarray:
+    """silu(x @ w1) * (x @ w3) in float32 (the down projection's input); biased experts add
+    `biases` (b1, b3) and gate by `glu` (GPT-OSS)."""
+    gate, up = x @ w1, x @ w3
+    if biases is None and glu == SWIGLU:
+        return (gate * scipy.special.expit(gate)) * up
+    if biases is not None:
+        gate, up = gate + biases[0], up + biases[1]
+    return np.asarray(glu(jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32)))
 
 
 def real_rows(a: np.ndarray, rows: np.ndarray | None) -> np.ndarray:

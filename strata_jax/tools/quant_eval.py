@@ -44,6 +44,7 @@ from strata_jax.formats.checkpoint import (
     numpy_dtype,
 )
 from strata_jax.model.moe import ExpertPool
+from strata_jax.ops.expert_kernels import SWIGLU, Glu
 from strata_jax.tools.layer_forward import mlp_layer_params, mlp_outputs
 from strata_jax.tools.quantize import (
     HELDOUT_STREAM,
@@ -252,8 +253,17 @@ def _host_pool(pool: ExpertPool) -> ExpertPool:
     return ExpertPool(*(None if a is None else np.asarray(a) for a in pool))
 
 
-def _swiglu(x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray:
-    return swiglu_hidden(x, w["w1"], w["w3"]) @ w["w2"]
+def _expert_biases(pool: ExpertPool, e: int) -> tuple[np.ndarray, ...] | None:
+    """Expert e's (b1, b3, b2) as float32, or None for unbiased experts."""
+    if not pool.biased:
+        return None
+    return tuple(np.asarray(getattr(pool, k)[e], np.float32) for k in ("b1", "b3", "b2"))
+
+
+def _swiglu(x: np.ndarray, w: dict[str, np.ndarray], biases=None, glu: Glu = SWIGLU) -> np.ndarray:
+    if biases is None:
+        return swiglu_hidden(x, w["w1"], w["w3"], None, glu) @ w["w2"]
+    return swiglu_hidden(x, w["w1"], w["w3"], biases[:2], glu) @ w["w2"] + biases[2]
 
 
 def _rel_err(ref: np.ndarray, got: np.ndarray) -> float:
@@ -262,18 +272,20 @@ def _rel_err(ref: np.ndarray, got: np.ndarray) -> float:
 
 def layer_expert_errors(
     layer: int, h2: np.ndarray, routes: np.ndarray, ref: ExpertPool, ckpt: ExpertPool,
-    min_tokens: int,
+    min_tokens: int, glu: Glu = SWIGLU,
 ) -> list[ExpertError]:  # fmt: skip
-    """Held-out SwiGLU errors of RTN and of the checkpoint for each expert of one layer."""
+    """Held-out SwiGLU errors of RTN and of the checkpoint for each expert of one layer
+    (biased experts with their biases, which neither rounds, and gated by `glu`)."""
     out = []
     for e, rows in enumerate(routed_rows(routes, ref.num_slots)):
         if len(rows) < min_tokens:
             out.append(ExpertError(layer, e, len(rows), None, None))
             continue
-        xe, w = h2[rows], _expert_weights(ref, e)
+        xe, w, b = h2[rows], _expert_weights(ref, e), _expert_biases(ref, e)
         w_rtn = {k: quant.dequantize_int4(quant.quantize_int4_rtn(v)) for k, v in w.items()}
-        f, w_q = _swiglu(xe, w), _expert_weights(ckpt, e)
-        rtn, got = _rel_err(f, _swiglu(xe, w_rtn)), _rel_err(f, _swiglu(xe, w_q))
+        f, w_q = _swiglu(xe, w, b, glu), _expert_weights(ckpt, e)
+        rtn = _rel_err(f, _swiglu(xe, w_rtn, b, glu))
+        got = _rel_err(f, _swiglu(xe, w_q, _expert_biases(ckpt, e), glu))
         out.append(ExpertError(layer, e, len(rows), rtn, got))
     return out
 
@@ -283,7 +295,7 @@ def _through_mlp_layers(cfg, reader: CheckpointReader, x: np.ndarray) -> np.ndar
     with no experts to compare)."""
     for layer in range(cfg.dense_layers):
         lp = mlp_layer_params(reader, layer)
-        x = mlp_outputs(cfg, lp, attention_residuals(cfg, lp, x))
+        x = mlp_outputs(cfg, lp, attention_residuals(cfg, lp, x, layer))
     return x
 
 
@@ -305,13 +317,14 @@ def compare_streamed(
     for layer in range(cfg.num_layers):
         lp_ref, pool_ref = layer_params(ref, layer)
         lp_q, pool_q = layer_params(ckpt, layer)
-        x_ref = attention_residuals(cfg, lp_ref, x_ref)
+        x_ref = attention_residuals(cfg, lp_ref, x_ref, cfg.dense_layers + layer)
         h2, routes = moe_inputs(cfg, lp_ref, x_ref)
         np_ref, np_q = _host_pool(pool_ref), _host_pool(pool_q)
-        errors += layer_expert_errors(layer, h2, routes, np_ref, np_q, min_tokens)
+        errors += layer_expert_errors(layer, h2, routes, np_ref, np_q, min_tokens,
+                                      Glu.of(cfg))
         del h2
         x_ref = moe_outputs(cfg, lp_ref, x_ref, pool_ref, slots)
-        x_q = attention_residuals(cfg, lp_q, x_q)
+        x_q = attention_residuals(cfg, lp_q, x_q, cfg.dense_layers + layer)
         x_q = moe_outputs(cfg, lp_q, x_q, pool_q, slots)
     kls, agree = [], []
     for i in range(0, len(tokens), SEQ_BATCH):

@@ -33,9 +33,10 @@ import numpy as np
 
 from strata_jax.api import fuse_qkv
 from strata_jax.formats import quant
-from strata_jax.formats.checkpoint import CheckpointReader
+from strata_jax.formats.checkpoint import EXPERT_BIASES, CheckpointReader
 from strata_jax.formats.config import ModelConfig
 from strata_jax.model.moe import ExpertPool
+from strata_jax.ops.expert_kernels import Glu
 from strata_jax.tools import gptq
 from strata_jax.tools.layer_forward import (
     Params,
@@ -97,7 +98,7 @@ def quantize_layer(
     dense = reader.read_mtp_layer(mtp) if mtp >= 0 else reader.read_layer_dense(layer)
     state = _LayerState(layer, dict(dense))
     experts = dict(reader.iter_layer_experts(layer))
-    x_mid = _quantize_attention(cfg32, state, x, rows, opts)
+    x_mid = _quantize_attention(cfg32, state, x, rows, opts, cfg32.dense_layers + layer)
     if x is None:
         for names in _SHARED if cfg32.has_shared_expert else ():
             _quantize_matrices(state, names, None, opts)
@@ -123,7 +124,7 @@ def quantize_mlp_layer(
     """Quantize dense-MLP layer `layer` (`ModelConfig.dense_layers`): its attention as a MoE
     layer's, its MLP as a shared expert's. Its log names it layer -1 - `layer`."""
     state = _LayerState(-1 - layer, dict(reader.read_mlp_layer(layer)))
-    x_mid = _quantize_attention(cfg32, state, x, rows, opts)
+    x_mid = _quantize_attention(cfg32, state, x, rows, opts, layer)
     h2 = None
     if x is not None:
         lp = _fused(state)
@@ -148,9 +149,11 @@ def _attention_groups(cfg: ModelConfig) -> tuple[tuple[str, ...], ...]:
 
 
 def _quantize_attention(cfg32: ModelConfig, state: _LayerState, x: np.ndarray | None,
-                        rows: np.ndarray | None, opts: QuantOptions) -> np.ndarray | None:
+                        rows: np.ndarray | None, opts: QuantOptions,
+                        decoder_layer: int) -> np.ndarray | None:
     """int8 of the layer's attention matrices, each fitted to the inputs the partly quantized
-    layer feeds it; returns the attention residuals x + attention(x) (None without x)."""
+    layer feeds it; returns the attention residuals x + attention(x) (None without x).
+    `decoder_layer`: its index over `total_layers` (a sliding layer's window)."""
     groups = (*_attention_groups(cfg32), ("wo",))
     if x is None:
         for names in groups:
@@ -163,10 +166,10 @@ def _quantize_attention(cfg32: ModelConfig, state: _LayerState, x: np.ndarray | 
         _quantize_matrices(state, names, real_rows(h, rows), opts)
         del h
     lp = _fused(state)
-    o = batched(lambda xb, pos: attention_out(cfg32, lp, xb, pos), x)
+    o = batched(lambda xb, pos: attention_out(cfg32, lp, xb, pos, decoder_layer), x)
     _quantize_matrices(state, ("wo",), real_rows(o, rows), opts)
     del o
-    return attention_residuals(cfg32, _fused(state), x)
+    return attention_residuals(cfg32, _fused(state), x, decoder_layer)
 
 
 def _quantize_shared_expert(state: _LayerState, h2: np.ndarray, opts: QuantOptions) -> None:
@@ -209,8 +212,10 @@ def _quantize_experts(
     routes: np.ndarray | None,
     opts: QuantOptions,
 ) -> tuple[dict[str, np.ndarray], list[ExpertQuant]]:
-    """Quantize one layer's experts ([E, in, out] per kind); returns stored arrays + records."""
+    """Quantize one layer's experts ([E, in, out] per kind); returns stored arrays + records.
+    Biased experts keep their biases as they are (floats: `checkpoint.expert_arrays`)."""
     num = cfg.num_experts
+    glu = Glu.of(cfg)
     rows = routed_rows(routes, num) if routes is not None else [np.zeros(0, np.intp)] * num
     if opts.experts == "none":
         records = [ExpertQuant(layer, e, len(rows[e]), ("none",) * 3) for e in range(num)]
@@ -225,7 +230,9 @@ def _quantize_experts(
         w3, m3 = _int4(experts["w3"][e], acc_in, opts, f"{where} w3")
         acc_mid = None
         if use_x:
-            mid = swiglu_hidden(xe, quant.dequantize_int4(w1), quant.dequantize_int4(w3))
+            biases = (experts["b1"][e], experts["b3"][e]) if cfg.expert_bias else None
+            mid = swiglu_hidden(xe, quant.dequantize_int4(w1), quant.dequantize_int4(w3),
+                                biases, glu)
             acc_mid = _accumulate(mid)
         w2, m2 = _int4(experts["w2"][e], acc_mid, opts, f"{where} w2")
         return (w1, w3, w2), ExpertQuant(layer, e, len(rows[e]), (m1, m3, m2))
@@ -239,6 +246,7 @@ def _quantize_experts(
         for i, kind in enumerate(("w1", "w3", "w2"))
         for k, attr in ((kind, "packed"), (f"{kind}_scale", "scales"))
     }
+    out.update({k: experts[k] for k in EXPERT_BIASES if k in experts})
     return out, [r for _, r in done]
 
 

@@ -47,6 +47,7 @@ from strata_jax.formats.checkpoint import (
     CheckpointWriter,
     check_destination,
     dense_layer_shapes,
+    expert_bias_shapes,
     expert_shape,
     global_shapes,
     mlp_layer_shapes,
@@ -55,6 +56,14 @@ from strata_jax.formats.checkpoint import (
 from strata_jax.formats.config import ModelConfig
 from strata_jax.formats.tokenizer import byte_level_files
 from strata_jax.tools.synth_train import check_trainable, train_synthetic
+
+_GPT_OSS = dict(
+    attention_bias=True, o_bias=True, attention_sinks=True, sliding_window=128,
+    scoring="topk_softmax", router_bias=True,
+    expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, rope_theta=150000.0,
+    rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 32.0),
+                  ("original_max_position_embeddings", 4096), ("truncate", False)),
+    rms_eps=1e-5, dtype="bfloat16", max_position=131072)  # the two sizes' common fields
 
 SHAPES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -108,6 +117,17 @@ SHAPES: dict[str, ModelConfig] = {
         expert_intermediate_size=1536, scoring="sigmoid", norm_topk_prob=True, rope_theta=5e6,
         rms_eps=1e-6, dtype="bfloat16", max_position=196608,
     ),
+    # GPT-OSS (openai/gpt-oss-20b and -120b): sliding-window (128) and full attention
+    # alternating, sliding first; sinks; q/k/v/o biases; a biased top-k-then-softmax router;
+    # biased experts with the clamped SwiGLU; YaRN x32. `--layers N` keeps the alternation.
+    "gpt-oss-20b": ModelConfig(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,
+        num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, expert_intermediate_size=2880,
+        sliding_layers=tuple(range(0, 24, 2)), **_GPT_OSS),
+    "gpt-oss-120b": ModelConfig(
+        family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64,
+        num_kv_heads=8, head_dim=64, num_experts=128, top_k=4, expert_intermediate_size=2880,
+        sliding_layers=tuple(range(0, 36, 2)), **_GPT_OSS),
 }  # fmt: skip
 
 PIECE = 1 << 22  # elements per independent random stream
@@ -446,7 +466,9 @@ def synth_config(
     if layers is not None:
         if layers < 1:
             raise ValueError(f"--layers must be >= 1, got {layers}")
-        cfg = cfg.replace(num_layers=layers)
+        total = cfg.dense_layers + layers
+        cfg = cfg.replace(num_layers=layers, sliding_layers=tuple(
+            i for i in cfg.sliding_layers if i < total))
     if skew is not None:
         cfg = cfg.replace(router_bias=True)
     return cfg
@@ -455,11 +477,22 @@ def synth_config(
 def checkpoint_bytes(cfg: ModelConfig) -> int:
     """Bytes of all params as the writer stores them."""
     per_layer = sum(map(math.prod, dense_layer_shapes(cfg).values())) + cfg.num_experts * sum(
-        math.prod(expert_shape(cfg, kind)) for kind in EXPERT_KINDS
+        math.prod(shape) for shape in _expert_shapes(cfg).values()
     )
     total = (sum(map(math.prod, global_shapes(cfg).values())) + cfg.num_layers * per_layer
              + cfg.dense_layers * sum(map(math.prod, mlp_layer_shapes(cfg).values())))
     return total * numpy_dtype(cfg.dtype).itemsize
+
+
+def _expert_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One expert's weights and (biased experts) biases."""
+    return {**{k: expert_shape(cfg, k) for k in EXPERT_KINDS}, **expert_bias_shapes(cfg)}
+
+
+def expert_biases(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """One expert's biases (`ModelConfig.expert_bias`): zeros, as every synthetic bias."""
+    dtype = numpy_dtype(cfg.dtype)
+    return {k: np.zeros(shape, dtype) for k, shape in expert_bias_shapes(cfg).items()}
 
 
 def _window(cfg: ModelConfig, workers: int, budget: int | None = None) -> int:
@@ -583,6 +616,11 @@ def _write_all(
             report()
         while generating:
             hand_over()
+        for li in range(cfg.num_layers):
+            for e in range(cfg.num_experts):
+                for kind, array in expert_biases(cfg).items():
+                    writing.append((array.nbytes, writer.write_expert(li, e, kind, array)))
+            report()
         report(wait=True)
     finally:  # on an error, skip the dense layers not started yet
         dense_lane.shutdown(wait=True, cancel_futures=True)
@@ -651,6 +689,9 @@ def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0) -> Mode
         ])
         for kind in EXPERT_KINDS
     }  # fmt: skip
+    shape = (cfg.num_layers, cfg.num_experts)
+    experts.update({k: np.broadcast_to(b, (*shape, *b.shape))
+                    for k, b in expert_biases(cfg).items()})
     mlp = [mlp_layer_params(cfg, seed, i) for i in range(cfg.dense_layers)]
     stacked_mlp = {name: np.stack([lp[name] for lp in mlp]) for name in mlp[0]} if mlp else None
     return from_arrays(cfg, global_params(cfg, seed), stacked, experts, stacked_mlp)

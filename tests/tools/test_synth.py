@@ -47,7 +47,8 @@ def _chunk_hashes(path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("shape", "total", "rel"),
     [("mixtral-8x7b", 46.7e9, 0.01), ("qwen3-30b-a3b", 30.5e9, 0.01), ("seed-125b", 125e9, 0.05),
-     ("deepseek-v3", 671e9, 0.005), ("glm-4.5-air", 106e9, 0.01), ("minimax-m2", 230e9, 0.01)],
+     ("deepseek-v3", 671e9, 0.005), ("glm-4.5-air", 106e9, 0.01), ("minimax-m2", 230e9, 0.01),
+     ("gpt-oss-20b", 20.9e9, 0.01), ("gpt-oss-120b", 116.8e9, 0.01)],
 )
 def test_param_counts(shape: str, total: float, rel: float) -> None:
     assert synth.SHAPES[shape].param_counts()["total"] == pytest.approx(total, rel=rel)
@@ -229,6 +230,26 @@ def test_a_deepseek_shaped_model_is_written_as_synthetic_model_builds_it(tmp_pat
     assert stats.bytes == synth.checkpoint_bytes(cfg.replace(router_bias=True))
     written = strata_jax.load(tmp_path / "ds")
     assert written.config.dense_layers == 1 and written.config.attention == "mla"
+    built = synth.synthetic_model(written.config, alpha=stats.alpha)
+    np.testing.assert_array_equal(strata_jax.logits(written, TOKENS),
+                                  strata_jax.logits(built, TOKENS))
+
+
+def test_a_gpt_oss_shaped_model_keeps_its_alternation_and_expert_biases(tmp_path,
+                                                                       monkeypatch) -> None:
+    """`--layers` keeps the sliding layers it keeps; the expert lane writes the experts'
+    biases: the checkpoint loads to `synthetic_model`'s model, logits for logits."""
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config("gpt_oss", dtype="float32", vocab_size=300, num_layers=3,
+                      sliding_layers=(0, 2))
+    monkeypatch.setitem(synth.SHAPES, "tiny-gpt-oss", cfg)
+    stats = synth.synthesize("tiny-gpt-oss", tmp_path / "go", layers=2, dtype="float32",
+                             skew=0.5, progress=False)
+    written = strata_jax.load(tmp_path / "go")
+    assert written.config.sliding_layers == (0,) and written.config.num_layers == 2
+    assert stats.bytes == synth.checkpoint_bytes(written.config)
+    assert written.experts.b2.shape == (2 * cfg.num_experts, cfg.hidden_size)
     built = synth.synthetic_model(written.config, alpha=stats.alpha)
     np.testing.assert_array_equal(strata_jax.logits(written, TOKENS),
                                   strata_jax.logits(built, TOKENS))
