@@ -268,7 +268,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     # here, not above: CLI start-up
     from strata_runtime.lab.sweep import describe as describe_sweep
-    from strata_runtime.lab.sweep import finish, load_sweep, prepare, run_sweep, runnable
+    from strata_runtime.lab.sweep import load_sweep, prepare, run_sweep, runnable
+    from strata_runtime.lab.sweep_report import finish
 
     sweep = load_sweep(args.sweep, checkpoint=args.checkpoint)
     if args.dry_run:

@@ -8,7 +8,8 @@ import pytest
 
 from strata_runtime.cli.main import main
 from strata_runtime.lab.cost_model import prediction_error, time_split
-from strata_runtime.lab.sweep import SweepError, _progress, _provenance, load_sweep
+from strata_runtime.lab.sweep import SweepError, _progress, load_sweep
+from strata_runtime.lab.sweep_report import _provenance
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "sweeps" / "tiny_ladder.toml"
