@@ -347,8 +347,16 @@ import). Off by default: the autotuner times candidates in each process and keep
 fastest, timing noise picks differently in different processes, and the candidates sum in
 different orders, so fresh processes gave different tokens (docs/design.md, "Measured")."""
 
+TRITON_GEMM = os.environ.get("STRATA_TRITON_GEMM", "1") not in ("", "0")
+"""XLA may emit the step's matmuls as its own Triton GEMM fusions (its default);
+`STRATA_TRITON_GEMM=0` (read at import) sends them to cuBLAS instead. Without the autotuner
+(`AUTOTUNE`) those fusions run one default tiling whatever the shape: a prefill chunk's expert
+tiles ran at a few percent of the GPU's bf16 rate (docs/design.md, "Measured"); cuBLAS picks
+its algorithm by shape alone. Opt-in until measured on the GPU."""
+
 COMPILER_OPTIONS = {"xla_allow_excess_precision": False,
-                    **({} if AUTOTUNE else {"xla_gpu_autotune_level": 0})}
+                    **({} if AUTOTUNE else {"xla_gpu_autotune_level": 0}),
+                    **({} if TRITON_GEMM else {"xla_gpu_enable_triton_gemm": False})}
 """Every program rounds each op to its dtype: left to itself XLA keeps fused bf16
 intermediates in f32, which differs between fusions, so the bits would depend on how the
 program was fused (rolled or not, offloaded or not). Without `AUTOTUNE` every process
