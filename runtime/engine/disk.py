@@ -108,9 +108,10 @@ class ExpertLoader:
 
     def __call__(self, key: Key) -> dict[str, np.ndarray]:
         arrays = {n: self.reader.read_expert(*key, n) for n in self.reader.expert_specs}
-        if self.dequantize:
-            arrays = {n: np.asarray(_dequantize_on_cpu(arrays[n], arrays[f"{n}_scale"]))
-                      for n in ("w1", "w3", "w2")}
+        if self.dequantize:  # the weights dequantized; biases (never quantized) as stored
+            arrays = {n: (np.asarray(_dequantize_on_cpu(a, arrays[f"{n}_scale"]))
+                          if f"{n}_scale" in arrays else a)
+                      for n, a in arrays.items() if not n.endswith("_scale")}
         return as_held(arrays, self.tile)
 
     def attempt(self, key: Key) -> dict[str, np.ndarray] | str:

@@ -258,9 +258,7 @@ def check_pool(cfg: ModelConfig, pool: ExpertPool) -> None:
         have = "carries" if pool.biased else "lacks"
         raise ValueError(
             f"{cfg.family}: the expert pool {have} expert biases (b1, b3, b2) but "
-            f"ModelConfig.expert_bias={cfg.expert_bias}; a pool of dequantized experts made on "
-            "the host (EngineConfig dequant='host') does not carry them yet: use "
-            "dequant='device'")
+            f"ModelConfig.expert_bias={cfg.expert_bias}: a checkpoint of another model?")
 
 
 def with_shared(cfg: ModelConfig, lp: Params, h: jax.Array, out: jax.Array) -> jax.Array:

@@ -128,3 +128,23 @@ def test_host_compute_takes_packed_and_host_dequantized_experts(quantized, host_
     assert engine.counters.hosted > 0 and engine.shares[0].residency.host.quantized
     np.testing.assert_array_equal(tokens, dev_tokens)
     np.testing.assert_allclose(logits, dev_logits, rtol=0, atol=0.02 * np.abs(dev_logits).max())
+
+
+def test_biased_experts_keep_their_biases_dequantized_on_the_host(tmp_path):
+    """GPT-OSS's experts carry biases (never quantized): dequantized on the host they arrive
+    with them, and the offloaded tokens are the resident API's."""
+    import strata_jax
+    from strata_jax.tools.quantize import quantize_checkpoint
+    from tests.helpers import tiny_config, write_checkpoint
+
+    cfg = tiny_config("gpt_oss", hidden_size=128, expert_intermediate_size=128, head_dim=32,
+                      shared_intermediate_size=128, dense_intermediate_size=128)
+    write_checkpoint(cfg, tmp_path / "float", seed=1)
+    quantize_checkpoint(tmp_path / "float", tmp_path / "int4", experts="int4-rtn",
+                        dense="none", progress=False)
+    want = strata_jax.generate(strata_jax.load(tmp_path / "int4"), PROMPTS, 5,
+                               batch_capacity=2, max_len=24)
+    with Engine.from_checkpoint(tmp_path / "int4", EngineConfig(
+            resident_experts=1, batch_capacity=2, max_len=24, dequant="host")) as engine:
+        assert engine.shares[0].residency.host.biased
+        assert engine.generate(PROMPTS, 5) == want
