@@ -16,6 +16,7 @@
 #                           the smallest graph 1, while loops and conditionals captured)
 #   PARTS="prefill"         a 2,048-token prompt: int4 3 GiB and bf16 8 GiB, the ledger's chunk
 #                           and 64-token chunks (the old default)
+#   PARTS="bfprefill"       the 2,048-token prompt, int4 + bf16 dense, HBM_OFF (one row)
 #   PARTS="processes"       the int4 3 GiB B=16 row in PROC_RUNS fresh processes without a
 #                           compilation cache, then once with STRATA_XLA_AUTOTUNE=1
 #   PARTS="gputests"        the GPU tests of the expert paths and the MLA kernel (beside prep)
@@ -38,9 +39,10 @@ echo "user path $(git rev-parse --short HEAD 2>/dev/null) $(date -Is) on" \
   "$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader)"
 strata() { python3 -m strata_runtime.cli "$@"; }
 
-prep() {  # QUANT_ONLY=i8: the int8 copy alone (the shortest preparation)
+prep() {  # QUANT_ONLY=i8 or bf: that copy alone (a shorter preparation)
   [[ -f $CK/config.json ]] || strata synth --shape mixtral-8x7b --layers "$LAYERS" --skew 0.7 "$CK"
-  [[ -f ${CK}_i8/config.json ]] || strata quantize "$CK" "${CK}_i8" --experts int4-rtn --dense int8
+  [[ ${QUANT_ONLY:-} == bf || -f ${CK}_i8/config.json ]] || \
+    strata quantize "$CK" "${CK}_i8" --experts int4-rtn --dense int8
   [[ ${QUANT_ONLY:-} == i8 || -f ${CK}_bf/config.json ]] || \
     strata quantize "$CK" "${CK}_bf" --experts int4-rtn --dense none
   echo "prep done at t=${SECONDS}s"; ls -d "$CK"*
@@ -108,6 +110,9 @@ fi
 if [[ $PARTS == *short-prefill* ]]; then  # the int8 checkpoint only, offloaded and resident
   row "prefill 2K int4+int8 $HBM_OFF" 120 "${CK}_i8" $P2K --hbm "$HBM_OFF"
   row "prefill 2K int4+int8 resident" 120 "${CK}_i8" $P2K  # the same tokens as offloaded
+fi
+if [[ $PARTS == *bfprefill* ]]; then  # int4 + bf16 dense: the 2K prompt at HBM_OFF alone
+  row "prefill 2K int4+bf16 $HBM_OFF" 120 "${CK}_bf" $P2K --hbm "$HBM_OFF"
 fi
 if [[ $PARTS == *short-processes* ]]; then
   for run in 1 2; do
