@@ -17,6 +17,8 @@
 #   PARTS="prefill"         a 2,048-token prompt: int4 3 GiB and bf16 8 GiB, the ledger's chunk
 #                           and 64-token chunks (the old default)
 #   PARTS="bfprefill"       the 2,048-token prompt, int4 + bf16 dense, HBM_OFF (one row)
+#   PARTS="gemmab"          the same with STRATA_TRITON_GEMM=0 then 1 (cuBLAS against XLA's
+#                           Triton GEMM fusions), after "exact16"
 #   PARTS="processes"       the int4 3 GiB B=16 row in PROC_RUNS fresh processes without a
 #                           compilation cache, then once with STRATA_XLA_AUTOTUNE=1
 #   PARTS="gputests"        the GPU tests of the expert paths and the MLA kernel (beside prep)
@@ -149,6 +151,12 @@ if [[ $PARTS == *exact16* ]]; then
   STRATA_COMPILE_CACHE=off row "bf16+int4 resident B=16 (exact)" 120 "${CK}_bf" $B16 --repeats 1
   STRATA_COMPILE_CACHE=off row "bf16+int4 $HBM_OFF B=16 (exact)" 120 "${CK}_bf" $B16 --repeats 1 \
     --hbm "$HBM_OFF"
+fi
+if [[ $PARTS == *gemmab* ]]; then  # the 2K prompt, int4 + bf16 dense, XLA's Triton GEMMs or cuBLAS
+  for tg in 0 1; do
+    STRATA_TRITON_GEMM=$tg row "prefill 2K int4+bf16 $HBM_OFF, STRATA_TRITON_GEMM=$tg" 100 \
+      "${CK}_bf" $P2K --hbm "$HBM_OFF"
+  done
 fi
 if [[ $PARTS == *pprofile* ]]; then
   echo "== t=${SECONDS}s: prefill profile"
