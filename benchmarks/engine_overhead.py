@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import device_gaps, host_event_times
@@ -31,10 +32,12 @@ from strata_runtime.engine.config import EngineConfig
 from strata_runtime.engine.offload import Engine
 from strata_runtime.lab.bench import hardware_fingerprint
 
-VARIANTS = ("plain", "plain_sync", "keywords", "record", "read_behind", "engine_step")
+VARIANTS = ("plain", "plain_sync", "two_steps", "keywords", "record", "read_behind",
+            "engine_step")
 """The raw loop's variants, each adding one thing the engine does around its program call
 (so the one that costs shows as a jump): the call alone; the call then a wait for its
-tokens (no step queued behind another); with the engine's keyword arguments
+tokens (no step queued behind another); two decode steps in one program (ms per step: whether
+the host's cost is per call or per kernel); with the engine's keyword arguments
 (`resume=None, forced=None`); the record packed and both it and the tokens copied to the
 host asynchronously; those read one step behind (the scheduler's pipelining); the engine's
 own `step` and `read` (heat, policy, counters; no scheduler)."""
@@ -45,9 +48,12 @@ def _program_ms(engine: Engine, steps: int, variant: str = "plain") -> float:
     in one of the `VARIANTS`."""
     if variant == "engine_step":
         return _engine_step_ms(engine, steps)
-    program = engine._decode
+    program = _two_steps if variant == "two_steps" else engine._decode
+    if variant == "two_steps":
+        steps //= 2
     args = (engine.cfg, engine.plan, engine.params)
-    keywords = {} if variant == "plain" else {"resume": None, "forced": None}
+    keywords = ({} if variant in ("plain", "plain_sync", "two_steps")
+                else {"resume": None, "forced": None})
     state, behind = engine.state, None
     calls = []
 
@@ -77,8 +83,20 @@ def _program_ms(engine: Engine, steps: int, variant: str = "plain") -> float:
         state, out, behind = one(state, behind)
     jax.block_until_ready(out.tokens)
     engine.state = state
-    CALL_MS[variant] = 1e3 * float(np.mean(calls[3:]))
-    return 1e3 * (time.perf_counter() - t0) / steps
+    per = 2 if variant == "two_steps" else 1
+    CALL_MS[variant] = 1e3 * float(np.mean(calls[3:])) / per
+    return 1e3 * (time.perf_counter() - t0) / steps / per
+
+
+def _two(cfg, plan, params, pool, tiers, state):
+    """Two decode steps of the engine's program in one (a resident plan: no pool returned)."""
+    state, first, _ = step_programs.decode_step(cfg, plan, params, pool, tiers, state)
+    state, second, pool = step_programs.decode_step(cfg, plan, params, pool, tiers, state)
+    return state, second.replace(tokens=jnp.stack([first.tokens, second.tokens])), pool
+
+
+_two_steps = jax.jit(_two, static_argnames=("cfg", "plan"), donate_argnames=("state",),
+                     compiler_options=step_programs.COMPILER_OPTIONS)
 
 
 CALL_MS: dict[str, float] = {}
