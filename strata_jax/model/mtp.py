@@ -37,6 +37,16 @@ def last_hidden(cfg: ModelConfig, params: dict[str, Any], pool: ExpertPool, tier
     return out["every"]
 
 
+def mtp_input(cfg: ModelConfig, mtp: dict[str, jax.Array], embedded: jax.Array,
+              hidden: jax.Array) -> jax.Array:
+    """The module's decoder-layer input [..., D]: the next tokens' embeddings `embedded` and
+    the model's `hidden` states, each RMS-normed, concatenated and projected (`eh_proj`). One
+    owner: the module's forward and `strata quantize`'s calibration of it both call it."""
+    e = rms_norm(embedded, mtp["enorm"], cfg.rms_eps)
+    h = rms_norm(hidden, mtp["hnorm"], cfg.rms_eps)
+    return jnp.concatenate([e, h.astype(e.dtype)], axis=-1) @ mtp["eh_proj"]
+
+
 def mtp_logits(cfg: ModelConfig, params: dict[str, Any], mtp: dict[str, jax.Array],
                pool: ExpertPool, hidden: jax.Array, next_tokens: jax.Array) -> jax.Array:
     """float32 logits [B, T, V] of the token after next: `hidden` [B, T, D] the model's
@@ -44,9 +54,7 @@ def mtp_logits(cfg: ModelConfig, params: dict[str, Any], mtp: dict[str, jax.Arra
     dense params (q/k/v fused), `pool` its experts in slots 0..E-1."""
     g = params["params"]
     t = hidden.shape[1]
-    e = rms_norm(g["embed"][next_tokens], mtp["enorm"], cfg.rms_eps)
-    h = rms_norm(hidden, mtp["hnorm"], cfg.rms_eps)
-    x = jnp.concatenate([e, h.astype(e.dtype)], axis=-1) @ mtp["eh_proj"]
+    x = mtp_input(cfg, mtp, g["embed"][next_tokens], hidden)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), next_tokens.shape)
     x, _, _ = causal_attention(cfg, mtp, x, positions)
     x, _ = moe_block(cfg, mtp, x, pool, jnp.arange(cfg.num_experts, dtype=jnp.int32))

@@ -11,7 +11,9 @@ docs/quantization.md):
 
 GPTQ fits each weight to the inputs the quantized model will feed it: calibration sequences
 (`calibration`) are run through the model as it is being quantized, layer by layer
-(`quantize_layer`, on the forward pieces of `layer_forward`). An expert reached by fewer than
+(`quantize_layer`, on the forward pieces of `layer_forward`); the multi-token-prediction
+modules (`ModelConfig.mtp_layers`) on the last MoE layer's output and each position's next
+token, as they run (`mtp.mtp_input`). An expert reached by fewer than
 `min_tokens` calibration tokens (default `gptq.default_min_tokens(K)`) is rounded to nearest
 instead, listed in the report and in a `CalibrationWarning` per layer (`quant_report`).
 
@@ -25,8 +27,9 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 from threadpoolctl import threadpool_limits
 from tqdm import tqdm
@@ -38,8 +41,10 @@ from strata_jax.formats.checkpoint import (
     check_destination,
     expert_arrays,
 )
+from strata_jax.formats.config import ModelConfig
 from strata_jax.formats.safe_write import absolute
 from strata_jax.formats.tokenizer import copy_tokenizer_files
+from strata_jax.model.mtp import mtp_input
 from strata_jax.tools.calibration import (
     CALIB_STREAM,
     HELDOUT_STREAM,
@@ -146,6 +151,8 @@ def quantize_checkpoint(
         cal = calibration_tokens(src, spec, cfg, calib_len, mix_random, seed)
         x = np.asarray(globals_["embed"], np.float32)[cal.tokens]
         rows = None if cal.valid.all() else cal.valid.reshape(-1)
+        if cfg.mtp_layers:  # the MTP modules' inputs: each position's next token too
+            mtp_cal = _MtpCalibration(x[:, 1:], cal.valid[:, 1:])
     bar = tqdm(range(cfg.num_layers + cfg.mtp_layers), desc="quantize", unit="layer",
                disable=None if progress is None else not progress)  # fmt: skip
     records: list[ExpertQuant] = []
@@ -163,9 +170,13 @@ def quantize_checkpoint(
             result = quantize_mlp_layer(cfg32, reader, layer, x, opts, rows)
             writer.write_mlp_layer(layer, result.dense)
             x, dense_log = result.x, dense_log + result.dense_log
-        for layer in bar:  # the MoE layers, then the MTP modules (no calibration inputs of
-            mtp = layer - cfg.num_layers  # their own: rounded to nearest)
-            result = quantize_layer(cfg32, reader, layer, None if mtp >= 0 else x, opts, rows)
+        for layer in bar:  # the MoE layers, then the MTP modules on the last layer's output
+            mtp = layer - cfg.num_layers
+            if mtp >= 0 and x is not None:
+                result = quantize_layer(cfg32, reader, layer, mtp_cal.input(
+                    cfg32, reader.read_mtp_layer(mtp), x), opts, mtp_cal.rows)
+            else:
+                result = quantize_layer(cfg32, reader, layer, x, opts, rows)
             if mtp >= 0:
                 writer.write_mtp_layer(mtp, result.dense)
             else:
@@ -189,6 +200,27 @@ def quantize_checkpoint(
         copy_tokenizer_files(reader.path, writer)
         writer.commit()
     return report
+
+
+class _MtpCalibration(NamedTuple):
+    """What an MTP module's calibration reads besides the model's last hidden states: the
+    embeddings of each position's next token [N, T - 1, D], and which positions are real (a
+    position and its next token both: the sequences are right-padded)."""
+
+    embedded: np.ndarray
+    valid: np.ndarray
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        return None if self.valid.all() else self.valid.reshape(-1)
+
+    def input(self, cfg32: ModelConfig, dense: dict[str, np.ndarray], x: np.ndarray
+              ) -> np.ndarray:
+        """The module's decoder-layer input [N, T - 1, D] (`mtp.mtp_input`, its float params
+        `dense`: the norms and `eh_proj` are never quantized) from the last MoE layer's
+        output x [N, T, D], as the module runs on the model it follows."""
+        params = {k: jnp.asarray(dense[k], jnp.float32) for k in ("enorm", "hnorm", "eh_proj")}
+        return np.asarray(mtp_input(cfg32, params, self.embedded, x[:, :-1]), np.float32)
 
 
 def _check_paths(src: Path, dst: Path, overwrite: bool) -> tuple[CheckpointReader, Path]:
