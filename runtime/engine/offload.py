@@ -295,6 +295,8 @@ class Engine:
         self._end_step()
         if self._pending_time[1]:  # a compiling call's host time is its compilation
             self.counters.dispatch_s += dispatch
+            if not (plan.staging or self._disk_possible):  # returned before its program ends
+                self.counters.launch_s += dispatch
             self.counters.host_s += (time.perf_counter() - t0 - dispatch
                                      - (self.counters.wait_s - waited))
         return StepResult(out.tokens, failed, out.logits)

@@ -118,6 +118,9 @@ class EngineStats:
     host_s: float = 0.0  # the engine's own host work in its timed decode steps: the program
     # call and the waits for a step's record left out
     dispatch_s: float = 0.0  # ... the program calls (a call blocks while its program syncs)
+    launch_s: float = 0.0  # ... of which the calls that return before their program ends (no
+    # staging loops, no disk: a resident step), the host running XLA's thunks for it: host time
+    # as serial with the engine's own as host_s is (docs/design.md, "The cost model")
     wait_s: float = 0.0  # ... the waits for a step's record
     recent_steps: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     compile_s: float = 0.0

@@ -33,9 +33,11 @@ overlaps it: docs/design.md, "Disk stalls") and runs again from the stalled laye
 share of a step's layers run again, per step. The binding resource is the one busy longest: hbm
 (t_hbm), compute (t_compute), the host kernel (t_host, "host-compute"), the disk (t_disk) or the
 link (t_copy + t_unused + t_admit), named "pcie" or "host-read" by the slower of the two, or the
-engine (t_engine: its own host work a step, the program call and the waits left out, measured
-by the run, `EngineStats.host_s`; a program call that blocks while its program syncs is not in
-it, and a row whose `engine_dispatch_ms_per_step` nears its step time names that). Not
+engine (t_engine: its own host work a step, measured by the run, `EngineStats.host_s`, with the
+program call where it returns before its program ends, `EngineStats.launch_s`: the host runs
+XLA's thunks of a resident step, serial with the engine's own work; a call that blocks while its
+program syncs is not in it, and a row whose `engine_dispatch_ms_per_step` nears its step time
+names that). Not
 modelled: the KV cache read (pass it in `extra_hbm_bytes`) and the gaps between the step's kernels,
 both held by a measured `dense_read` (`strata_runtime.lab.kernel_rates.dense_kernel_gbps`), host
 round trips (`overhead_s`), the link's and the host kernel's share of DRAM, and layers whose split
@@ -335,7 +337,7 @@ def _decode_inputs(c: Counts, sizes: Sizes, hw: HardwareProfile,
             "admissions": d.admissions / steps, "disk_loads": disk / steps,
             "unused": max(d.issued - d.prefetched, 0) / steps,
             "rerun": d.resumed_layers / (layers * steps) if disk else 0.0,
-            "engine_s": c.host_s / c.decode_steps,
+            "engine_s": (c.host_s + c.launch_s) / c.decode_steps,
             "hidden": d.prefetched / need if need else 0.0,
             # a measured dense rate has the attention's cache reads in it already
             "extra_hbm_bytes": 0.0 if hw.dense_read_gbps else float(sizes.kv_bytes)}

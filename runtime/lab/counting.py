@@ -31,6 +31,8 @@ class Counts:
     """The engine's own host work in its decode steps (`EngineStats.host_s`)."""
     dispatch_s: float = 0.0
     """... its calls of the decode program (`EngineStats.dispatch_s`)."""
+    launch_s: float = 0.0
+    """... of which the calls that return before their program ends (`EngineStats.launch_s`)."""
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     swaps: int = 0
@@ -48,7 +50,7 @@ class Counts:
         c = counters
         return cls(wall_s=wall_s, new_tokens=new_tokens, decode_steps=c.decode_steps,
                    decode_tokens=c.decode_tokens, decode_s=c.decode_s, host_s=c.host_s,
-                   dispatch_s=c.dispatch_s,
+                   dispatch_s=c.dispatch_s, launch_s=c.launch_s,
                    prefill_tokens=c.prefill_tokens, prefill_s=c.prefill_s, swaps=c.swaps,
                    read_ahead=c.read_ahead,
                    decode=dataclasses.replace(c.decode), prefill=dataclasses.replace(c.prefill),

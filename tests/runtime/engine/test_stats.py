@@ -101,3 +101,20 @@ def test_the_prediction_reads_the_decode_steps_alone(run):
             for n in ("disk_loads", "disk_stall_s")}
     mixed_rate = both["disk_loads"] * bpe / both["disk_stall_s"] / 1e9
     assert not np.isclose(inputs["disk_gbps"], mixed_rate, rtol=1e-6)
+
+
+def test_a_resident_steps_call_counts_as_host_launch_time(tmp_path):
+    """A resident decode program returns before it ends, so its call is host work serial with
+    the engine's own (`launch_s`, the cost model's t_engine); a staged one's call is not."""
+    from strata_runtime.engine.config import EngineConfig
+    from strata_runtime.engine.offload import Engine
+    from tests.helpers import tiny_config, write_checkpoint
+
+    write_checkpoint(tiny_config(), tmp_path / "ck", seed=4)
+    for knobs, launches in (({}, True), ({"resident_experts": 2}, False)):
+        with Engine.from_checkpoint(tmp_path / "ck", EngineConfig(
+                batch_capacity=2, max_len=32, **knobs)) as engine:
+            engine.generate([[1, 2, 3]], 6)
+            c = engine.counters
+            assert c.decode_steps > 0 and c.dispatch_s > 0
+            assert (c.launch_s == c.dispatch_s) if launches else c.launch_s == 0

@@ -66,6 +66,10 @@ def test_rows_carry_the_fingerprint_the_seed_and_the_repeats(rows, capsys):
         assert predicted["binding"] in ("hbm", "compute", "pcie", "host-read", "disk", "engine")
         # the engine's own host time a step (measured) paces the loop where it is the longer
         assert predicted["inputs"]["engine_s"] > 0
+        if r["kind"] == "repeat":  # the engine's host work and the calls that return early
+            c = r["counts"]
+            assert predicted["inputs"]["engine_s"] == pytest.approx(
+                (c["host_s"] + c["launch_s"]) / c["decode_steps"])
         assert predicted["step_ms"] >= 1e3 * predicted["inputs"]["engine_s"] * (1 - 1e-9)
         decode = r["counts"]["decode"] if r["kind"] == "repeat" else None
         if decode is not None and decode["disk_loads"]:  # the decode steps' own load rate
