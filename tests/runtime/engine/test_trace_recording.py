@@ -98,3 +98,28 @@ def test_a_trace_of_another_model_is_refused(ckpt, tmp_path):
     with pytest.raises(TraceError, match="other.npz: recorded for 3 layers x 6 experts"):
         Engine.from_checkpoint(ckpt, EngineConfig(batch_capacity=2, max_len=32,
                                                   replay_trace=str(tmp_path / "other.npz")))
+
+
+def test_a_deepseek_runs_trace_is_its_routing_and_replays_its_tokens(tmp_path):
+    """DeepSeek-V3's grouped sigmoid routing (a dense first layer before the MoE layers): the
+    recorded trace holds each request's picks as the resident forward makes them, and
+    replaying it offloaded gives the run's tokens."""
+    ckpt = tmp_path / "ds"
+    write_checkpoint(tiny_config("deepseek_v3"), ckpt, seed=6)
+    prompts = PROMPTS[:2]
+    config = EngineConfig(batch_capacity=2, max_len=32, resident_experts=3,
+                          record_trace=str(tmp_path / "a.npz"))
+    with Engine.from_checkpoint(ckpt, config) as engine:
+        new = engine.generate(prompts, 5)
+    trace = load_trace(tmp_path / "a.npz")
+    refs = routing(strata_jax.load(ckpt), [p + t[:-1] for p, t in zip(prompts, new, strict=True)])
+    for rid, ref in enumerate(refs):
+        got = np.concatenate([trace.experts[lo:hi][trace.requests[lo:hi] == rid]
+                              for lo, hi in zip(trace.offsets[:-1], trace.offsets[1:],
+                                                strict=True)])
+        np.testing.assert_array_equal(np.sort(got, -1),
+                                      np.sort(np.transpose(ref, (1, 0, 2)), -1))
+    replay = EngineConfig(batch_capacity=2, max_len=32, resident_experts=2,
+                          replay_trace=str(tmp_path / "a.npz"))
+    with Engine.from_checkpoint(ckpt, replay) as engine:
+        assert engine.generate(prompts, 5) == new
