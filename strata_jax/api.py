@@ -19,7 +19,7 @@ from strata_jax.batching.resident import ResidentEngine
 from strata_jax.batching.scheduler import Scheduler
 from strata_jax.batching.scoring import loglikelihood
 from strata_jax.batching.text import cut_at_stop
-from strata_jax.formats.checkpoint import CheckpointReader, expert_arrays
+from strata_jax.formats.checkpoint import CheckpointReader, expert_arrays, mixer_counts
 from strata_jax.formats.config import F32_PARAMS, ModelConfig
 from strata_jax.model import decoder as mdl
 from strata_jax.model import mtp as mtp_model
@@ -38,18 +38,21 @@ def from_arrays(
     layers: dict[str, np.ndarray],
     experts: dict[str, np.ndarray],
     mlp_layers: dict[str, np.ndarray] | None = None,
+    mixers: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> Model:
     """Build a resident Model from host arrays.
 
     `layers` maps each MoE layer's dense param name to an array stacked over those layers
-    (`mlp_layers`: the dense-MLP layers', `ModelConfig.dense_layers`); experts are
-    [L, E, in, out] per kind.
+    (`mlp_layers`: the dense-MLP layers', `ModelConfig.dense_layers`; `mixers`: per kind
+    ("attn" / "linear") the token mixers' of a model with linear layers, stacked over that
+    kind's layers); experts are [L, E, in, out] per kind.
     """
     def split(stacked: dict[str, np.ndarray] | None, n: int) -> list[dict[str, np.ndarray]]:
         return [{k: v[i] for k, v in (stacked or {}).items()} for i in range(n)]
 
+    per_layer = {k: split((mixers or {}).get(k), n) for k, n in mixer_counts(config).items()}
     params = dense_params(config, globals_, split(layers, config.num_layers),
-                          split(mlp_layers, config.dense_layers))
+                          split(mlp_layers, config.dense_layers), per_layer)
     return Model(config, params, resident_pool(config, experts), mdl.resident_slot_table(config))
 
 
@@ -63,15 +66,20 @@ def resident_pool(config: ModelConfig, experts: dict[str, np.ndarray]) -> Expert
 def dense_params(
     config: ModelConfig, globals_: dict[str, np.ndarray], layers: list[dict[str, Any]],
     mlp_layers: Sequence[dict[str, Any]] = (),
+    mixers: dict[str, Sequence[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The device param tree of the Flax model (`flax_model.MoEModel`) the step applies:
-    {"params": globals + "layers" (+ "mlp_layers" where the model has dense-MLP layers)},
-    each layer param stacked over its layers (qkv fused)."""
+    {"params": globals + "layers" (+ "mlp_layers" where the model has dense-MLP layers, +
+    "attn_layers" and "linear_layers": `mixers`' token mixers of each kind where it has
+    linear layers)}, each layer param stacked over its layers (qkv fused)."""
     dtype = jnp.dtype(config.dtype)
     params: dict[str, Any] = {k: jnp.asarray(v, dtype) for k, v in globals_.items()}
     params["layers"] = _stacked(config, layers)
     if config.dense_layers:
         params["mlp_layers"] = _stacked(config, mlp_layers)
+    for kind, n in mixer_counts(config).items():
+        if n:
+            params[f"{kind}_layers"] = _stacked(config, (mixers or {})[kind])
     return {"params": params}
 
 
@@ -100,7 +108,9 @@ def read_dense_params(reader: CheckpointReader) -> dict[str, Any]:
     cfg = reader.config
     layers = [reader.read_layer_dense(i) for i in range(cfg.num_layers)]
     mlp = [reader.read_mlp_layer(i) for i in range(cfg.dense_layers)]
-    return dense_params(cfg, reader.read_globals(), layers, mlp)
+    mixers = {k: [reader.read_mixer(k, i) for i in range(n)]
+              for k, n in mixer_counts(cfg).items()}
+    return dense_params(cfg, reader.read_globals(), layers, mlp, mixers)
 
 
 def _held_dtype(v: np.ndarray, dtype):

@@ -12,6 +12,8 @@ from strata_jax.formats.checkpoint import (
     expert_bias_shapes,
     expert_shape,
     global_shapes,
+    mixer_arrays,
+    mixer_counts,
     mlp_layer_shapes,
 )
 from strata_jax.formats.config import ModelConfig
@@ -49,6 +51,11 @@ def tiny_config(family: str = "mixtral", **changes) -> ModelConfig:
                     expert_bias=True, swiglu_limit=1.0,
                     rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 4.0),
                                   ("original_max_position_embeddings", 8), ("truncate", False)))
+    elif family == "qwen3_next":
+        base.update(num_layers=3, linear_layers=(0, 1), qk_norm="head", rotary_dim=4,
+                    attention_gate=True, shared_intermediate_size=16, shared_gate=True,
+                    linear_key_heads=2, linear_value_heads=4, linear_key_dim=8,
+                    linear_value_dim=6, linear_conv_kernel=4)
     base.update(changes)
     return ModelConfig(**base)
 
@@ -86,8 +93,19 @@ def random_mlp_layers(cfg: ModelConfig, seed: int = 0, scale: float = 0.3):
             for k, s in mlp_layer_shapes(cfg).items()}
 
 
+def random_mixers(cfg: ModelConfig, seed: int = 0, scale: float = 0.3):
+    """The token mixers' params of a model with linear layers, per kind stacked over its
+    layers, float32 (none without linear layers)."""
+    rng = np.random.default_rng(seed + 2000)
+    return {kind: {k: (1.0 + 0.1 * rng.normal(size=(n, *s)) if len(s) == 1
+                       else rng.normal(0, scale, (n, *s))).astype(np.float32)
+                   for k, (s, _) in mixer_arrays(cfg, kind).items()}
+            for kind, n in mixer_counts(cfg).items() if n}
+
+
 def random_model(cfg: ModelConfig, seed: int = 0) -> api.Model:
-    return api.from_arrays(cfg, *random_arrays(cfg, seed), random_mlp_layers(cfg, seed))
+    return api.from_arrays(cfg, *random_arrays(cfg, seed), random_mlp_layers(cfg, seed),
+                           random_mixers(cfg, seed))
 
 
 def write_checkpoint(cfg: ModelConfig, dst, seed: int = 0, **writer_kw):
@@ -98,6 +116,9 @@ def write_checkpoint(cfg: ModelConfig, dst, seed: int = 0, **writer_kw):
         w.write_globals(g)
         for i in range(cfg.dense_layers):
             w.write_mlp_layer(i, {k: v[i] for k, v in mlp.items()})
+        for kind, stack in random_mixers(cfg, seed).items():
+            for i in range(mixer_counts(cfg)[kind]):
+                w.write_mixer(kind, i, {k: v[i] for k, v in stack.items()})
         for i in range(cfg.num_layers):
             w.write_layer_dense(i, {k: v[i] for k, v in layers.items()})
             for e in range(cfg.num_experts):

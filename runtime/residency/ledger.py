@@ -29,6 +29,8 @@ from strata_jax.formats.checkpoint import (
     dense_layer_arrays,
     expert_arrays,
     global_shapes,
+    mixer_arrays,
+    mixer_counts,
     mlp_layer_arrays,
     numpy_dtype,
 )
@@ -107,6 +109,7 @@ class ModelBytes:
     top_k: int
     kv_bytes_per_token: int  # the cache of every layer for one token, in the model dtype
     mlp_layers_bytes: int = 0  # the dense-MLP layers before the MoE ones, all of them
+    mixer_bytes: int = 0  # the token mixers stored apart (a model with linear layers), all
 
     def __post_init__(self) -> None:
         if self.bytes_per_expert <= 0 or self.num_layers <= 0 or self.experts_per_layer <= 0:
@@ -114,7 +117,8 @@ class ModelBytes:
 
     @property
     def dense(self) -> int:
-        return self.global_bytes + self.num_layers * self.dense_per_layer + self.mlp_layers_bytes
+        return (self.global_bytes + self.num_layers * self.dense_per_layer
+                + self.mlp_layers_bytes + self.mixer_bytes)
 
     @property
     def num_experts(self) -> int:
@@ -148,8 +152,10 @@ class ModelBytes:
             num_layers=config.num_layers,
             experts_per_layer=config.num_experts,
             top_k=config.top_k,
-            kv_bytes_per_token=config.total_layers * config.cache_width * itemsize,
+            kv_bytes_per_token=config.attention_layers * config.cache_width * itemsize,
             mlp_layers_bytes=config.dense_layers * _nbytes(mlp_layer_arrays(config, quant)),
+            mixer_bytes=sum(n * _nbytes(mixer_arrays(config, kind, quant))
+                            for kind, n in mixer_counts(config).items()),
         )
 
     @classmethod

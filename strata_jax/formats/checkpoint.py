@@ -6,6 +6,9 @@ Layout (see checkpoints/README.md):
     DST/dense/globals/       orbax: embed, lm_head, final_norm
     DST/dense/layer_NNNN/    orbax: MoE layer NNNN's attention, norms, router, shared expert
     DST/dense/mlp_layer_NNNN/  orbax: dense-MLP layer NNNN (the `dense_layers` before them)
+    DST/dense/attn_NNNN/, linear_NNNN/  orbax: a model with linear layers
+                             (`ModelConfig.linear_layers`): the token-mixer params of its
+                             NNNN-th attention layer / Gated DeltaNet layer
     DST/dense/mtp_NNNN/      orbax: multi-token-prediction module NNNN's dense params; its
                              experts are the expert arrays' layer num_layers + NNNN
     DST/experts/{w1,w3,w2}/  zarr3 [layer, expert, in, out], chunk = one (layer, expert)
@@ -37,7 +40,9 @@ from strata_jax.formats import safe_write
 from strata_jax.formats.config import (
     F32_PARAMS,
     ModelConfig,
+    attn_layer_shapes,
     dense_layer_shapes,
+    linear_layer_shapes,
     mlp_layer_shapes,
     mtp_layer_shapes,
 )
@@ -190,6 +195,27 @@ def mlp_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[st
     return _stored(cfg, mlp_layer_shapes(cfg), quant)
 
 
+MIXER_KINDS = ("attn", "linear")
+"""The token-mixer param groups of a model with linear layers: its attention layers' and its
+Gated DeltaNet layers' (`mixer_arrays`)."""
+
+
+def mixer_arrays(cfg: ModelConfig, kind: str,
+                 quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
+    """Stored arrays of one token mixer of `kind` ("attn" / "linear"), as above."""
+    shapes = {"attn": attn_layer_shapes, "linear": linear_layer_shapes}[kind](cfg)
+    return _stored(cfg, shapes, quant)
+
+
+def mixer_counts(cfg: ModelConfig) -> dict[str, int]:
+    """How many token mixers of each kind a checkpoint of `cfg` stores apart (none without
+    linear layers: the attention params are then the MoE layers')."""
+    if not cfg.linear_layers:
+        return {"attn": 0, "linear": 0}
+    linear = len(cfg.linear_layers)
+    return {"attn": cfg.num_layers - linear, "linear": linear}
+
+
 def mtp_layer_arrays(cfg: ModelConfig, quant: dict[str, str] = FLOAT) -> dict[str, ArraySpec]:
     """Stored arrays of one multi-token-prediction module's dense params, as above."""
     return _stored(cfg, mtp_layer_shapes(cfg), quant)
@@ -316,6 +342,7 @@ class CheckpointWriter:
         self._dense_specs = dense_layer_arrays(config, self.quantization)
         self._mlp_specs = mlp_layer_arrays(config, self.quantization)
         self._mtp_specs = mtp_layer_arrays(config, self.quantization)
+        self._mixer_specs = {k: mixer_arrays(config, k, self.quantization) for k in MIXER_KINDS}
         self.extra = extra or {}
         self._target = safe_write.SafeWrite(
             dst, overwrite=overwrite, replaceable=checkpoint_problem, sources=sources)
@@ -335,6 +362,7 @@ class CheckpointWriter:
         self._layers_done: set[int] = set()
         self._mlp_layers_done: set[int] = set()
         self._mtp_done: set[int] = set()
+        self._mixers_done: dict[str, set[int]] = {k: set() for k in MIXER_KINDS}
         self._globals_done = False
         self._checkpointer = ocp.StandardCheckpointer()
         self._experts = {
@@ -400,6 +428,15 @@ class CheckpointWriter:
         with self._lock:
             self._mtp_done.add(index)
 
+    def write_mixer(self, kind: str, index: int, params: dict[str, np.ndarray]) -> None:
+        """The token-mixer params of the `index`-th layer of `kind` ("attn" / "linear") of a
+        model with linear layers."""
+        specs = self._mixer_specs[kind]
+        _check_shapes(_shapes(specs), params, f"{kind} layer {index}")
+        self._save_dense(f"{kind}_{index:04d}", params, {k: v[1] for k, v in specs.items()})
+        with self._lock:
+            self._mixers_done[kind].add(index)
+
     def write_file(self, name: str, data: bytes) -> None:
         """A file beside config.json (the tokenizer's), swapped in with the rest on `commit`."""
         if Path(name).name != name or name in (CONFIG_FILE, MANIFEST_FILE):
@@ -456,11 +493,14 @@ class CheckpointWriter:
         missing_layers = sorted(set(range(cfg.num_layers)) - self._layers_done)
         missing_mlp = sorted(set(range(cfg.dense_layers)) - self._mlp_layers_done)
         missing_mtp = sorted(set(range(cfg.mtp_layers)) - self._mtp_done)
-        if missing_layers or missing_mlp or missing_mtp or not self._globals_done:
+        missing_mixers = {k: sorted(set(range(n)) - self._mixers_done[k])
+                          for k, n in mixer_counts(cfg).items()}
+        if (missing_layers or missing_mlp or missing_mtp or any(missing_mixers.values())
+                or not self._globals_done):
             raise CheckpointError(
                 f"incomplete checkpoint: dense params of MoE layers missing {missing_layers}, "
                 f"dense-MLP layers missing {missing_mlp}, MTP modules missing {missing_mtp}, "
-                f"globals written={self._globals_done}"
+                f"token mixers missing {missing_mixers}, globals written={self._globals_done}"
             )
         expected = ((cfg.num_layers + cfg.mtp_layers) * cfg.num_experts
                     * len(self._expert_specs))
@@ -516,6 +556,8 @@ class CheckpointReader:
         self.dense_specs = dense_layer_arrays(self.config, self.quantization)
         self.mlp_specs = mlp_layer_arrays(self.config, self.quantization)
         self.mtp_specs = mtp_layer_arrays(self.config, self.quantization)
+        self.mixer_specs = {k: mixer_arrays(self.config, k, self.quantization)
+                            for k in MIXER_KINDS}
         manifest = read_json_object(manifest_path)
         require(manifest, "format_version", int, manifest_path)
         self.hashes: dict[str, str] = require(manifest, "expert_chunks", dict, manifest_path)
@@ -544,6 +586,10 @@ class CheckpointReader:
         """Multi-token-prediction module `index`'s dense params (its experts:
         `iter_layer_experts(num_layers + index)`)."""
         return self._dense(f"mtp_{index:04d}", _shapes(self.mtp_specs))
+
+    def read_mixer(self, kind: str, index: int) -> dict[str, np.ndarray]:
+        """The token-mixer params of the `index`-th layer of `kind` (`write_mixer`)."""
+        return self._dense(f"{kind}_{index:04d}", _shapes(self.mixer_specs[kind]))
 
     def expert_store(self, kind: str) -> ts.TensorStore:
         if kind not in self._experts:

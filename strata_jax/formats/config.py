@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "minimax_m2", "deepseek_v3",
-            "gpt_oss")
+            "gpt_oss", "qwen3_next")
 QK_NORMS = ("none", "head", "full")
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 ATTENTIONS = ("gqa", "mla")
@@ -54,6 +54,15 @@ class ModelConfig:
     qk_rope_head_dim). `rotary_dim`: the leading dims of each head that rotate (None: all);
     `rope_interleave`: rotate interleaved pairs (DeepSeek) instead of the two halves.
     `rope_scaling`: YaRN's fields as Hugging Face names them (None: plain RoPE).
+
+    Qwen3-Next's switches: `attention_gate` (the attention output times the sigmoid of a
+    per-head gate projection of the layer input, `wgate`, before wo) and `linear_layers` (the
+    decoder layers that mix tokens by a Gated DeltaNet instead of attention: a short causal
+    convolution, the gated delta rule over a recurrent state [value heads, key dim, value
+    dim] per row, a gated RMSNorm; `model/linear_attention.py`). A model with linear layers
+    keeps its two kinds of token-mixer params apart (`attn_layer_shapes`,
+    `linear_layer_shapes`), stacked over the layers of each kind, and its KV cache covers only
+    the attention layers (`attention_layers`).
 
     `mtp_layers`: multi-token-prediction modules kept in the checkpoint (DeepSeek-V3's and
     GLM-4.5's `num_nextn_predict_layers`): each an MoE decoder layer fed by the projection
@@ -105,6 +114,22 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    attention_gate: bool = False
+    """The attention output is gated per head by sigmoid(h @ wgate) before wo (Qwen3-Next)."""
+    linear_layers: tuple[int, ...] = ()
+    """Decoder layers (over `total_layers`) whose token mixer is a Gated DeltaNet."""
+    linear_conv_kernel: int = 4
+    """Taps of the linear layers' causal depthwise convolution (the conv state keeps one
+    fewer inputs)."""
+    linear_key_heads: int = 0
+    """Query/key heads of a linear layer (each serves linear_value_heads / linear_key_heads
+    value heads)."""
+    linear_value_heads: int = 0
+    """Value heads of a linear layer: one recurrent state [key dim, value dim] each."""
+    linear_key_dim: int = 0
+    """Dims of a linear layer's query and key heads."""
+    linear_value_dim: int = 0
+    """Dims of a linear layer's value heads."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -135,6 +160,27 @@ class ModelConfig:
                      else self.rope_scaling)
             object.__setattr__(self, "rope_scaling", tuple(sorted((str(k), v) for k, v in items)))
         self._check_windows()
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        """`linear_layers` as a sorted tuple of MoE layers, with the head shapes they need."""
+        layers = tuple(sorted({int(i) for i in self.linear_layers}))
+        object.__setattr__(self, "linear_layers", layers)
+        if not layers:
+            return
+        if not self.dense_layers <= layers[0] <= layers[-1] < self.total_layers:
+            raise ValueError(f"linear_layers={layers} must lie in the MoE layers [dense_layers="
+                             f"{self.dense_layers}, total_layers={self.total_layers})")
+        if self.attention != "gqa" or self.sliding_layers or self.dense_layers:
+            raise ValueError("linear_layers are implemented beside GQA attention layers only "
+                             "(no MLA, sliding windows or dense-MLP layers)")
+        heads = (self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+                 self.linear_value_dim, self.linear_conv_kernel)
+        if min(heads) <= 0 or self.linear_value_heads % self.linear_key_heads:
+            raise ValueError(
+                f"linear_layers need positive linear_key_heads, linear_value_heads (a multiple "
+                f"of the key heads), linear_key_dim, linear_value_dim, linear_conv_kernel; got "
+                f"{heads}")
 
     def _check_windows(self) -> None:
         """`sliding_layers` as a sorted tuple (JSON gives a list) of layers that exist, and a
@@ -164,6 +210,38 @@ class ModelConfig:
                      for i in range(self.total_layers))
 
     @property
+    def attention_layers(self) -> int:
+        """Decoder layers that attend over a KV cache (all but the linear ones)."""
+        return self.total_layers - len(self.linear_layers)
+
+    def mixer_slots(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+        """Per MoE layer: whether it is a linear layer, and its index among the layers of its
+        kind (its row of that kind's stacked params and of its state: KV cache or linear
+        states)."""
+        linear = tuple(self.dense_layers + i in self.linear_layers
+                       for i in range(self.num_layers))
+        counts = {True: 0, False: self.dense_layers}
+        slots = []
+        for lin in linear:
+            slots.append(counts[lin])
+            counts[lin] += 1
+        return linear, tuple(slots)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear layer's convolution: its queries, keys and values."""
+        return (2 * self.linear_key_heads * self.linear_key_dim
+                + self.linear_value_heads * self.linear_value_dim)
+
+    def linear_state_shapes(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The linear layers' decode state: the conv state [L_lin, B, kernel - 1, conv dim]
+        (the last inputs of the convolution) and the recurrent state [L_lin, B, value heads,
+        key dim, value dim] (float32)."""
+        n = len(self.linear_layers)
+        return ((n, batch, self.linear_conv_kernel - 1, self.linear_conv_dim),
+                (n, batch, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim))
+
+    @property
     def rope_dim(self) -> int:
         """The dims of each head (MLA: of the shared rope key) that rotate."""
         if self.attention == "mla":
@@ -178,8 +256,9 @@ class ModelConfig:
     def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of the two stacked cache arrays over every layer: GQA's keys and values
         [L, B, S, kv_heads, head_dim]; MLA's latent [L, B, S, 1, kv_lora_rank] and rope key
-        [L, B, S, 1, qk_rope_head_dim] (what decode attends over, docs/design.md, "MLA")."""
-        lead = (self.total_layers, batch, max_len)
+        [L, B, S, 1, qk_rope_head_dim] (what decode attends over, docs/design.md, "MLA");
+        L counts the layers that attend (`attention_layers`)."""
+        lead = (self.attention_layers, batch, max_len)
         if self.attention == "mla":
             return (*lead, 1, self.kv_lora_rank), (*lead, 1, self.qk_rope_head_dim)
         return (*lead, self.num_kv_heads, self.head_dim), (*lead, self.num_kv_heads,
@@ -240,6 +319,11 @@ class ModelConfig:
             per_expert += 2 * self.expert_intermediate_size + d
         routed = self.num_layers * self.num_experts * per_expert
         dense = self.num_layers * per_layer + self.dense_layers * mlp_layer + embed + d
+        if self.linear_layers:
+            lin = sum(math.prod(s) for s in linear_layer_shapes(self).values())
+            attn = sum(math.prod(s) for s in attn_layer_shapes(self).values())
+            dense += len(self.linear_layers) * lin + (self.num_layers - len(
+                self.linear_layers)) * attn
         return {"dense": dense, "routed": routed, "total": dense + routed}
 
 
@@ -274,6 +358,8 @@ def attention_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
         extra["bo"] = (d,)
     if cfg.attention_sinks:
         extra["sinks"] = (cfg.num_heads,)
+    if cfg.attention_gate:
+        extra["wgate"] = (d, q)
     if cfg.qk_norm == "head":
         extra.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
     elif cfg.qk_norm == "full":
@@ -285,6 +371,8 @@ def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of one MoE layer's dense params (the stacked arrays add a leading layer axis)."""
     d = cfg.hidden_size
     core, extra = attention_shapes(cfg)
+    if cfg.linear_layers:  # the token mixers' params are stacked by kind apart
+        core, extra = {"attn_norm": core["attn_norm"]}, {}
     shapes = {"attn_norm": core.pop("attn_norm"), "mlp_norm": (d,), **core,
               "router": (d, cfg.num_experts), **extra}
     if cfg.router_bias:
@@ -297,6 +385,27 @@ def dense_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.shared_gate:
             shapes["shared_gate"] = (d,)
     return shapes
+
+
+def attn_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one attention layer's token-mixer params in a model with linear layers
+    (`ModelConfig.linear_layers`; its input norm stays with the MoE layer's params)."""
+    core, extra = attention_shapes(cfg)
+    core.pop("attn_norm")
+    return {**core, **extra}
+
+
+def linear_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one Gated DeltaNet layer's token-mixer params (`model/linear_attention.py`):
+    the input projection to queries, keys, values and the output gate z (`w_qkvz`, each part
+    head-major), to the update rate b and the decay input a (`w_ba`), the convolution
+    [kernel, conv dim], the decay's `a_log` and `dt_bias` per value head, the gated norm over
+    a value head, and `w_out`."""
+    d, hv = cfg.hidden_size, cfg.linear_value_heads
+    value = hv * cfg.linear_value_dim
+    return {"w_qkvz": (d, cfg.linear_conv_dim + value), "w_ba": (d, 2 * hv),
+            "conv": (cfg.linear_conv_kernel, cfg.linear_conv_dim), "a_log": (hv,),
+            "dt_bias": (hv,), "out_norm": (cfg.linear_value_dim,), "w_out": (value, d)}
 
 
 def mtp_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

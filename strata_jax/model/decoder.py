@@ -298,7 +298,16 @@ def attention_heads(cfg, lp, x, positions, layer=None):
                          "window; attention_heads needs the layer")
     else:
         mask = attention_mask(cfg, positions, t, layer)
-    return attend_cached(cfg, lp, q, k, v, mask), k, v
+    return gate_heads(cfg, lp, h, attend_cached(cfg, lp, q, k, v, mask)), k, v
+
+
+def gate_heads(cfg: ModelConfig, lp: Params, h: jax.Array, o: jax.Array) -> jax.Array:
+    """The attention output o [B, T, Q] times sigmoid(h @ wgate) (Qwen3-Next's output gate,
+    `ModelConfig.attention_gate`; h: the layer's normed input), in float32, rounded once."""
+    if not cfg.attention_gate:
+        return o
+    gate = jax.nn.sigmoid(linear(h, lp, "wgate").astype(jnp.float32))
+    return (o.astype(jnp.float32) * gate).astype(o.dtype)
 
 
 def fuse_qkv(lp: Params) -> Params:
@@ -338,7 +347,7 @@ def cached_attention(cfg: ModelConfig, lp: Params, x, positions, k_all, v_all, l
         kc, vc = k_all[layer, own], v_all[layer, own]
     mask = attention_mask(cfg, positions, kc.shape[1], layer)
     lengths = positions[:, 0] + 1 if t == 1 else None  # a decode step (or riders)
-    o = attend_cached(cfg, lp, q, kc, vc, mask, lengths)
+    o = gate_heads(cfg, lp, h, attend_cached(cfg, lp, q, kc, vc, mask, lengths))
     return out_projection(cfg, lp, o, x), k_all, v_all
 
 

@@ -20,8 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.formats.checkpoint import (
+    MIXER_KINDS,
     dense_layer_arrays,
     global_shapes,
+    mixer_arrays,
+    mixer_counts,
     mlp_layer_arrays,
     numpy_dtype,
 )
@@ -34,6 +37,7 @@ from strata_jax.model.decoder import (
     prefetch,
     tiered_moe,
 )
+from strata_jax.model.linear_attention import gated_delta_net
 from strata_jax.ops.layers import rms_norm
 from strata_jax.ops.pool import ExpertPool
 
@@ -55,6 +59,15 @@ def layer_specs(cfg: ModelConfig, dense: str = "none",
     stored = arrays(cfg, {"dense": dense, "experts": "none"})
     structs = {k: jax.ShapeDtypeStruct(shape, numpy_dtype(dtype))
                for k, (shape, dtype) in stored.items()}
+    return jax.eval_shape(fuse_qkv, structs)
+
+
+@functools.cache
+def mixer_specs(cfg: ModelConfig, kind: str) -> dict[str, jax.ShapeDtypeStruct]:
+    """One token mixer's params of `kind` ("attn" / "linear") in a model with linear layers,
+    as the module declares them (float; q/k/v fused)."""
+    structs = {k: jax.ShapeDtypeStruct(shape, numpy_dtype(dtype))
+               for k, (shape, dtype) in mixer_arrays(cfg, kind).items()}
     return jax.eval_shape(fuse_qkv, structs)
 
 
@@ -95,6 +108,34 @@ def _initializer(name: str, dtype) -> Callable[..., jax.Array]:
     return init
 
 
+def _stacked_init(init: Callable[..., jax.Array], n: int) -> Callable[..., jax.Array]:
+    """`init` drawn for each of n stacked layers (so its fan-in is the layer's)."""
+
+    def stacked(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+        return jax.vmap(lambda k: init(k, shape[1:], dtype))(jax.random.split(key, n))
+
+    return stacked
+
+
+class MixerParams(nn.Module):
+    """The token-mixer params of one kind ("attn" / "linear") of a model with linear layers,
+    stacked over the layers of that kind (`ModelConfig.mixer_slots`); calling it gives them."""
+
+    cfg: ModelConfig
+    """The model's shape and math switches."""
+    kind: str
+    """"attn" or "linear"."""
+
+    def setup(self) -> None:
+        n = mixer_counts(self.cfg)[self.kind]
+        self.stack = {k: self.param(k, _stacked_init(_initializer(k, s.dtype), n),
+                                    (n, *s.shape), s.dtype)
+                      for k, s in mixer_specs(self.cfg, self.kind).items()}
+
+    def __call__(self) -> dict[str, jax.Array]:
+        return dict(self.stack)
+
+
 class LayerCarry(NamedTuple):
     """What one layer hands the next: the residual stream, the stacked caches, the pool and
     the experts it prefetched into the next layer's staging half (-1: none)."""
@@ -115,6 +156,10 @@ class LayerCarry(NamedTuple):
     what the step resumes from (None: no resume compiled)."""
     stalled: jax.Array | None = None
     """bool []: a layer so far routed to an expert found only on disk."""
+    conv: jax.Array | None = None
+    """The linear layers' conv states [L_lin, B, K - 1, C] (None: no linear layers)."""
+    rec: jax.Array | None = None
+    """The linear layers' recurrent states [L_lin, B, Hv, dk, dv] float32."""
 
 
 class LayerRows(NamedTuple):
@@ -160,6 +205,9 @@ class ChunkInputs(NamedTuple):
     """[C] int32: a decode step of the batch's C rows riding along in the same program (row c
     attends over cache row c with its one token at this position; out of range: not riding,
     docs/design.md, "Prefill"), or None: no riders compiled."""
+    mixers: tuple[dict[str, jax.Array], dict[str, jax.Array]] | None = None
+    """The stacked token-mixer params (attention layers', linear layers') of a model with
+    linear layers (`MixerParams`), else None."""
 
 
 class DecoderLayer(nn.Module):
@@ -184,8 +232,7 @@ class DecoderLayer(nn.Module):
         # (docs/design.md, "Measured").
         x_in, positions, token_live = jax.lax.optimization_barrier(
             (x_in, positions, token_live))
-        x, k_all, v_all = _attention(cfg, lp, x_in, positions, carry.k, carry.v,
-                                     rows.layer + cfg.dense_layers, inputs.row)
+        x, carry = _mixer(cfg, lp, x_in, positions, carry, rows.layer, inputs)
         half = rows.layer % 2  # staging half this layer's demand copies use
         x_attn = x
         x, pool, record = tiered_moe(cfg, plan, lp, x, carry.pool, inputs.host,
@@ -199,12 +246,13 @@ class DecoderLayer(nn.Module):
                                      rows.next_page, rows.next_host_page, token_live,
                                      half, last)
         x = jax.lax.optimization_barrier(x)
+        carry = carry._replace(pool=pool, prefetched=pre_ids)
         if skip is None:
-            return LayerCarry(x, k_all, v_all, pool, pre_ids), record
+            return carry._replace(x=x), record
         stall = jnp.any(record["disk"])
         saved = jnp.where(stall & ~carry.stalled, x_in, carry.saved)
-        return LayerCarry(jnp.where(skip, x_in, x), k_all, v_all, pool, pre_ids, saved,
-                          carry.stalled | stall), record
+        return carry._replace(x=jnp.where(skip, x_in, x), saved=saved,
+                              stalled=carry.stalled | stall), record
 
 
 class MLPLayer(nn.Module):
@@ -248,6 +296,56 @@ def _attention(cfg: ModelConfig, lp, x, positions, k_all, v_all, layer, row):
     return jnp.concatenate([x_main, x_ride[:, 0]]), k_all, v_all
 
 
+def _mixer(cfg: ModelConfig, lp, x, positions, carry: LayerCarry, layer, inputs: ChunkInputs
+           ) -> tuple[jax.Array, LayerCarry]:
+    """MoE layer `layer`'s token mixer over the flat stream x (residual included): attention
+    over the cache, or in a model with linear layers the layer's kind (`mixer_slots`) chosen
+    by a `lax.cond`, its params and its state the rows of its kind's stacks."""
+    if not cfg.linear_layers:
+        x, k, v = _attention(cfg, lp, x, positions, carry.k, carry.v,
+                             layer + cfg.dense_layers, inputs.row)
+        return x, carry._replace(k=k, v=v)
+    linear, slots = (jnp.asarray(t) for t in cfg.mixer_slots())
+    slot = slots[layer]
+    attn_stack, linear_stack = inputs.mixers
+
+    def own(stack):
+        return {"attn_norm": lp["attn_norm"], **jax.tree.map(lambda a: a[slot], stack)}
+
+    def attend(ops):
+        x, k, v, conv, rec = ops
+        x, k, v = _attention(cfg, own(attn_stack), x, positions, k, v, slot, inputs.row)
+        return x, k, v, conv, rec
+
+    def delta(ops):
+        x, k, v, conv, rec = ops
+        x, conv, rec = _linear(cfg, own(linear_stack), x, positions, conv, rec, slot,
+                               inputs.row, k.shape[2])
+        return x, k, v, conv, rec
+
+    ops = (x, carry.k, carry.v, carry.conv, carry.rec)
+    if cfg.attention_layers == 0:
+        x, k, v, conv, rec = delta(ops)
+    else:
+        x, k, v, conv, rec = jax.lax.cond(linear[layer], delta, attend, ops)
+    return x, carry._replace(k=k, v=v, conv=conv, rec=rec)
+
+
+def _linear(cfg: ModelConfig, lp, x, positions, conv, rec, slot, row, max_len):
+    """`gated_delta_net` of the chunk's rows (positions[0] [B, T], state rows `row`) and of
+    the riders (positions[1] [C] or None, state row c each) over the flat stream x [N, D]."""
+    main, riders = positions
+    b, t = main.shape
+    x_main, conv, rec = gated_delta_net(cfg, lp, x[: b * t].reshape(b, t, -1), main, conv,
+                                        rec, slot, row, max_len)
+    x_main = x_main.reshape(b * t, -1)
+    if riders is None:
+        return x_main, conv, rec
+    x_ride, conv, rec = gated_delta_net(cfg, lp, x[b * t:, None], riders[:, None], conv, rec,
+                                        slot, None, max_len)
+    return jnp.concatenate([x_main, x_ride[:, 0]]), conv, rec
+
+
 def _resumed(carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
     """(the layer's input, (positions, the riders' positions), live tokens, whether it is
     skipped): a layer before the resume layer is skipped (positions out of range drop its
@@ -262,6 +360,15 @@ def _resumed(carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
     x = jnp.where(rows.layer == first, saved, carry.x)
     positions = jax.tree.map(lambda p: jnp.where(skip, carry.k.shape[2], p), positions)
     return x, positions, inputs.token_live & ~skip, skip
+
+
+def empty_linear_states(cfg: ModelConfig, batch: int) -> tuple[jax.Array, jax.Array] | None:
+    """Zero (conv, recurrent) states of the linear layers for `batch` rows
+    (`ModelConfig.linear_state_shapes`; the recurrent one float32), or None without them."""
+    if not cfg.linear_layers:
+        return None
+    conv, rec = cfg.linear_state_shapes(batch)
+    return jnp.zeros(conv, jnp.dtype(cfg.dtype)), jnp.zeros(rec, jnp.float32)
 
 
 def _next_rows(tree: Any) -> Any:
@@ -297,6 +404,9 @@ class MoEModel(nn.Module):
                           in_axes=(0, nn.broadcast), length=cfg.dense_layers,
                           unroll=self.plan.unroll, check_constancy_invariants=False)
             self.mlp_layers = mlp(cfg, self.dense)
+        if cfg.linear_layers:
+            self.mixers = {k: MixerParams(cfg, k, name=f"{k}_layers")
+                           for k, n in mixer_counts(cfg).items() if n}
 
     def __call__(self, tokens: jax.Array, pool: ExpertPool, tiers: Tiers):
         """Full causal forward of tokens [B, T] through a fresh cache of T positions, every
@@ -306,16 +416,19 @@ class MoEModel(nn.Module):
         k, v = (jnp.zeros(s, jnp.dtype(cfg.dtype)) for s in cfg.cache_shapes(b, t))
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         live = jnp.ones((b * t,), jnp.bool_)
-        logits, (_, _, _, record, _) = self.chunk(tokens, positions, live, pool, tiers, k, v)
+        logits, (_, _, _, record, _, _) = self.chunk(tokens, positions, live, pool, tiers, k,
+                                                     v, lin=empty_linear_states(cfg, b))
         return logits, record
 
     def chunk(self, tokens, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-              v_all, row=None, pick=None, resume=None, forced=None, riders=None, every=False):
+              v_all, row=None, pick=None, resume=None, forced=None, riders=None, every=False,
+              lin=None):
         """Tokens [B, T] at `positions` [B, T] against the caches: embed, `run_layers`, the LM
         head of `pick(x)` (None: every position). `riders`: (tokens [C], positions [C]) of a
-        decode step riding along (`ChunkInputs.riders`). Returns (float32 logits, (k_all,
-        v_all, pool, the record's fields, the saved input to resume from (None without
-        resume))); with riders or `every` the logits are a dict: "picked" (as above),
+        decode step riding along (`ChunkInputs.riders`); `lin`: the linear layers' (conv,
+        recurrent) states (None: no linear layers). Returns (float32 logits, (k_all, v_all,
+        pool, the record's fields, the saved input to resume from (None without resume), the
+        linear states)); with riders or `every` the logits are a dict: "picked" (as above),
         "riders" ([C, V] or None) and "every" (every position's final stream [B, T, D], before
         the norm and the LM head, or None: `step.score_positions` takes its LM head)."""
         b, t = tokens.shape
@@ -323,8 +436,9 @@ class MoEModel(nn.Module):
         ride = None
         if riders is not None:
             ride = (self.globals["embed"][riders[0]], riders[1])
-        x, k_all, v_all, pool, record, saved = self.run_layers(
-            x, positions, token_live, pool, tiers, k_all, v_all, row, resume, forced, ride)
+        x, k_all, v_all, pool, record, saved, lin = self.run_layers(
+            x, positions, token_live, pool, tiers, k_all, v_all, row, resume, forced, ride,
+            lin)
         x_main = x[: b * t].reshape(b, t, -1)
         logits = lm_head(self.cfg, self.globals, x_main if pick is None else pick(x_main))
         if riders is not None or every:
@@ -332,24 +446,31 @@ class MoEModel(nn.Module):
                       "riders": None if riders is None else lm_head(self.cfg, self.globals,
                                                                     x[b * t:]),
                       "every": x_main if every else None}
-        return logits, (k_all, v_all, pool, record, saved)
+        return logits, (k_all, v_all, pool, record, saved, lin)
 
     def run_layers(self, x, positions, token_live, pool: ExpertPool, tiers: Tiers, k_all,
-                   v_all, row=None, resume=None, forced=None, riders=None):
+                   v_all, row=None, resume=None, forced=None, riders=None, lin=None):
         """Every layer over the chunk x [B, T, D] at `positions` [B, T]; `token_live` [N]
         marks tokens whose routing counts (and moves experts); `row` [B]: the cache rows of a
         prefill chunk's rows (None: row b is batch row b); `resume`: (first layer, its input), see
         `ChunkInputs.resume`; `forced` [L, N, k]: replayed picks (-1: the router's; None:
         the router's everywhere); `riders`: (x [C, D], positions [C]) of a decode step riding
-        along. Returns x [N, D] (flat, the riders' last), the caches, the pool, the record's
-        fields (`step.StepRecord`), each [L, ...], and the input of the first layer that
-        stalled on disk (None without resume)."""
+        along; `lin`: the linear layers' (conv, recurrent) states (`empty_linear_states`;
+        None without linear layers). Returns x [N, D] (flat, the riders' last), the caches,
+        the pool, the record's fields (`step.StepRecord`), each [L, ...], the input of the
+        first layer that stalled on disk (None without resume) and the linear states."""
         x = x.reshape(-1, x.shape[-1])
         if riders is not None:
             x = jnp.concatenate([x, riders[0]])
         n = self.cfg.num_layers
+        mixers = None
+        if self.cfg.linear_layers:
+            if lin is None:
+                raise ValueError(f"{self.cfg.family}: a model with linear layers needs their "
+                                 "states (`lin`)")
+            mixers = tuple(self.mixers[k]() if k in self.mixers else {} for k in MIXER_KINDS)
         inputs = ChunkInputs(positions, token_live, tiers.host, row, resume, tiers.host_work,
-                             None if riders is None else riders[1])
+                             None if riders is None else riders[1], mixers)
         if self.cfg.dense_layers:
             (x, k_all, v_all), _ = self.mlp_layers(
                 (x, k_all, v_all), jnp.arange(self.cfg.dense_layers), inputs)
@@ -361,8 +482,11 @@ class MoEModel(nn.Module):
         carry = LayerCarry(x, k_all, v_all, pool, pre0)
         if resume is not None:
             carry = carry._replace(saved=jnp.zeros_like(x), stalled=jnp.zeros((), jnp.bool_))
+        if lin is not None:
+            carry = carry._replace(conv=lin[0], rec=lin[1])
         carry, record = self.layers(carry, rows, inputs)
-        return carry.x, carry.k, carry.v, carry.pool, record, carry.saved
+        lin = None if lin is None else (carry.conv, carry.rec)
+        return carry.x, carry.k, carry.v, carry.pool, record, carry.saved, lin
 
     def _next_router(self) -> dict[str, jax.Array] | None:
         """The stacked router params rolled by one layer, for the next-gate prefetch; None

@@ -30,7 +30,7 @@ import numpy as np
 
 from strata_jax.formats.config import ModelConfig
 from strata_jax.model.decoder import lm_head
-from strata_jax.model.flax_model import MoEModel, model_for
+from strata_jax.model.flax_model import MoEModel, empty_linear_states, model_for
 from strata_jax.ops.pool import ExpertPool
 from strata_jax.step.plan import PREDICTORS, StepPlan, Tiers  # noqa: F401 (re-exported)
 from strata_jax.step.sampling import (
@@ -49,7 +49,9 @@ class DecodeState:
     `tokens` [B] int32: each row's last token, placed at `positions` [B] by the next step;
     `k`, `v`: the cache over every layer (`ModelConfig.cache_shapes`); `live` [B] bool: rows in use
     (others compute on padding, route nothing and move nothing); `sampler`: each row's
-    sampling settings and the tokens its sequence has seen."""
+    sampling settings and the tokens its sequence has seen; `conv`, `rec`: the linear
+    layers' conv and recurrent states (`ModelConfig.linear_state_shapes`; None without linear
+    layers), beside the KV cache of the attention layers."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -57,6 +59,13 @@ class DecodeState:
     v: jax.Array
     live: jax.Array
     sampler: SamplerRows
+    conv: jax.Array | None = None
+    rec: jax.Array | None = None
+
+    @property
+    def lin(self) -> tuple[jax.Array, jax.Array] | None:
+        """The linear layers' (conv, recurrent) states, or None."""
+        return None if self.conv is None else (self.conv, self.rec)
 
     @property
     def max_len(self) -> int:
@@ -190,6 +199,9 @@ def init_state(cfg: ModelConfig, batch: int, max_len: int,
                         k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype),
                         live=jnp.zeros((batch,), jnp.bool_),
                         sampler=greedy_rows(batch, cfg.vocab_size))
+    lin = empty_linear_states(cfg, batch)
+    if lin is not None:
+        state = state.replace(conv=lin[0], rec=lin[1])
     return jax.device_put(state, device or jax.devices()[0])
 
 
@@ -228,11 +240,11 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
     (None when `plan.staging` is 0)). `resume` (with `plan.resume`): run from a layer;
     `forced` [L, B, k] (with `plan.replay`): the replayed picks."""
     positions = jnp.where(state.live, state.positions, state.max_len)[:, None]
-    logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
+    logits, (k, v, pool, record, saved, lin) = model_for(cfg, plan, params).apply(
         params, state.tokens[:, None], positions, state.live, pool, tiers, state.k, state.v,
         pick=lambda x: x[:, 0], method=MoEModel.chunk,
         resume=_resume(cfg, plan, resume, state.tokens.shape[0]),
-        forced=_forced(plan, forced))
+        forced=_forced(plan, forced), lin=state.lin)
     # a row's sequence takes its input token here, not the token it draws: a step whose
     # token the scheduler drops (a row stepped once past its stop id) leaves no trace
     rows = jnp.arange(state.tokens.shape[0])
@@ -244,10 +256,15 @@ def decode_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tier
     nxt = jnp.where(state.live, nxt, state.tokens)
     before = state
     state = state.replace(tokens=nxt, positions=state.positions + state.live.astype(jnp.int32),
-                          k=k, v=v, sampler=sampler)
+                          k=k, v=v, sampler=sampler, **_lin_fields(lin))
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
                      start=_start(plan, before))
     return state, out, pool if plan.staging else None
+
+
+def _lin_fields(lin: tuple[jax.Array, jax.Array] | None) -> dict[str, jax.Array]:
+    """The DecodeState fields of a step's new linear states (none without linear layers)."""
+    return {} if lin is None else {"conv": lin[0], "rec": lin[1]}
 
 
 def _start(plan: StepPlan, state: DecodeState) -> tuple | None:
@@ -283,11 +300,11 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
         riders = riders & state.live
         ride = (state.tokens, jnp.where(riders, state.positions, state.max_len))
         live = jnp.concatenate([live, riders])
-    logits, (k, v, pool, record, saved) = model_for(cfg, plan, params).apply(
+    logits, (k, v, pool, record, saved, lin) = model_for(cfg, plan, params).apply(
         params, tokens, positions, live, pool, tiers, state.k, state.v, row=rows,
         pick=lambda x: x[jnp.arange(r), last], method=MoEModel.chunk, riders=ride,
         every=targets is not None, resume=_resume(cfg, plan, resume, live.shape[0]),
-        forced=_forced(plan, forced))
+        forced=_forced(plan, forced), lin=state.lin)
     before = state
     ridden = None
     heads = logits if isinstance(logits, dict) else {}
@@ -306,7 +323,8 @@ def prefill_step(cfg: ModelConfig, plan: StepPlan, params, pool: ExpertPool, tie
                                  jnp.where(at_last, nxt[:, None], targets))
     state = state.replace(tokens=state.tokens.at[rows].set(nxt, mode="drop"), sampler=sampler,
                           positions=state.positions.at[rows].set(starts + counts, mode="drop"),
-                          live=state.live.at[rows].set(True, mode="drop"), k=k, v=v)
+                          live=state.live.at[rows].set(True, mode="drop"), k=k, v=v,
+                          **_lin_fields(lin))
     out = StepOutput(tokens=nxt, logits=logits, record=StepRecord(**record), saved=saved,
                      start=_start(plan, before), riders=ridden, scores=scores)
     return state, out, pool if plan.staging else None

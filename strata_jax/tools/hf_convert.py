@@ -11,8 +11,11 @@ data), so bfloat16 sources need neither torch nor an upcast: they decode to ml_d
 Block-FP8 sources (DeepSeek-V3 style: config.json's `quantization_config` with `quant_method:
 "fp8"`, each F8_E4M3 weight beside a float32 `<name>_scale_inv` grid, see `formats/fp8.py`)
 convert too: every weight that has a scale grid is dequantized to float32 as it is read, one
-tensor at a time, then stored like a float source's; its grid is checked with the rest. Other
-quantization methods are refused (dequantize them with their own tools first).
+tensor at a time, then stored like a float source's; its grid is checked with the rest. MXFP4
+experts (GPT-OSS as released: `quant_method: "mxfp4"`, each `<name>_blocks` beside its
+`<name>_scales`, see `formats/mxfp4.py`) read as the float tensor `<name>` they encode,
+dequantized exactly. Other quantization methods are refused (dequantize them with their own
+tools first).
 
 `experts="int4-rtn"` / `dense="int8"` quantize while converting, so that a large FP8 model goes
 straight to int4 experts and int8 dense matrices without a float copy on disk. Each weight is
@@ -39,7 +42,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from strata_jax.formats import fp8, quant
+from strata_jax.formats import fp8, mxfp4, quant
 from strata_jax.formats.checkpoint import (
     EXPERT_BIASES,
     EXPERT_KINDS,
@@ -65,6 +68,8 @@ from strata_jax.tools.hf_families import (
     expert_tensors,
     family_of,
     global_refs,
+    mixer_indices,
+    mixer_refs,
     mlp_refs,
     model_config_from_hf,
     mtp_count,
@@ -78,7 +83,9 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 REDOWNLOAD = "re-download or re-export the Hugging Face model"
 # Non-parameter buffers some exporters include; they carry no weights we need.
-IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.|\.inv_freq$")
+IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.|\.inv_freq$|^mtp\.")
+"""Tensors no Strata param reads: rope tables, and Qwen3-Next's MTP module (`mtp.*`, which
+transformers drops on load too)."""
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
@@ -138,10 +145,11 @@ class TensorSource:
     """Every tensor of a HF checkpoint directory, read lazily by name; with `fmt` (the source's
     `quantization_config`), block-FP8 weights are read dequantized."""
 
-    def __init__(self, src: Path, fmt: Fp8Format | None = None) -> None:
+    def __init__(self, src: Path, fmt: Fp8Format | None = None, mxfp4: bool = False) -> None:
         self.src = src
         self.fmt = fmt
         self.files, self.tensors = _scan(src)
+        self.mxfp4 = _mxfp4_pairs(self.tensors, mxfp4)
         self._stack = ExitStack()
         self._handles: dict[Path, BinaryIO] = {}
 
@@ -157,7 +165,12 @@ class TensorSource:
 
     def read(self, name: str) -> np.ndarray:
         """One tensor as a fresh numpy array in its stored dtype (bf16 -> ml_dtypes); an FP8
-        weight dequantized to float32 (exactly: one float32 multiply per element)."""
+        weight dequantized to float32 (exactly: one float32 multiply per element); the float32
+        tensor an MXFP4 pair encodes (exactly: `mxfp4.dequantize_mxfp4`)."""
+        if name in self.mxfp4:
+            blocks, scales = self.mxfp4[name]
+            return mxfp4.dequantize_mxfp4(self._raw(blocks, np.dtype(np.uint8)),
+                                          self._raw(scales, np.dtype(np.uint8)), "float32", name)
         self.check_dtype(name)
         info = self.tensors[name]
         if info.dtype != FP8_DTYPE:
@@ -174,6 +187,8 @@ class TensorSource:
     def check_dtype(self, name: str) -> None:
         """ValueError naming the tensor and its file unless `read` can decode it: a float
         dtype, or F8_E4M3 with a `<name>_scale_inv` grid of the config's block shape."""
+        if name in self.mxfp4:  # its parts were checked when found
+            return
         info = self.tensors[name]
         where = f"tensor {name!r} in {info.file.name}"
         scale = scale_name(name)
@@ -243,23 +258,61 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
 
 
 def fp8_format(hf: dict[str, Any], src: Path) -> Fp8Format | None:
-    """The block-FP8 format of config.json's `quantization_config`, None without one; any
-    other quantization method is refused, naming the field."""
+    """The block-FP8 format of config.json's `quantization_config`, None without one or for
+    MXFP4 (`declares_mxfp4`: its tensors describe themselves); any other quantization method
+    is refused, naming the field."""
     qc = hf.get("quantization_config")
-    if qc is None:
+    if qc is None or declares_mxfp4(hf):
         return None
     where = src / "config.json"
     method = qc.get("quant_method") if isinstance(qc, Mapping) else None
     if method != "fp8":
         raise ValueError(
             f"{where}: quantization_config.quant_method = {method!r} is not supported; "
-            "strata convert hf reads float sources and block-FP8 ones (quant_method 'fp8', "
-            "DeepSeek-V3 style): dequantize the model with its own tools first"
+            "strata convert hf reads float sources, block-FP8 ones (quant_method 'fp8', "
+            "DeepSeek-V3 style) and MXFP4 experts (quant_method 'mxfp4', GPT-OSS): "
+            "dequantize the model with its own tools first"
         )
     try:
         return Fp8Format.from_hf(qc)
     except fp8.Fp8FormatError as e:
         raise fp8.Fp8FormatError(f"{where}: {e}") from e
+
+
+def declares_mxfp4(hf: dict[str, Any]) -> bool:
+    """Whether config.json's `quantization_config` is MXFP4's (GPT-OSS as released)."""
+    qc = hf.get("quantization_config")
+    return isinstance(qc, Mapping) and qc.get("quant_method") == "mxfp4"
+
+
+def _mxfp4_pairs(tensors: dict[str, TensorInfo], declared: bool
+                 ) -> dict[str, tuple[str, str]]:
+    """Each MXFP4 pair `<name>_blocks` + `<name>_scales` of `tensors`, replaced there by the
+    float32 tensor `<name>` it encodes (shape [experts, in, out], `formats/mxfp4.py`): name ->
+    (blocks, scales), the parts kept for reading. A pair's parts are checked here (uint8,
+    matching shapes), naming them."""
+    pairs = {}
+    for blocks in [n for n in tensors if n.endswith(mxfp4.BLOCKS_SUFFIX)]:
+        name = blocks.removesuffix(mxfp4.BLOCKS_SUFFIX)
+        scales, info = name + mxfp4.SCALES_SUFFIX, tensors[blocks]
+        where = f"tensor {blocks!r} in {info.file.name}"
+        if not declared:
+            raise ValueError(f"{where}: MXFP4 blocks, but config.json's quantization_config is "
+                             f"not quant_method 'mxfp4'; {REDOWNLOAD}")
+        if scales not in tensors:
+            raise ValueError(f"{where}: MXFP4 blocks without their scales {scales!r}; "
+                             f"{REDOWNLOAD}")
+        for part in (blocks, scales):
+            if tensors[part].dtype != "U8":
+                raise ValueError(f"tensor {part!r} in {tensors[part].file.name} has dtype "
+                                 f"{tensors[part].dtype}; MXFP4 blocks and scales are U8")
+        try:
+            experts, out, inputs = mxfp4.check_mxfp4(info.shape, tensors[scales].shape, name)
+        except mxfp4.Mxfp4Error as e:
+            raise ValueError(f"{e} (in {info.file.name})") from e
+        tensors[name] = TensorInfo(info.file, "MXFP4", (experts, inputs, out), 0, 0)
+        pairs[name] = (blocks, scales)
+    return pairs
 
 
 def _scan(src: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
@@ -309,7 +362,11 @@ class Plan:
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """Every HF tensor the conversion reads -> its expected shape."""
-        shapes = {r.hf_name: r.hf_shape for r in global_refs(self.config).values()}
+        shapes = {r.hf_name: r.hf_shape
+                  for r in global_refs(self.config, self.family).values()}
+        for layer, _ in mixer_indices(self.config):
+            _, refs = mixer_refs(self.config, self.family, self.config.dense_layers + layer)
+            shapes.update({r.hf_name: r.hf_shape for r in refs.values()})
         for layer in range(self.config.dense_layers):
             shapes.update({r.hf_name: r.hf_shape for r in mlp_refs(self.config, layer).values()})
         for layer, layout in enumerate(self.layouts):  # the MTP modules' too
@@ -347,6 +404,7 @@ def check_source(plan: Plan, source: TensorSource) -> None:
             )
         source.check_dtype(name)
     scales = {scale_name(n) for n in expected if scale_name(n) in source.tensors}
+    scales |= {part for n in expected if n in source.mxfp4 for part in source.mxfp4[n]}
     extra = sorted(
         n for n in source.tensors
         if n not in expected and n not in scales
@@ -370,10 +428,27 @@ def _cast(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _load(source: TensorSource, ref: Ref, dtype: np.dtype) -> np.ndarray:
-    array = _cast(source.read(ref.hf_name), dtype)
+    array = source.read(ref.hf_name)
+    if ref.offset:  # in float32, as transformers adds it
+        array = array.astype(np.float32) + np.float32(ref.offset)
+    array = _cast(array, dtype)
+    if ref.regroup is not None:
+        array = _regrouped(array, ref.regroup)
     if ref.how == "T":
         return np.ascontiguousarray(array.T)
+    if ref.how == "conv":
+        return np.ascontiguousarray(array.reshape(ref.shape[::-1]).T)
     return array.reshape(ref.shape)
+
+
+def _regrouped(array: np.ndarray, regroup: tuple[int, tuple[int, ...], tuple[int, ...]]
+               ) -> np.ndarray:
+    """The rows of `array` [groups * sum(parts), in] as `Ref.regroup` lays them out."""
+    groups, parts, kept = regroup
+    blocks = array.reshape(groups, sum(parts), array.shape[-1])
+    edges = np.cumsum((0, *parts))
+    return np.concatenate([blocks[:, edges[p]:edges[p + 1]].reshape(-1, array.shape[-1])
+                           for p in kept])
 
 
 def iter_experts(
@@ -463,7 +538,7 @@ def convert_hf(
     cfg = model_config_from_hf(hf, dtype)
     quantization = FLOAT if opts is None else opts.storage
     expert_arrays(cfg, quantization)  # the int4 group must fit, before any reading
-    with TensorSource(src, fmt) as source:
+    with TensorSource(src, fmt, declares_mxfp4(hf)) as source:
         plan = Plan.of(hf, cfg, source.tensors)
         cfg = plan.config
         check_source(plan, source)
@@ -506,7 +581,11 @@ def _write_all(
     """Stream every tensor into `writer`, quantized as `opts` asks (None: as floats); returns
     the quantize report's expert records and dense log (empty without `opts`)."""
     cfg, np_dtype = plan.config, numpy_dtype(plan.config.dtype)
-    writer.write_globals({k: _load(source, r, np_dtype) for k, r in global_refs(cfg).items()})
+    writer.write_globals({k: _load(source, r, np_dtype)
+                          for k, r in global_refs(cfg, plan.family).items()})
+    for layer, index in mixer_indices(cfg):
+        kind, refs = mixer_refs(cfg, plan.family, cfg.dense_layers + layer)
+        writer.write_mixer(kind, index, _load_dense(source, cfg, refs))
     records: list[ExpertQuant] = []
     dense_log: DenseLog = []
     for layer in range(cfg.dense_layers):

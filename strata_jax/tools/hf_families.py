@@ -6,7 +6,9 @@ partial rotary, sigmoid routing with groups, shared experts, dense first layers)
 attention, YaRN, grouped sigmoid routing, shared experts, dense first layers) and gpt_oss
 (attention sinks, sliding-window layers, q/k/v/o biases, YaRN, a biased top-k-then-softmax
 router, biased experts with the clamped SwiGLU, their gate and up interleaved in one
-transposed `gate_up_proj`). Hugging Face's config is the source of truth: every field whose
+transposed `gate_up_proj`) and qwen3_next (Gated DeltaNet layers among gated attention layers
+with q/k norm and partial rotary, norms that scale by 1 + weight, a shared expert with its
+sigmoid gate). Hugging Face's config is the source of truth: every field whose
 math the model lacks is refused by name.
 
 Layers: HF layer i < `first_k_dense_replace` is dense-MLP layer i, a later one MoE layer
@@ -27,6 +29,8 @@ from strata_jax.formats.checkpoint import (
     dense_layer_shapes,
     expert_shape,
     global_shapes,
+    mixer_arrays,
+    mixer_counts,
     mlp_layer_shapes,
     mtp_layer_shapes,
 )
@@ -64,6 +68,8 @@ class Family:
     """The router's module under the MoE module."""
     default_rope: tuple[tuple[str, Any], ...] = ()
     """The rope parameters transformers assumes where config.json names none."""
+    norm_offset: float = 0.0
+    """1.0 where HF's RMSNorms scale by 1 + weight (Qwen3-Next): stored as 1 + weight."""
 
 
 _PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -100,6 +106,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                ("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
                ("beta_slow", 1.0), ("truncate", False),
                ("original_max_position_embeddings", 4096))),
+    Family(name="qwen3_next", experts_keys=("num_experts", "num_local_experts"),
+           intermediate_key="moe_intermediate_size", moe_prefixes=("mlp",),
+           split_names=_PROJ_NAMES, qk_norm="head", rope_theta=1e4, rms_eps=1e-6,
+           norm_offset=1.0),
 )}
 
 
@@ -160,11 +170,40 @@ def _check_supported(hf: dict[str, Any], fam: Family) -> None:
         _reject(bool(odd), "layer_types", odd, "sliding and full attention are implemented")
         _reject(len(types) not in (0, hf.get("num_hidden_layers")), "layer_types", types,
                 "one entry per layer")
+    if fam.name == "qwen3_next":
+        _check_qwen3_next(hf)
     if fam.name == "deepseek_v3":
         scoring = hf.get("scoring_func", "sigmoid")
         _reject(scoring != "sigmoid", "scoring_func", scoring, "DeepSeek-V3 routes by sigmoid")
         method = hf.get("topk_method", "noaux_tc")
         _reject(method != "noaux_tc", "topk_method", method, "only noaux_tc routing")
+
+
+def _check_qwen3_next(hf: dict[str, Any]) -> None:
+    step = hf.get("decoder_sparse_step", 1)
+    _reject(step != 1, "decoder_sparse_step", step, "every layer must be an MoE layer")
+    dense = hf.get("mlp_only_layers") or []
+    _reject(bool(dense), "mlp_only_layers", dense, "every layer must be an MoE layer")
+    bias = hf.get("attention_bias", False)
+    _reject(bool(bias), "attention_bias", bias, "q/k/v/o biases are not implemented here")
+    types = _qwen3_next_types(hf)
+    odd = sorted(set(types) - {"linear_attention", "full_attention"})
+    _reject(bool(odd), "layer_types", odd, "linear and full attention are implemented")
+    _reject(len(types) != hf.get("num_hidden_layers"), "layer_types", types,
+            "one entry per layer")
+    shared = hf.get("shared_expert_intermediate_size")
+    _reject(not shared, "shared_expert_intermediate_size", shared,
+            "Qwen3-Next's MoE block always has its gated shared expert")
+
+
+def _qwen3_next_types(hf: dict[str, Any]) -> list[str]:
+    """Each layer's token mixer: `layer_types`, or transformers' pattern of every
+    `full_attention_interval`-th layer attending."""
+    if hf.get("layer_types"):
+        return list(hf["layer_types"])
+    interval = int(hf.get("full_attention_interval") or 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(int(_field(hf, "num_hidden_layers")))]
 
 
 def _rope(hf: dict[str, Any], fam: Family) -> tuple[float, tuple[tuple[str, float], ...] | None]:
@@ -187,11 +226,11 @@ def _rope(hf: dict[str, Any], fam: Family) -> tuple[float, tuple[tuple[str, floa
     return theta, tuple(sorted((k, params[k]) for k in keys if params.get(k) is not None))
 
 
-def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
-    """The rotated dims of a head: MiniMax's `rotary_dim` or `partial_rotary_factor` (None:
-    all of them)."""
+def _rotary_dim(hf: dict[str, Any], head_dim: int, default: float | None = None) -> int | None:
+    """The rotated dims of a head: MiniMax's `rotary_dim` or `partial_rotary_factor`
+    (`default` where neither is named; None: all of them)."""
     params = hf.get("rope_parameters") or {}
-    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
     if hf.get("rotary_dim") is not None:
         dim = int(hf["rotary_dim"])
     elif factor is not None:
@@ -245,7 +284,7 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelC
         clip_qkv=None if clip is None else float(clip),
         rope_theta=theta,
         rope_scaling=scaling,
-        rotary_dim=_rotary_dim(hf, head_dim),
+        rotary_dim=_rotary_dim(hf, head_dim, 0.25 if fam.name == "qwen3_next" else None),
         rms_eps=float(hf.get("rms_norm_eps") or fam.rms_eps),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype or source_dtype(hf),
@@ -263,7 +302,23 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelC
         fields.update(_mla_fields(hf))
     if fam.name == "gpt_oss":
         fields.update(_gpt_oss_fields(hf))
+    if fam.name == "qwen3_next":
+        fields.update(_qwen3_next_fields(hf))
     return ModelConfig(**fields)
+
+
+def _qwen3_next_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's switches: the gated shared expert, the attention output gate, the
+    Gated DeltaNet layers and their head shapes."""
+    linear = tuple(i for i, t in enumerate(_qwen3_next_types(hf)) if t == "linear_attention")
+    return dict(shared_intermediate_size=int(hf["shared_expert_intermediate_size"]),
+                shared_gate=True, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                attention_gate=True, linear_layers=linear,
+                linear_conv_kernel=int(hf.get("linear_conv_kernel_dim") or 4),
+                linear_key_heads=int(_field(hf, "linear_num_key_heads")),
+                linear_value_heads=int(_field(hf, "linear_num_value_heads")),
+                linear_key_dim=int(_field(hf, "linear_key_head_dim")),
+                linear_value_dim=int(_field(hf, "linear_value_head_dim")))
 
 
 def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -314,18 +369,30 @@ def _mla_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Ref:
-    """One Strata param read from one HF tensor: `how` is copy, transpose, or flatten."""
+    """One Strata param read from one HF tensor: `how` is copy, transpose ("T"), flatten, or
+    "conv" (a depthwise conv1d weight [C, 1, K] read as [K, C])."""
 
     hf_name: str
     how: str
     shape: tuple[int, ...]  # the Strata shape
+    regroup: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+    """(groups, part sizes, parts kept) of a "T" matrix whose HF output rows are `groups`
+    blocks of the parts: the kept parts, each over every group, in that order (a fused
+    per-head projection taken apart)."""
+    offset: float = 0.0
+    """Added to the values read (`Family.norm_offset`)."""
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        if self.how == "T" and self.regroup is not None:
+            groups, parts, _ = self.regroup
+            return (groups * sum(parts), self.shape[0])
         if self.how == "T":
             return self.shape[::-1]
         if self.how == "flat":
             return (1, *self.shape)
+        if self.how == "conv":
+            return (self.shape[1], 1, self.shape[0])
         return self.shape
 
 
@@ -388,8 +455,7 @@ def detect_layout(fam: Family, names: Container[str], hf_layer: int) -> MoeLayou
         (f"{base}{p}." for p in fam.moe_prefixes if f"{base}{p}.{fam.router}.weight" in names),
         f"{base}{fam.moe_prefixes[0]}.",
     )
-    if fam.name == "gpt_oss":
-        _refuse_mxfp4(prefix, names)
+    if fam.name == "gpt_oss":  # MXFP4 experts read as the float tensors they encode
         return MoeLayout(prefix, "interleaved", fam.split_names, hf_layer)
     if f"{prefix}experts.gate_up_proj" in names:
         return MoeLayout(prefix, "fused", fam.split_names, hf_layer)
@@ -399,15 +465,24 @@ def detect_layout(fam: Family, names: Container[str], hf_layer: int) -> MoeLayou
     return MoeLayout(prefix, "split", fam.split_names, hf_layer)
 
 
-def _refuse_mxfp4(prefix: str, names: Container[str]) -> None:
-    """GPT-OSS as released stores its experts in MXFP4 (`*_blocks` + `*_scales`), which no
-    conversion reads yet (issue 51, point 2)."""
-    blocks = f"{prefix}experts.gate_up_proj_blocks"
-    if blocks in names:
-        raise ValueError(
-            f"tensor {blocks!r}: MXFP4 experts are not supported yet; dequantize them first "
-            "(transformers: from_pretrained(..., quantization_config=Mxfp4Config("
-            "dequantize=True)), then save_pretrained)")
+_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
+"""The RMSNorm weights that `Family.norm_offset` shifts (not the gated norm of a linear
+layer, which scales by its weight)."""
+
+
+def _offset(fam: Family, name: str) -> float:
+    return fam.norm_offset if name in _NORMS else 0.0
+
+
+def _layer_ref(cfg: ModelConfig, fam: Family, base: str, name: str,
+               shape: tuple[int, ...]) -> Ref:
+    """The HF source of a layer param of `_LAYER_HF` (or the attention gate, which Qwen3-Next
+    keeps per head beside the query in q_proj: [q, gate] per head)."""
+    suffix, how = _LAYER_HF["wq" if name == "wgate" else name]
+    regroup = None
+    if name in ("wq", "wgate") and cfg.attention_gate:
+        regroup = (cfg.num_heads, (cfg.head_dim,) * 2, (int(name == "wgate"),))
+    return Ref(base + suffix, how, shape, regroup, _offset(fam, name))
 
 
 def dense_refs(cfg: ModelConfig, fam: Family, layout: MoeLayout) -> dict[str, Ref]:
@@ -415,15 +490,47 @@ def dense_refs(cfg: ModelConfig, fam: Family, layout: MoeLayout) -> dict[str, Re
     base, moe = f"model.layers.{layout.hf_layer}.", _moe_hf(fam)
     refs = {}
     for name, shape in dense_layer_shapes(cfg).items():
-        if name in _LAYER_HF:
-            suffix, how = _LAYER_HF[name]
-            refs[name] = Ref(base + suffix, how, shape)
+        if name in _LAYER_HF or name == "wgate":
+            refs[name] = _layer_ref(cfg, fam, base, name, shape)
         elif name in moe:
             suffix, how = moe[name]
             refs[name] = Ref(layout.prefix + suffix, how, shape)
         else:
             raise ValueError(f"no Hugging Face source for Strata param {name!r}")
     return refs
+
+
+def mixer_refs(cfg: ModelConfig, fam: Family, hf_layer: int) -> tuple[str, dict[str, Ref]]:
+    """(kind, Strata param -> HF tensor) of the token mixer of HF layer `hf_layer` of a model
+    with linear layers: its gated attention (q_proj's per-head [q, gate] taken apart) or its
+    Gated DeltaNet (the per-key-head [q, k, v, z] and [b, a] of its input projections laid
+    out part-major, `config.linear_layer_shapes`)."""
+    base = f"model.layers.{hf_layer}."
+    if hf_layer not in cfg.linear_layers:
+        return "attn", {name: _layer_ref(cfg, fam, base, name, shape)
+                        for name, (shape, _) in mixer_arrays(cfg, "attn").items()}
+    kh, dk, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    per = cfg.linear_value_heads // kh
+    shapes = {k: v[0] for k, v in mixer_arrays(cfg, "linear").items()}
+    lin = base + "linear_attn."
+    return "linear", {
+        "w_qkvz": Ref(lin + "in_proj_qkvz.weight", "T", shapes["w_qkvz"],
+                      (kh, (dk, dk, per * dv, per * dv), (0, 1, 2, 3))),
+        "w_ba": Ref(lin + "in_proj_ba.weight", "T", shapes["w_ba"], (kh, (per, per), (0, 1))),
+        "conv": Ref(lin + "conv1d.weight", "conv", shapes["conv"]),
+        "a_log": Ref(lin + "A_log", "copy", shapes["a_log"]),
+        "dt_bias": Ref(lin + "dt_bias", "copy", shapes["dt_bias"]),
+        "out_norm": Ref(lin + "norm.weight", "copy", shapes["out_norm"]),
+        "w_out": Ref(lin + "out_proj.weight", "T", shapes["w_out"]),
+    }
+
+
+def mixer_indices(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(MoE layer, index among its kind) of each token mixer stored apart (`mixer_refs`)."""
+    if not mixer_counts(cfg)["linear"]:
+        return []
+    _, slots = cfg.mixer_slots()
+    return list(enumerate(slots))
 
 
 def mlp_refs(cfg: ModelConfig, hf_layer: int) -> dict[str, Ref]:
@@ -455,10 +562,12 @@ def expert_tensors(cfg: ModelConfig, layout: MoeLayout) -> dict[str, tuple[int, 
     }
 
 
-def global_refs(cfg: ModelConfig) -> dict[str, Ref]:
+def global_refs(cfg: ModelConfig, fam: Family | None = None) -> dict[str, Ref]:
     names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
              "lm_head": "lm_head.weight"}  # fmt: skip
-    return {k: Ref(names[k], "copy", shape) for k, shape in global_shapes(cfg).items()}
+    offset = 0.0 if fam is None else fam.norm_offset
+    return {k: Ref(names[k], "copy", shape, offset=offset if k == "final_norm" else 0.0)
+            for k, shape in global_shapes(cfg).items()}
 
 
 _MTP_HF = {  # under model.layers.N. of a multi-token-prediction module

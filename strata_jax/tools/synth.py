@@ -50,6 +50,8 @@ from strata_jax.formats.checkpoint import (
     expert_bias_shapes,
     expert_shape,
     global_shapes,
+    mixer_arrays,
+    mixer_counts,
     mlp_layer_shapes,
     numpy_dtype,
 )
@@ -128,12 +130,23 @@ SHAPES: dict[str, ModelConfig] = {
         family="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64,
         num_kv_heads=8, head_dim=64, num_experts=128, top_k=4, expert_intermediate_size=2880,
         sliding_layers=tuple(range(0, 36, 2)), **_GPT_OSS),
+    # Qwen3-Next (Qwen/Qwen3-Next-80B-A3B-Instruct): three Gated DeltaNet layers, then one
+    # gated attention layer (q/k norm, rotary over a quarter of the head); 512 experts top-10
+    # beside a gated shared expert. `--layers N` keeps the pattern.
+    "qwen3-next-80b-a3b": ModelConfig(
+        family="qwen3_next", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=16,
+        num_kv_heads=2, head_dim=256, rotary_dim=64, qk_norm="head", attention_gate=True,
+        num_experts=512, top_k=10, expert_intermediate_size=512, shared_intermediate_size=512,
+        shared_gate=True, norm_topk_prob=True, linear_layers=tuple(
+            i for i in range(48) if (i + 1) % 4), linear_conv_kernel=4, linear_key_heads=16,
+        linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, rope_theta=1e7,
+        rms_eps=1e-6, dtype="bfloat16", max_position=262144),
 }  # fmt: skip
 
 PIECE = 1 << 22  # elements per independent random stream
 _BLOCK = 1 << 20  # max elements per XLA call: few GIL round trips, output reused by malloc
 _MIN_XLA = 1 << 15  # shorter runs are cheaper in numpy (same bits)
-_GLOBAL, _DENSE, _EXPERT, _ROUTE, _MLP = 0, 1, 2, 3, 4  # seed-sequence domains
+_GLOBAL, _DENSE, _EXPERT, _ROUTE, _MLP, _MIXER = 0, 1, 2, 3, 4, 5  # seed-sequence domains
 TOP_FRACTION = 0.2
 MEASURE_MAX_PARAMS = 200_000_000
 _MC_SEED, _MC_REPLICAS = 12345, 4
@@ -354,6 +367,20 @@ def mlp_layer_params(cfg: ModelConfig, seed: int, layer: int, pool=None) -> dict
             for name, shape in mlp_layer_shapes(cfg).items()}
 
 
+def mixer_params(cfg: ModelConfig, seed: int, kind: str, index: int,
+                 pool=None) -> dict[str, np.ndarray]:
+    """The token-mixer params of the `index`-th layer of `kind` ("attn" / "linear") of a
+    model with linear layers (the decay's `a_log` and `dt_bias` 0: A = 1)."""
+    dtype = numpy_dtype(cfg.dtype)
+    domain = [seed, _MIXER, MIXER_KEYS[kind], index]
+    return {name: _param(name, shape, dtype, domain, pool)
+            for name, (shape, _) in mixer_arrays(cfg, kind).items()}
+
+
+MIXER_KEYS = {"attn": 0, "linear": 1}
+"""Each token-mixer kind's seed-sequence key (`mixer_params`)."""
+
+
 def expert_array(
     cfg: ModelConfig, seed: int, layer: int, expert: int, kind: str, out: np.ndarray | None = None
 ) -> np.ndarray:
@@ -468,7 +495,8 @@ def synth_config(
             raise ValueError(f"--layers must be >= 1, got {layers}")
         total = cfg.dense_layers + layers
         cfg = cfg.replace(num_layers=layers, sliding_layers=tuple(
-            i for i in cfg.sliding_layers if i < total))
+            i for i in cfg.sliding_layers if i < total), linear_layers=tuple(
+            i for i in cfg.linear_layers if i < total))
     if skew is not None:
         cfg = cfg.replace(router_bias=True)
     return cfg
@@ -481,6 +509,8 @@ def checkpoint_bytes(cfg: ModelConfig) -> int:
     )
     total = (sum(map(math.prod, global_shapes(cfg).values())) + cfg.num_layers * per_layer
              + cfg.dense_layers * sum(map(math.prod, mlp_layer_shapes(cfg).values())))
+    for kind, n in mixer_counts(cfg).items():
+        total += n * sum(math.prod(shape) for shape, _ in mixer_arrays(cfg, kind).values())
     return total * numpy_dtype(cfg.dtype).itemsize
 
 
@@ -537,12 +567,18 @@ class _Buffers:
 
 def _dense_job(writer: CheckpointWriter, seed: int, layer: int | str | None,
                alpha: float) -> int:
-    """Generate and save the globals (layer None), one MoE layer's dense params (an int) or
-    dense-MLP layer i's ("mlp<i>"); their bytes."""
+    """Generate and save the globals (layer None), one MoE layer's dense params (an int),
+    dense-MLP layer i's ("mlp<i>") or a token mixer's ("attn<i>", "linear<i>"); their
+    bytes."""
     cfg = writer.config
     if layer is None:
         params = global_params(cfg, seed)
         writer.write_globals(params)
+    elif isinstance(layer, str) and not layer.startswith("mlp"):
+        kind = layer.rstrip("0123456789")
+        index = int(layer.removeprefix(kind))
+        params = mixer_params(cfg, seed, kind, index)
+        writer.write_mixer(kind, index, params)
     elif isinstance(layer, str):
         index = int(layer.removeprefix("mlp"))
         params = mlp_layer_params(cfg, seed, index)
@@ -599,7 +635,8 @@ def _write_all(
     dense_lane = ThreadPoolExecutor(1, thread_name_prefix="synth-dense")
     try:
         mlp = [f"mlp{i}" for i in range(cfg.dense_layers)]
-        for layer in (None, *mlp, *range(cfg.num_layers)):
+        mixers = [f"{kind}{i}" for kind, n in mixer_counts(cfg).items() for i in range(n)]
+        for layer in (None, *mlp, *mixers, *range(cfg.num_layers)):
             dense.append(dense_lane.submit(_dense_job, writer, seed, layer, alpha))
         for li, e, kind in chunks:
             buf = buffers.take()
@@ -694,4 +731,9 @@ def synthetic_model(cfg: ModelConfig, seed: int = 0, alpha: float = 0.0) -> Mode
                     for k, b in expert_biases(cfg).items()})
     mlp = [mlp_layer_params(cfg, seed, i) for i in range(cfg.dense_layers)]
     stacked_mlp = {name: np.stack([lp[name] for lp in mlp]) for name in mlp[0]} if mlp else None
-    return from_arrays(cfg, global_params(cfg, seed), stacked, experts, stacked_mlp)
+    mixers = {}
+    for kind, n in mixer_counts(cfg).items():
+        if n:
+            each = [mixer_params(cfg, seed, kind, i) for i in range(n)]
+            mixers[kind] = {name: np.stack([p[name] for p in each]) for name in each[0]}
+    return from_arrays(cfg, global_params(cfg, seed), stacked, experts, stacked_mlp, mixers)

@@ -48,7 +48,8 @@ def _chunk_hashes(path: Path) -> dict[str, str]:
     ("shape", "total", "rel"),
     [("mixtral-8x7b", 46.7e9, 0.01), ("qwen3-30b-a3b", 30.5e9, 0.01), ("seed-125b", 125e9, 0.05),
      ("deepseek-v3", 671e9, 0.005), ("glm-4.5-air", 106e9, 0.01), ("minimax-m2", 230e9, 0.01),
-     ("gpt-oss-20b", 20.9e9, 0.01), ("gpt-oss-120b", 116.8e9, 0.01)],
+     ("gpt-oss-20b", 20.9e9, 0.01), ("gpt-oss-120b", 116.8e9, 0.01),
+     ("qwen3-next-80b-a3b", 79.7e9, 0.01)],
 )
 def test_param_counts(shape: str, total: float, rel: float) -> None:
     assert synth.SHAPES[shape].param_counts()["total"] == pytest.approx(total, rel=rel)
@@ -251,6 +252,28 @@ def test_a_gpt_oss_shaped_model_keeps_its_alternation_and_expert_biases(tmp_path
     assert stats.bytes == synth.checkpoint_bytes(written.config)
     assert written.experts.b2.shape == (2 * cfg.num_experts, cfg.hidden_size)
     built = synth.synthetic_model(written.config, alpha=stats.alpha)
+    np.testing.assert_array_equal(strata_jax.logits(written, TOKENS),
+                                  strata_jax.logits(built, TOKENS))
+
+
+def test_a_qwen3_next_shaped_model_keeps_its_pattern_and_token_mixers(tmp_path,
+                                                                      monkeypatch) -> None:
+    """`--layers` keeps the linear layers it keeps (the real shape's three of every four);
+    the dense lane writes each kind's token mixers: the checkpoint loads to
+    `synthetic_model`'s model, logits for logits."""
+    from tests.helpers import tiny_config
+
+    real = synth.synth_config("qwen3-next-80b-a3b", layers=6)
+    assert real.linear_layers == (0, 1, 2, 4, 5) and real.attention_layers == 1
+    cfg = tiny_config("qwen3_next", dtype="float32", vocab_size=300, num_layers=4,
+                      linear_layers=(0, 1, 2))
+    monkeypatch.setitem(synth.SHAPES, "tiny-qwen3-next", cfg)
+    stats = synth.synthesize("tiny-qwen3-next", tmp_path / "qn", layers=3, dtype="float32",
+                             progress=False)
+    written = strata_jax.load(tmp_path / "qn")
+    assert written.config.linear_layers == (0, 1, 2) and written.config.attention_layers == 0
+    assert stats.bytes == synth.checkpoint_bytes(written.config)
+    built = synth.synthetic_model(written.config)
     np.testing.assert_array_equal(strata_jax.logits(written, TOKENS),
                                   strata_jax.logits(built, TOKENS))
 

@@ -1,5 +1,6 @@
 """The offload engine on the 2026 families: HF-converted tiny DeepSeek-V3 (MLA, a dense first
-layer, grouped sigmoid routing, shared experts) and GLM-4.5 (int8 dense + int4 experts) give
+layer, grouped sigmoid routing, shared experts), GLM-4.5 (int8 dense + int4 experts) and
+Qwen3-Next (Gated DeltaNet layers with their conv and recurrent states) give
 at 10 % and 50 % of their experts in HBM every step's logits and the greedy tokens bit for
 bit as with every expert resident, and the resident API's tokens."""
 
@@ -31,6 +32,10 @@ def checkpoints(tmp_path_factory):
         assert cli_main(["convert", "hf", str(root / f"{shape}-hf"), str(root / shape)]) == 0
     quantize_checkpoint(root / "glm4_moe", root / "glm4_moe-int4", experts="int4-rtn",
                         dense="int8", progress=False)
+    from tests.tools.test_hf_qwen3_next import build as build_qwen3_next
+
+    build_qwen3_next("interval-2").save_pretrained(root / "qwen3_next-hf")
+    assert cli_main(["convert", "hf", str(root / "qwen3_next-hf"), str(root / "qwen3_next")]) == 0
     return root
 
 
@@ -40,7 +45,7 @@ def _generate(reader, **knobs):
         return tokens, logits, engine.stats()
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3-qlora", "glm4_moe-int4"])
+@pytest.mark.parametrize("model", ["deepseek_v3-qlora", "glm4_moe-int4", "qwen3_next"])
 def test_offloaded_budgets_are_bit_identical_to_resident(checkpoints, model):
     reader = CheckpointReader(checkpoints / model)
     cfg = reader.config
@@ -55,3 +60,15 @@ def test_offloaded_budgets_are_bit_identical_to_resident(checkpoints, model):
         np.testing.assert_array_equal(tokens, ref_tokens, err_msg=f"{model} {fraction}")
         np.testing.assert_array_equal(logits, ref_logits, err_msg=f"{model} {fraction}")
         assert stats["misses_per_step"] > 0
+
+
+def test_linear_layers_with_experts_on_disk_are_refused_by_name(checkpoints):
+    """A disk stall reruns a step from a layer, which would apply a Gated DeltaNet layer's
+    state update twice: such a layout is refused, its threads stopped."""
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="qwen3_next: experts on disk are not supported"):
+        Engine(CheckpointReader(checkpoints / "qwen3_next"), EngineConfig(
+            batch_capacity=2, max_len=32, resident_experts=2, host_experts=0))
+    assert threading.active_count() <= before
