@@ -15,7 +15,7 @@ __all__ = ["SHAPE_NAMES", "add_convert_parser", "add_eval_ppl_parser", "add_eval
            "add_quantize_parser", "add_synth_parser"]
 
 SHAPE_NAMES = ("tiny", "mixtral-8x7b", "qwen3-30b-a3b", "seed-125b", "deepseek-v3", "glm-4.5-air",
-               "minimax-m2", "gpt-oss-20b", "gpt-oss-120b")
+               "minimax-m2", "gpt-oss-20b", "gpt-oss-120b", "qwen3-next-80b-a3b")
 """The shapes of strata_jax.tools.synth.SHAPES, named without importing it."""
 
 

@@ -289,3 +289,10 @@ def test_plan_of_a_full_size_shape_counts_the_latent_cache(capsys) -> None:
     out = capsys.readouterr().out
     kv = 4 * 1024 * 61 * (512 + 64) * 2
     assert f"{kv:,}" in out and "tier 1  pinned host" in out
+
+
+def test_the_cli_offers_every_shape():
+    """`strata synth/plan --shape` name the shapes without importing synth: the same set."""
+    from strata_runtime.cli.tools import SHAPE_NAMES
+
+    assert set(SHAPE_NAMES) == set(synth.SHAPES)
