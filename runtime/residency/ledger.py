@@ -97,6 +97,16 @@ def _nbytes(specs: dict[str, ArraySpec]) -> int:
     return sum(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in specs.values())
 
 
+def _state_bytes_per_row(config: ModelConfig) -> int:
+    """One row's fixed-size decode state beside its KV cache: the linear layers' conv state
+    (model dtype) and recurrent state (float32), `ModelConfig.linear_state_shapes`."""
+    if not config.linear_layers:
+        return 0
+    conv, rec = config.linear_state_shapes(1)
+    return (math.prod(conv) * numpy_dtype(config.dtype).itemsize
+            + math.prod(rec) * 4)  # float32
+
+
 @dataclass(frozen=True)
 class ModelBytes:
     """Byte sizes the ledger needs from a model, as stored in its checkpoint."""
@@ -110,6 +120,7 @@ class ModelBytes:
     kv_bytes_per_token: int  # the cache of every layer for one token, in the model dtype
     mlp_layers_bytes: int = 0  # the dense-MLP layers before the MoE ones, all of them
     mixer_bytes: int = 0  # the token mixers stored apart (a model with linear layers), all
+    state_bytes_per_row: int = 0  # the linear layers' conv and recurrent state of one row
 
     def __post_init__(self) -> None:
         if self.bytes_per_expert <= 0 or self.num_layers <= 0 or self.experts_per_layer <= 0:
@@ -156,6 +167,7 @@ class ModelBytes:
             mlp_layers_bytes=config.dense_layers * _nbytes(mlp_layer_arrays(config, quant)),
             mixer_bytes=sum(n * _nbytes(mixer_arrays(config, kind, quant))
                             for kind, n in mixer_counts(config).items()),
+            state_bytes_per_row=_state_bytes_per_row(config),
         )
 
     @classmethod
@@ -243,6 +255,7 @@ class Ledger:
     resident_budget: int  # the smallest HBM budget (per device) that holds every expert
     owned: tuple[int, ...]  # the experts each device owns (`device_experts`)
     prefill_chunk: int = 0  # tokens per prefill program the workspace holds (0: not measured)
+    recurrent: bool = False  # kv_cache holds the linear layers' per-row state too
 
     @property
     def devices(self) -> int:
@@ -308,7 +321,8 @@ class Ledger:
         staging = f"2 x {self.staging_slots} experts" if self.staging_slots else "none: resident"
         rows = [
             ("dense + shared weights", self.dense),
-            (f"KV cache ({self.batch_capacity} seq x {self.max_len} tokens)", self.kv_cache),
+            (f"KV cache ({self.batch_capacity} seq x {self.max_len} tokens"
+             f"{', recurrent state' if self.recurrent else ''})", self.kv_cache),
             (f"staging ({staging})", self.staging),
             ("workspace (activations, scratch" + (
                 f"; {self.prefill_chunk}-token prefill)" if self.prefill_chunk else ")"),
@@ -460,7 +474,7 @@ def _plan(
     hbm, floor = parse_bytes(hbm_budget), parse_bytes(workspace_floor)
     host = None if host_budget is None else parse_bytes(host_budget)
     bpe, total, most, devices = model.bytes_per_expert, model.num_experts, max(owned), len(owned)
-    kv = batch_capacity * max_len * model.kv_bytes_per_token
+    kv = batch_capacity * (max_len * model.kv_bytes_per_token + model.state_bytes_per_row)
     workspace = workspace_bytes(hbm, workspace_fraction, floor)
     fixed = model.dense + kv + workspace
     everything = resident_budget(model.dense + kv + most * bpe, workspace_fraction, floor)
@@ -475,6 +489,7 @@ def _plan(
         hbm_budget=hbm,
         dense=model.dense,
         kv_cache=kv,
+        recurrent=model.state_bytes_per_row > 0,
         staging=2 * slots * bpe,
         workspace=workspace,
         pool_slots=pool,

@@ -323,3 +323,22 @@ def test_default_max_len_is_the_context_within_a_quarter_of_the_budget(tmp_path)
     config, why = context_max_len(EngineConfig(hbm_budget=kv * 2047 * 4, batch_capacity=4),
                                   reader)
     assert config.max_len == 1024 and "halved" in why
+
+
+def test_the_linear_layers_state_is_counted_per_row():
+    """A model with Gated DeltaNet layers (Qwen3-Next) keeps a fixed-size state per row beside
+    the attention layers' cache: the ledger's line holds both, each row's state the bytes of
+    the step's own zero state (`step.init_state`)."""
+    from strata_jax.step import programs
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config("qwen3_next")
+    mb = ModelBytes.from_config(cfg)
+    state = programs.init_state(cfg, 1, 10)
+    assert mb.state_bytes_per_row == state.conv.nbytes + state.rec.nbytes > 0
+    assert mb.kv_bytes_per_token * 10 == state.k.nbytes + state.v.nbytes
+    led = _plan(mb, "1GiB", batch_capacity=3)
+    assert led.recurrent and led.kv_cache == 3 * (10 * mb.kv_bytes_per_token
+                                                  + mb.state_bytes_per_row)
+    assert "recurrent state" in led.render() and not _plan(ModelBytes.from_config(tiny()),
+                                                            "1GiB").recurrent
