@@ -132,14 +132,6 @@ class Engine:
                 rows=max(self.capacity, self.prefill_chunk))
             self.shares, self.layout = start.shares, start.layout  # this process's shares only
             self._disk_possible = start.disk_possible
-        if cfg.linear_layers and self._disk_possible:  # what started is stopped first
-            for share in self.shares:
-                share.ahead.close()
-            self._threads.shutdown(wait=True)
-            raise ValueError(
-                f"{cfg.family}: experts on disk are not supported with linear layers yet: a "
-                "disk stall runs the step again from a layer, and a Gated DeltaNet layer's "
-                "state update is not idempotent (give the host tier every expert)")
         self.residency = Residencies([s.residency for s in self.shares], self._mesh,
                                      None if self._mesh is None else owner)
         self.heat = HeatEstimate(cfg.num_layers, cfg.num_experts, config.heat_decay)

@@ -232,6 +232,7 @@ class DecoderLayer(nn.Module):
         # (docs/design.md, "Measured").
         x_in, positions, token_live = jax.lax.optimization_barrier(
             (x_in, positions, token_live))
+        before = (carry.conv, carry.rec)
         x, carry = _mixer(cfg, lp, x_in, positions, carry, rows.layer, inputs)
         half = rows.layer % 2  # staging half this layer's demand copies use
         x_attn = x
@@ -251,6 +252,8 @@ class DecoderLayer(nn.Module):
             return carry._replace(x=x), record
         stall = jnp.any(record["disk"])
         saved = jnp.where(stall & ~carry.stalled, x_in, carry.saved)
+        if cfg.linear_layers:  # the step runs again from the stalled layer: keep its state
+            carry = _state_kept(cfg, rows.layer, carry.stalled | stall, before, carry)
         return carry._replace(x=jnp.where(skip, x_in, x), saved=saved,
                               stalled=carry.stalled | stall), record
 
@@ -344,6 +347,22 @@ def _linear(cfg: ModelConfig, lp, x, positions, conv, rec, slot, row, max_len):
     x_ride, conv, rec = gated_delta_net(cfg, lp, x[b * t:, None], riders[:, None], conv, rec,
                                         slot, None, max_len)
     return jnp.concatenate([x_main, x_ride[:, 0]]), conv, rec
+
+
+def _state_kept(cfg: ModelConfig, layer, stalled, before, carry: LayerCarry) -> LayerCarry:
+    """`carry` with linear layer `layer`'s conv and recurrent state as they were `before` it
+    ran where `stalled` (this layer or an earlier one of this run found an expert only on
+    disk): a Gated DeltaNet update is not idempotent, and the run of the step again from the
+    stalled layer (docs/design.md, "Disk stalls") applies it then, once. A layer before the
+    resume layer writes nothing either way (its positions are out of range)."""
+    linear, slots = (jnp.asarray(t) for t in cfg.mixer_slots())
+    keep = stalled & linear[layer]
+    slot = slots[layer]
+
+    def kept(old, new):
+        return new.at[slot].set(jnp.where(keep, old[slot], new[slot]))
+
+    return carry._replace(conv=kept(before[0], carry.conv), rec=kept(before[1], carry.rec))
 
 
 def _resumed(carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
