@@ -106,6 +106,36 @@ def routing_margin(model, prompts: list[list[int]]) -> float:
     return min(gaps)
 
 
+def logit_margin(model, prompts: list[list[int]], router_suffix: str) -> float:
+    """Smallest gap, over tokens and layers, between the k-th and (k+1)-th router logit of
+    the modules whose names end in `router_suffix` (top-k over logits: GPT-OSS, Qwen3-Next)."""
+    k, gaps = model.config.num_experts_per_tok, []
+
+    def hook(_module, _inputs, out):
+        top = torch.topk(out[0].double(), k + 1, dim=-1).values
+        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+
+    routers = [m for n, m in model.named_modules() if n.endswith(router_suffix)]
+    handles = [r.register_forward_hook(hook) for r in routers]
+    try:
+        hf_logits(model, prompts)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(gaps) == model.config.num_hidden_layers, "router modules not found"
+    return min(gaps)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt, exactly `n` tokens (the mask
+    given: a token 0 is no padding here)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
 def hf_logits(model, prompts: list[list[int]]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(prompts)).logits.float().numpy()

@@ -15,7 +15,12 @@ transformers = pytest.importorskip("transformers")
 import strata_jax  # noqa: E402
 from strata_jax.tools.hf_convert import convert_hf, model_config_from_hf  # noqa: E402
 from strata_runtime.cli import main as cli  # noqa: E402
-from tests.tools.test_hf_convert import assert_logits_close, hf_logits  # noqa: E402
+from tests.tools.test_hf_convert import (  # noqa: E402
+    assert_logits_close,
+    hf_greedy,
+    hf_logits,
+    logit_margin,
+)
 
 BASE = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
@@ -64,30 +69,7 @@ def build(shape: str, seed: int = 0, **overrides):
 
 def routing_margin(model) -> float:
     """Smallest gap between the k-th and (k+1)-th router logit over PROMPTS' tokens."""
-    k, gaps = model.config.num_experts_per_tok, []
-
-    def hook(_module, _inputs, out):
-        top = torch.topk(out[0].double(), k + 1, dim=-1).values
-        gaps.append(float((top[:, k - 1] - top[:, k]).min()))
-
-    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
-    handles = [r.register_forward_hook(hook) for r in routers]
-    try:
-        hf_logits(model, PROMPTS)
-    finally:
-        for h in handles:
-            h.remove()
-    assert len(gaps) == model.config.num_hidden_layers
-    return min(gaps)
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of one unpadded prompt, exactly `n` tokens."""
-    ids = torch.tensor([prompt])  # the mask given: a token 0 is no padding here
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=n, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
+    return logit_margin(model, PROMPTS, "mlp.router")
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
