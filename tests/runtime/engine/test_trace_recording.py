@@ -38,17 +38,23 @@ def recorded(ckpt, tmp_path_factory):
     return _record(ckpt, path), path
 
 
-def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, recorded, tmp_path):
-    new, path = recorded
-    trace = load_trace(path)
-    assert trace.prefill.any() and not trace.prefill.all()
-    refs = routing(strata_jax.load(ckpt), [p + t[:-1] for p, t in zip(PROMPTS, new, strict=True)])
+def _assert_is_routing(trace, ckpt, prompts, new) -> None:
+    """Each request's picks in `trace`, position by position, are the resident forward's of
+    its prompt and new tokens (the last one's routing is never run)."""
+    refs = routing(strata_jax.load(ckpt), [p + t[:-1] for p, t in zip(prompts, new, strict=True)])
     for rid, ref in enumerate(refs):
         got = np.concatenate([trace.experts[lo:hi][trace.requests[lo:hi] == rid]
                               for lo, hi in zip(trace.offsets[:-1], trace.offsets[1:],
                                                 strict=True)])
         np.testing.assert_array_equal(np.sort(got, -1),
                                       np.sort(np.transpose(ref, (1, 0, 2)), -1))
+
+
+def test_a_recorded_trace_is_each_requests_routing_and_repeats(ckpt, recorded, tmp_path):
+    new, path = recorded
+    trace = load_trace(path)
+    assert trace.prefill.any() and not trace.prefill.all()
+    _assert_is_routing(trace, ckpt, PROMPTS, new)
     assert _record(ckpt, tmp_path / "b.npz") == new
     again = load_trace(tmp_path / "b.npz")
     for name in ("experts", "rows", "requests", "offsets", "widths", "prefill"):
@@ -112,13 +118,7 @@ def test_a_deepseek_runs_trace_is_its_routing_and_replays_its_tokens(tmp_path):
     with Engine.from_checkpoint(ckpt, config) as engine:
         new = engine.generate(prompts, 5)
     trace = load_trace(tmp_path / "a.npz")
-    refs = routing(strata_jax.load(ckpt), [p + t[:-1] for p, t in zip(prompts, new, strict=True)])
-    for rid, ref in enumerate(refs):
-        got = np.concatenate([trace.experts[lo:hi][trace.requests[lo:hi] == rid]
-                              for lo, hi in zip(trace.offsets[:-1], trace.offsets[1:],
-                                                strict=True)])
-        np.testing.assert_array_equal(np.sort(got, -1),
-                                      np.sort(np.transpose(ref, (1, 0, 2)), -1))
+    _assert_is_routing(trace, ckpt, prompts, new)
     replay = EngineConfig(batch_capacity=2, max_len=32, resident_experts=2,
                           replay_trace=str(tmp_path / "a.npz"))
     with Engine.from_checkpoint(ckpt, replay) as engine:
