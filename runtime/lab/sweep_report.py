@@ -20,7 +20,6 @@ def prediction_text(row: dict[str, Any]) -> str:
     return f"{p['tok_s']:.4g} ({p['binding']}" + ("" if err is None else f", {err:+.0%}") + ")"
 
 
-
 def _first_ok(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((r for r in rows if "tok_s" in r), None)
 

@@ -97,16 +97,6 @@ def _nbytes(specs: dict[str, ArraySpec]) -> int:
     return sum(math.prod(shape) * numpy_dtype(dtype).itemsize for shape, dtype in specs.values())
 
 
-def _state_bytes_per_row(config: ModelConfig) -> int:
-    """One row's fixed-size decode state beside its KV cache: the linear layers' conv state
-    (model dtype) and recurrent state (float32), `ModelConfig.linear_state_shapes`."""
-    if not config.linear_layers:
-        return 0
-    conv, rec = config.linear_state_shapes(1)
-    return (math.prod(conv) * numpy_dtype(config.dtype).itemsize
-            + math.prod(rec) * 4)  # float32
-
-
 @dataclass(frozen=True)
 class ModelBytes:
     """Byte sizes the ledger needs from a model, as stored in its checkpoint."""
@@ -167,7 +157,8 @@ class ModelBytes:
             mlp_layers_bytes=config.dense_layers * _nbytes(mlp_layer_arrays(config, quant)),
             mixer_bytes=sum(n * _nbytes(mixer_arrays(config, kind, quant))
                             for kind, n in mixer_counts(config).items()),
-            state_bytes_per_row=_state_bytes_per_row(config),
+            state_bytes_per_row=(_nbytes(dict(enumerate(config.linear_state_specs(1))))
+                                 if config.linear_layers else 0),
         )
 
     @classmethod

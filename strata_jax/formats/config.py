@@ -233,13 +233,16 @@ class ModelConfig:
         return (2 * self.linear_key_heads * self.linear_key_dim
                 + self.linear_value_heads * self.linear_value_dim)
 
-    def linear_state_shapes(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The linear layers' decode state: the conv state [L_lin, B, kernel - 1, conv dim]
-        (the last inputs of the convolution) and the recurrent state [L_lin, B, value heads,
-        key dim, value dim] (float32)."""
+    def linear_state_specs(self, batch: int
+                           ) -> tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]:
+        """The linear layers' decode state as (shape, dtype name) pairs: the conv state
+        [L_lin, B, kernel - 1, conv dim] in the model dtype (the last inputs of the
+        convolution) and the recurrent state [L_lin, B, value heads, key dim, value dim] in
+        float32 (the recurrence accumulates across every token)."""
         n = len(self.linear_layers)
-        return ((n, batch, self.linear_conv_kernel - 1, self.linear_conv_dim),
-                (n, batch, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim))
+        return (((n, batch, self.linear_conv_kernel - 1, self.linear_conv_dim), self.dtype),
+                ((n, batch, self.linear_value_heads, self.linear_key_dim,
+                  self.linear_value_dim), "float32"))
 
     @property
     def rope_dim(self) -> int:

@@ -383,11 +383,12 @@ def _resumed(carry: LayerCarry, rows: LayerRows, inputs: ChunkInputs):
 
 def empty_linear_states(cfg: ModelConfig, batch: int) -> tuple[jax.Array, jax.Array] | None:
     """Zero (conv, recurrent) states of the linear layers for `batch` rows
-    (`ModelConfig.linear_state_shapes`; the recurrent one float32), or None without them."""
+    (`ModelConfig.linear_state_specs`), or None without them."""
     if not cfg.linear_layers:
         return None
-    conv, rec = cfg.linear_state_shapes(batch)
-    return jnp.zeros(conv, jnp.dtype(cfg.dtype)), jnp.zeros(rec, jnp.float32)
+    conv, rec = (jnp.zeros(shape, jnp.dtype(dtype))
+                 for shape, dtype in cfg.linear_state_specs(batch))
+    return conv, rec
 
 
 def _next_rows(tree: Any) -> Any:

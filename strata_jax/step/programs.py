@@ -50,7 +50,7 @@ class DecodeState:
     `k`, `v`: the cache over every layer (`ModelConfig.cache_shapes`); `live` [B] bool: rows in use
     (others compute on padding, route nothing and move nothing); `sampler`: each row's
     sampling settings and the tokens its sequence has seen; `conv`, `rec`: the linear
-    layers' conv and recurrent states (`ModelConfig.linear_state_shapes`; None without linear
+    layers' conv and recurrent states (`ModelConfig.linear_state_specs`; None without linear
     layers), beside the KV cache of the attention layers."""
 
     tokens: jax.Array

@@ -165,12 +165,13 @@ class TensorSource:
 
     def read(self, name: str) -> np.ndarray:
         """One tensor as a fresh numpy array in its stored dtype (bf16 -> ml_dtypes); an FP8
-        weight dequantized to float32 (exactly: one float32 multiply per element); the float32
-        tensor an MXFP4 pair encodes (exactly: `mxfp4.dequantize_mxfp4`)."""
+        weight dequantized to float32 (exactly: one float32 multiply per element); the tensor an
+        MXFP4 pair encodes, in bfloat16 (exact for every e2m1 value, and half float32's
+        memory: `mxfp4.dequantize_mxfp4`)."""
         if name in self.mxfp4:
             blocks, scales = self.mxfp4[name]
             return mxfp4.dequantize_mxfp4(self._raw(blocks, np.dtype(np.uint8)),
-                                          self._raw(scales, np.dtype(np.uint8)), "float32", name)
+                                          self._raw(scales, np.dtype(np.uint8)), "bfloat16", name)
         self.check_dtype(name)
         info = self.tensors[name]
         if info.dtype != FP8_DTYPE:
@@ -287,8 +288,8 @@ def declares_mxfp4(hf: dict[str, Any]) -> bool:
 
 def _mxfp4_pairs(tensors: dict[str, TensorInfo], declared: bool
                  ) -> dict[str, tuple[str, str]]:
-    """Each MXFP4 pair `<name>_blocks` + `<name>_scales` of `tensors`, replaced there by the
-    float32 tensor `<name>` it encodes (shape [experts, in, out], `formats/mxfp4.py`): name ->
+    """Each MXFP4 pair `<name>_blocks` + `<name>_scales` of `tensors`, stood for there by the
+    float tensor `<name>` it encodes (shape [experts, in, out], `formats/mxfp4.py`): name ->
     (blocks, scales), the parts kept for reading. A pair's parts are checked here (uint8,
     matching shapes), naming them."""
     pairs = {}

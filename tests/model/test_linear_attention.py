@@ -71,7 +71,7 @@ def _layer(seed=3):
 
 def _states(cfg, batch, rng):
     """Nonzero states: a fresh row (position 0) must ignore them."""
-    conv, rec = cfg.linear_state_shapes(batch)
+    (conv, _), (rec, _) = cfg.linear_state_specs(batch)
     return (jnp.asarray(rng.normal(size=conv), jnp.float32),
             jnp.asarray(rng.normal(size=rec), jnp.float32))
 
